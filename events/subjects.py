@@ -1,0 +1,42 @@
+"""The NATS subject map: where each message travels. Part of the wire contract.
+
+<prefix>.in.<handoff_id>               inputs: StartHandoff, facts, ActionOutcome (JetStream)
+<prefix>.engine.<engine_id>.actions    actions for the engine that executes them
+<prefix>.done.<handoff_id>             Complete, for the frontend waiting on the handoff
+<prefix>.rejected.<handoff_id>         Rejection of an input (`unknown` if undecodable)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from uuid import UUID
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    prefix: str = "kvhandoff"
+
+    @property
+    def inputs(self) -> str:
+        """The wildcard the input stream captures."""
+        return f"{self.prefix}.in.>"
+
+    @property
+    def all_done(self) -> str:
+        return f"{self.prefix}.done.>"
+
+    @property
+    def all_rejected(self) -> str:
+        return f"{self.prefix}.rejected.>"
+
+    def input(self, handoff_id: UUID) -> str:
+        return f"{self.prefix}.in.{handoff_id}"
+
+    def engine(self, engine_id: str) -> str:
+        return f"{self.prefix}.engine.{engine_id}.actions"
+
+    def done(self, handoff_id: UUID) -> str:
+        return f"{self.prefix}.done.{handoff_id}"
+
+    def rejected(self, handoff_id: UUID | None) -> str:
+        return f"{self.prefix}.rejected.{handoff_id or 'unknown'}"

@@ -1,0 +1,17 @@
+"""`kvhandoff schema`: the JSON Schema of every message on the bus."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from events.codec import wire_schema
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--indent", type=int, default=2)
+
+
+def execute(args: argparse.Namespace) -> int:
+    print(json.dumps(wire_schema(), indent=args.indent, sort_keys=True))
+    return 0
