@@ -1,0 +1,36 @@
+"""The worker's exceptions, rooted at one class. Driver errors (nats, sqlite) are translated
+into these at exactly one seam per adapter, with `raise ... from exc`.
+
+    WorkerError
+    ├── ConfigError        invalid configuration, reported at start
+    ├── StoreError         the SQLite event log failed (translated in worker.store)
+    │   └── StoreConflict  a second writer appended the same (handoff, sequence)
+    ├── BusError           NATS / JetStream failed (translated in worker.bus)
+    └── NatsServerError    the embedded nats-server did not start
+"""
+
+from __future__ import annotations
+
+
+class WorkerError(Exception):
+    """Root of every error the worker raises."""
+
+
+class ConfigError(WorkerError):
+    """Configuration that cannot work; the message says which setting and why."""
+
+
+class StoreError(WorkerError):
+    """The event log could not be read or written."""
+
+
+class StoreConflict(StoreError):
+    """An append collided with an existing (handoff, sequence): another writer is active."""
+
+
+class BusError(WorkerError):
+    """The message bus could not be reached or refused an operation."""
+
+
+class NatsServerError(WorkerError):
+    """The embedded nats-server could not be found or did not start."""
