@@ -1,0 +1,93 @@
+"""The SQLite layout of the event log, shared by the worker's writer and the offline readers.
+
+    handoffs    one row per handoff: a projection of its log for listing, recovery (open ones),
+                deadlines and compaction; rewritten in the same transaction as its events
+    events      the log: one msgpack `LogRecord` per accepted input and per issued action,
+                keyed by (handoff_id, seq); `seq` counts from 0 per handoff with no gaps
+    rejections  inputs that were refused, with the reason (they changed nothing else)
+    meta        the layout version
+
+The unique key on (handoff_id, seq) makes a second writer fail loudly instead of interleaving,
+and the unique partial index on (handoff_id, digest) makes input de-duplication durable: an
+exact duplicate of a logged input can never be logged again, whatever NATS redelivers.
+"""
+
+from __future__ import annotations
+
+import enum
+
+LAYOUT_VERSION = "1"
+
+
+class HandoffState(enum.StrEnum):
+    OPEN = "open"
+    SUCCEEDED = "succeeded"
+    CANCELED = "canceled"
+
+
+class EventKind(enum.StrEnum):
+    INPUT = "input"
+    ACTION = "action"
+
+
+DDL = """
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS handoffs (
+    handoff_id      TEXT PRIMARY KEY,
+    engine_type     TEXT NOT NULL,
+    source          TEXT NOT NULL,
+    destination     TEXT NOT NULL,
+    started_at_ms   INTEGER NOT NULL,
+    deadline_at_ms  INTEGER NOT NULL,
+    state           TEXT NOT NULL,
+    completed_at_ms INTEGER,
+    last_seq        INTEGER NOT NULL,
+    updated_at_ms   INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS handoffs_open ON handoffs (deadline_at_ms) WHERE state = 'open';
+CREATE INDEX IF NOT EXISTS handoffs_closed ON handoffs (completed_at_ms) WHERE state != 'open';
+
+CREATE TABLE IF NOT EXISTS events (
+    handoff_id      TEXT NOT NULL,
+    seq             INTEGER NOT NULL,
+    kind            TEXT NOT NULL,
+    type            TEXT NOT NULL,
+    at_ms           INTEGER NOT NULL,
+    digest          BLOB,
+    published_at_ms INTEGER,
+    record          BLOB NOT NULL,
+    PRIMARY KEY (handoff_id, seq)
+) WITHOUT ROWID;
+CREATE UNIQUE INDEX IF NOT EXISTS events_input_digest
+    ON events (handoff_id, digest) WHERE digest IS NOT NULL;
+CREATE INDEX IF NOT EXISTS events_unpublished
+    ON events (handoff_id, seq) WHERE kind = 'action' AND published_at_ms IS NULL;
+
+CREATE TABLE IF NOT EXISTS rejections (
+    id         INTEGER PRIMARY KEY,
+    at_ms      INTEGER NOT NULL,
+    handoff_id TEXT,
+    reason     TEXT NOT NULL,
+    payload    BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rejections_handoff ON rejections (handoff_id);
+"""
+
+# Reads of one or more handoffs' logs, in replay order.
+SELECT_EVENTS = """
+SELECT handoff_id, seq, kind, at_ms, digest, published_at_ms, record
+FROM events WHERE handoff_id = ? ORDER BY seq
+"""
+SELECT_ALL_EVENTS = """
+SELECT handoff_id, seq, kind, at_ms, digest, published_at_ms, record
+FROM events ORDER BY handoff_id, seq
+"""
+SELECT_HANDOFF = """
+SELECT handoff_id, engine_type, source, destination, started_at_ms, deadline_at_ms, state,
+       completed_at_ms, last_seq, updated_at_ms
+FROM handoffs WHERE handoff_id = ?
+"""

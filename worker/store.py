@@ -1,0 +1,312 @@
+"""The worker's side of the event log: one aiosqlite connection, WAL mode, one writer.
+
+Durability rule: an input is durable when the transaction that appends it commits. With
+`synchronous=FULL` (the default) SQLite fsyncs the WAL at every commit, so a committed input
+survives a power loss; `NORMAL` survives a process crash but may lose the last commits on power
+loss. The service acknowledges an input to JetStream only after its commit, so whatever was
+acknowledged is in the log, and whatever was not will be redelivered.
+
+Appends are group-committed: the service gathers everything one fetched batch produced (new
+handoffs, events, rejections, outbox marks) into a `Batch` and commits it in one transaction.
+sqlite errors are translated to `StoreError` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import aiosqlite
+
+from events.codec import decode_record, encode_record
+from events.records import ActionRecord, InputRecord, LogRecord
+from worker.errors import StoreConflict, StoreError
+from worker.schema import (
+    DDL,
+    LAYOUT_VERSION,
+    SELECT_EVENTS,
+    EventKind,
+    HandoffState,
+)
+
+# SQLite's default limit on host parameters is 32766; stay far below it.
+_CHUNK = 500
+
+
+@dataclass(slots=True)
+class HandoffRow:
+    """The `handoffs` projection of one handoff."""
+
+    handoff_id: UUID
+    engine_type: str
+    source: str
+    destination: str
+    started_at_ms: int
+    deadline_at_ms: int
+    state: HandoffState
+    completed_at_ms: int | None
+    last_seq: int
+    updated_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedEvent:
+    seq: int
+    at_ms: int
+    record: LogRecord
+    digest: bytes | None
+    published_at_ms: int | None
+
+
+@dataclass(slots=True)
+class LoadedHandoff:
+    row: HandoffRow
+    events: list[LoggedEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class UnpublishedAction:
+    row: HandoffRow
+    seq: int
+    record: ActionRecord
+
+
+@dataclass(slots=True)
+class Batch:
+    """Everything one group commit writes, already encoded as rows."""
+
+    events: list[tuple[str, int, str, str, int, bytes | None, bytes]] = field(default_factory=list)
+    handoffs: dict[UUID, HandoffRow] = field(default_factory=dict)
+    published: list[tuple[int, str, int]] = field(default_factory=list)
+    rejections: list[tuple[int, str | None, str, bytes]] = field(default_factory=list)
+
+    def append_input(self, seq: int, record: InputRecord, digest: bytes) -> None:
+        message = record.input
+        tag = message.__struct_config__.tag
+        assert isinstance(tag, str)
+        self.events.append(
+            (str(message.handoff_id), seq, EventKind.INPUT, tag, record.at_ms, digest,
+             encode_record(record))
+        )  # fmt: skip
+
+    def append_action(self, seq: int, record: ActionRecord) -> None:
+        action = record.action
+        tag = action.__struct_config__.tag
+        assert isinstance(tag, str)
+        self.events.append(
+            (str(action.handoff_id), seq, EventKind.ACTION, tag, record.at_ms, None,
+             encode_record(record))
+        )  # fmt: skip
+
+    def upsert_handoff(self, row: HandoffRow) -> None:
+        """Write the handoff's projection as it stands at the end of this batch."""
+        self.handoffs[row.handoff_id] = row
+
+    def mark_published(self, handoff_id: UUID, seq: int, at_ms: int) -> None:
+        self.published.append((at_ms, str(handoff_id), seq))
+
+    def reject(self, at_ms: int, handoff_id: UUID | None, reason: str, payload: bytes) -> None:
+        hid = None if handoff_id is None else str(handoff_id)
+        self.rejections.append((at_ms, hid, reason, payload))
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.handoffs or self.published or self.rejections)
+
+
+_UPSERT_HANDOFF = """
+INSERT INTO handoffs (handoff_id, engine_type, source, destination, started_at_ms,
+                      deadline_at_ms, state, completed_at_ms, last_seq, updated_at_ms)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (handoff_id) DO UPDATE SET
+    state = excluded.state, completed_at_ms = excluded.completed_at_ms,
+    last_seq = excluded.last_seq, updated_at_ms = excluded.updated_at_ms
+"""
+_INSERT_EVENT = """
+INSERT INTO events (handoff_id, seq, kind, type, at_ms, digest, record)
+VALUES (?, ?, ?, ?, ?, ?, ?)
+"""
+_MARK_PUBLISHED = """
+UPDATE events SET published_at_ms = ? WHERE handoff_id = ? AND seq = ? AND published_at_ms IS NULL
+"""
+_INSERT_REJECTION = (
+    "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, ?, ?, ?)"
+)
+_HANDOFF_COLUMNS = """handoff_id, engine_type, source, destination, started_at_ms, deadline_at_ms,
+    state, completed_at_ms, last_seq, updated_at_ms"""
+
+
+def _handoff_row(values: Sequence[Any]) -> HandoffRow:
+    (hid, engine_type, source, destination, started, deadline, state, completed, last_seq,
+     updated) = values  # fmt: skip
+    return HandoffRow(
+        UUID(hid), engine_type, source, destination, started, deadline, HandoffState(state),
+        completed, last_seq, updated,
+    )  # fmt: skip
+
+
+def _row_values(row: HandoffRow) -> tuple[object, ...]:
+    return (
+        str(row.handoff_id), row.engine_type, row.source, row.destination, row.started_at_ms,
+        row.deadline_at_ms, row.state.value, row.completed_at_ms, row.last_seq, row.updated_at_ms,
+    )  # fmt: skip
+
+
+class EventLog:
+    """The append-only log of every accepted input and issued action, per handoff in order."""
+
+    def __init__(self, connection: aiosqlite.Connection, path: Path) -> None:
+        self._db = connection
+        self.path = path
+
+    @classmethod
+    async def open(cls, path: Path, synchronous: str = "FULL") -> EventLog:
+        try:
+            db = await aiosqlite.connect(path, isolation_level=None)
+            await db.execute("PRAGMA journal_mode=WAL")
+            await db.execute(f"PRAGMA synchronous={synchronous}")
+            # An offline `compact` may hold the write lock briefly; wait rather than fail.
+            await db.execute("PRAGMA busy_timeout=5000")
+            await db.executescript(DDL)
+            await db.execute(
+                "INSERT OR IGNORE INTO meta (key, value) VALUES ('layout', ?)", (LAYOUT_VERSION,)
+            )
+            async with db.execute("SELECT value FROM meta WHERE key = 'layout'") as cursor:
+                found = await cursor.fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open event log {path}: {exc}") from exc
+        if found is None or found[0] != LAYOUT_VERSION:
+            await db.close()
+            raise StoreError(f"event log {path} has layout {found}, this build writes 1")
+        return cls(db, path)
+
+    async def close(self) -> None:
+        await self._db.close()
+
+    async def commit(self, batch: Batch) -> None:
+        """Write the batch in one transaction, or nothing at all."""
+        db = self._db
+        try:
+            await db.execute("BEGIN IMMEDIATE")
+            try:
+                if batch.handoffs:
+                    await db.executemany(
+                        _UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()]
+                    )
+                if batch.events:
+                    await db.executemany(_INSERT_EVENT, batch.events)
+                if batch.published:
+                    await db.executemany(_MARK_PUBLISHED, batch.published)
+                if batch.rejections:
+                    await db.executemany(_INSERT_REJECTION, batch.rejections)
+                await db.execute("COMMIT")
+            except BaseException:
+                await db.execute("ROLLBACK")
+                raise
+        except sqlite3.IntegrityError as exc:
+            raise StoreConflict(f"append collided with the log: {exc}") from exc
+        except sqlite3.Error as exc:
+            raise StoreError(f"commit failed: {exc}") from exc
+
+    async def load(self, handoff_ids: Collection[UUID]) -> dict[UUID, LoadedHandoff]:
+        """The logs of those handoffs that exist, keyed by id."""
+        loaded: dict[UUID, LoadedHandoff] = {}
+        ids = [str(h) for h in handoff_ids]
+        for start in range(0, len(ids), _CHUNK):
+            chunk = ids[start : start + _CHUNK]
+            marks = ",".join("?" * len(chunk))
+            rows = await self._fetch(
+                f"SELECT {_HANDOFF_COLUMNS} FROM handoffs WHERE handoff_id IN ({marks})", chunk
+            )
+            for values in rows:
+                row = _handoff_row(values)
+                loaded[row.handoff_id] = LoadedHandoff(row, [])
+            if rows:
+                events = await self._fetch(
+                    "SELECT handoff_id, seq, at_ms, digest, published_at_ms, record FROM events"
+                    f" WHERE handoff_id IN ({marks}) ORDER BY handoff_id, seq",
+                    chunk,
+                )
+                self._attach(loaded, events)
+        return loaded
+
+    async def open_handoffs(self) -> dict[UUID, LoadedHandoff]:
+        """Every handoff that has not completed, with its log: what recovery rebuilds."""
+        loaded = {
+            row.handoff_id: LoadedHandoff(row, [])
+            for row in map(
+                _handoff_row,
+                await self._fetch(f"SELECT {_HANDOFF_COLUMNS} FROM handoffs WHERE state = 'open'"),
+            )
+        }
+        events = await self._fetch(
+            "SELECT e.handoff_id, e.seq, e.at_ms, e.digest, e.published_at_ms, e.record"
+            " FROM events e JOIN handoffs h USING (handoff_id)"
+            " WHERE h.state = 'open' ORDER BY e.handoff_id, e.seq"
+        )
+        self._attach(loaded, events)
+        return loaded
+
+    async def unpublished_actions(self) -> list[UnpublishedAction]:
+        """Actions that were committed but never marked published (the outbox's backlog)."""
+        columns = ", ".join(f"h.{c.strip()}" for c in _HANDOFF_COLUMNS.split(","))
+        rows = await self._fetch(
+            f"SELECT {columns}, e.seq, e.record FROM events e JOIN handoffs h USING (handoff_id)"
+            " WHERE e.kind = 'action' AND e.published_at_ms IS NULL ORDER BY e.handoff_id, e.seq"
+        )
+        backlog = []
+        for values in rows:
+            record = decode_record(values[-1])
+            assert isinstance(record, ActionRecord)
+            backlog.append(UnpublishedAction(_handoff_row(values[:-2]), values[-2], record))
+        return backlog
+
+    async def events_of(self, handoff_id: UUID) -> list[LoggedEvent]:
+        rows = await self._fetch(SELECT_EVENTS, (str(handoff_id),))
+        return [
+            LoggedEvent(seq, at_ms, decode_record(record), digest, published)
+            for _, seq, _, at_ms, digest, published, record in rows
+        ]
+
+    async def compact(self, completed_before_ms: int) -> int:
+        """Delete handoffs that completed before the given time, with their logs."""
+        try:
+            await self._db.execute("BEGIN IMMEDIATE")
+            await self._db.execute(
+                "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_id TEXT PRIMARY KEY)"
+            )
+            await self._db.execute("DELETE FROM doomed")
+            await self._db.execute(
+                "INSERT INTO doomed SELECT handoff_id FROM handoffs"
+                " WHERE state != 'open' AND completed_at_ms < ?",
+                (completed_before_ms,),
+            )
+            await self._db.execute(
+                "DELETE FROM events WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
+            )
+            cursor = await self._db.execute(
+                "DELETE FROM handoffs WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
+            )
+            removed = cursor.rowcount
+            await self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            await self._db.execute("ROLLBACK")
+            raise StoreError(f"compaction failed: {exc}") from exc
+        return removed
+
+    async def _fetch(self, sql: str, parameters: Iterable[object] = ()) -> list[sqlite3.Row]:
+        try:
+            async with self._db.execute(sql, tuple(parameters)) as cursor:
+                return list(await cursor.fetchall())
+        except sqlite3.Error as exc:
+            raise StoreError(f"read failed: {exc}") from exc
+
+    @staticmethod
+    def _attach(loaded: dict[UUID, LoadedHandoff], rows: list[sqlite3.Row]) -> None:
+        for hid, seq, at_ms, digest, published, record in rows:
+            loaded[UUID(hid)].events.append(
+                LoggedEvent(seq, at_ms, decode_record(record), digest, published)
+            )
