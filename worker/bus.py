@@ -1,0 +1,171 @@
+"""The worker's side of NATS: a durable JetStream inbox for inputs, core NATS for actions.
+
+Inputs are captured by a JetStream stream with work-queue retention (an input leaves the
+stream once the worker acknowledges it, which it does only after the input is committed to the
+event log) and consumed through one durable pull consumer with explicit acks. Actions are
+published with core NATS: the event log is their outbox, and an action with no outcome is
+published again, so a lost action costs a retry interval, never correctness.
+
+nats-py errors are translated to `BusError` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StreamConfig
+
+from worker.config import NatsSettings
+from worker.errors import BusError
+
+logger = logging.getLogger(__name__)
+
+
+def connect_options(settings: NatsSettings, name: str) -> dict[str, Any]:
+    """Keyword arguments for `nats.connect` from the shared NATS settings."""
+    options: dict[str, Any] = {
+        "servers": [url.strip() for url in settings.url.split(",")],
+        "name": name,
+        "max_reconnect_attempts": -1,  # a worker outlives NATS restarts
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": 5,
+    }
+    if settings.user is not None:
+        options["user"] = settings.user
+        options["password"] = settings.password
+    if settings.token is not None:
+        options["token"] = settings.token
+    if settings.creds is not None:
+        options["user_credentials"] = str(settings.creds)
+    if settings.uses_tls:
+        context = ssl.create_default_context(
+            cafile=None if settings.tls_ca is None else str(settings.tls_ca)
+        )
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            context.load_cert_chain(str(settings.tls_cert), str(settings.tls_key))
+        options["tls"] = context
+    return options
+
+
+class Inbound:
+    """One input message from the stream, with the three ways to settle it."""
+
+    __slots__ = ("_msg", "data")
+
+    def __init__(self, msg: Msg) -> None:
+        self._msg = msg
+        self.data = msg.data
+
+    async def ack(self) -> None:
+        await self._msg.ack()
+
+    async def term(self) -> None:
+        """Never redeliver: the input was rejected, and redelivering changes nothing."""
+        await self._msg.term()
+
+    async def nak(self) -> None:
+        await self._msg.nak()
+
+
+class Bus:
+    def __init__(self, client: Client) -> None:
+        self._nc = client
+        self._js = client.jetstream()
+        self._inbox: Any = None
+
+    @classmethod
+    async def connect(cls, settings: NatsSettings, name: str) -> Bus:
+        async def on_disconnect() -> None:
+            logger.warning("disconnected from NATS; reconnecting")
+
+        async def on_reconnect() -> None:
+            logger.info("reconnected to NATS at %s", client.connected_url)
+
+        async def on_error(exc: Exception) -> None:
+            logger.warning("NATS: %s", exc)
+
+        try:
+            client = await nats.connect(
+                **connect_options(settings, name),
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                error_cb=on_error,
+            )
+        except (TimeoutError, nats.errors.Error, OSError) as exc:
+            raise BusError(f"cannot connect to NATS at {settings.url}: {exc}") from exc
+        return cls(client)
+
+    @property
+    def is_connected(self) -> bool:
+        return bool(self._nc.is_connected)
+
+    async def open_inbox(
+        self, stream: str, subjects: str, consumer: str, ack_wait_s: float, max_pending: int
+    ) -> None:
+        """Create the input stream and the durable consumer if absent, and bind to them."""
+        try:
+            try:
+                await self._js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                await self._js.add_stream(
+                    StreamConfig(
+                        name=stream,
+                        subjects=[subjects],
+                        retention=RetentionPolicy.WORK_QUEUE,
+                        duplicate_window=120.0,
+                    )
+                )
+                logger.info("created stream %s for %s", stream, subjects)
+            self._inbox = await self._js.pull_subscribe(
+                subjects,
+                durable=consumer,
+                stream=stream,
+                config=ConsumerConfig(
+                    ack_policy=AckPolicy.EXPLICIT,
+                    deliver_policy=DeliverPolicy.ALL,
+                    ack_wait=ack_wait_s,
+                    max_ack_pending=max_pending,
+                    max_deliver=-1,
+                ),
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot open stream {stream} / consumer {consumer}: {exc}") from exc
+
+    async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
+        """Whatever inputs are ready, up to `max_messages`; waits up to `timeout_s` for one."""
+        try:
+            messages = await self._inbox.fetch(max_messages, timeout=timeout_s)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        except nats.errors.Error as exc:
+            raise BusError(f"fetch failed: {exc}") from exc
+        return [Inbound(m) for m in messages]
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        """Core NATS publish: buffered, in order with everything else on this connection."""
+        try:
+            await self._nc.publish(subject, payload)
+        except nats.errors.Error as exc:
+            raise BusError(f"publish to {subject} failed: {exc}") from exc
+
+    async def publish_durable(self, subject: str, payload: bytes) -> None:
+        """JetStream publish: returns once the stream stored the message."""
+        try:
+            await self._js.publish(subject, payload, timeout=5.0)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"durable publish to {subject} failed: {exc}") from exc
+
+    async def close(self) -> None:
+        """Flush what was published (actions, acks), then disconnect."""
+        try:
+            await self._nc.flush(timeout=5)
+        except (TimeoutError, nats.errors.Error) as exc:
+            logger.warning("NATS flush on close failed: %s", exc)
+        await self._nc.close()

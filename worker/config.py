@@ -1,0 +1,246 @@
+"""The worker's settings, from flags with environment fallbacks, validated once at start.
+
+Every setting has a flag; those an operator usually sets per deployment also read an
+environment variable (named in the flag's help). An invalid combination is a `ConfigError`
+naming the setting, raised before anything connects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from worker.errors import ConfigError
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in '250ms', '30s', '5m', '2h', '7d' or a bare number of seconds."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise ConfigError(f"not a duration: {text!r} (try 30s, 5m, 2h, 7d)")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+@dataclass(frozen=True, slots=True)
+class NatsSettings:
+    """How to reach NATS; shared by the worker, the engines and the load generator."""
+
+    url: str = DEFAULT_NATS_URL
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds: Path | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    subject_prefix: str = "kvhandoff"
+
+    def validate(self) -> None:
+        for url in self.url.split(","):
+            parts = urlsplit(url.strip())
+            if parts.scheme not in {"nats", "tls", "ws", "wss"} or not parts.hostname:
+                raise ConfigError(f"--nats-url: {url!r} is not a nats://, tls://, ws:// URL")
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("--nats-user and --nats-password go together")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        for name, path in [
+            ("--nats-creds", self.creds),
+            ("--tls-ca", self.tls_ca),
+            ("--tls-cert", self.tls_cert),
+            ("--tls-key", self.tls_key),
+        ]:
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{name}: no such file {path}")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", self.subject_prefix):
+            raise ConfigError(f"--subject-prefix: {self.subject_prefix!r} is not a subject prefix")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls_ca is not None or self.tls_cert is not None or self.url.startswith("tls")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    nats: NatsSettings
+    db_path: Path
+    stream: str = "KVHANDOFF_IN"
+    consumer: str = "kvhandoff-worker"
+    batch_size: int = 512
+    retry_interval_s: float = 5.0
+    ack_wait_s: float = 30.0
+    synchronous: str = "FULL"
+    retention_s: float | None = None
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9464
+    log_format: str = "text"
+    log_level: str = "INFO"
+
+    def validate(self) -> None:
+        self.nats.validate()
+        if not self.db_path.parent.is_dir():
+            raise ConfigError(f"--db: directory {self.db_path.parent} does not exist")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.stream):
+            raise ConfigError(f"--stream: {self.stream!r} must be letters, digits, '-' or '_'")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.consumer):
+            raise ConfigError(f"--consumer: {self.consumer!r} must be letters, digits, '-' or '_'")
+        if not 1 <= self.batch_size <= 10_000:
+            raise ConfigError(f"--batch-size: {self.batch_size} is not in 1..10000")
+        if self.retry_interval_s <= 0:
+            raise ConfigError("--retry-interval must be positive")
+        if self.ack_wait_s <= 1:
+            raise ConfigError("--ack-wait must be more than a second")
+        if self.synchronous not in {"FULL", "NORMAL", "EXTRA"}:
+            raise ConfigError(f"--synchronous: {self.synchronous!r} is not FULL, NORMAL or EXTRA")
+        if self.retention_s is not None and self.retention_s <= 0:
+            raise ConfigError("--retention must be positive")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port: {self.metrics_port} is not a port")
+
+
+def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
+    """The NATS connection flags, shared by every command that talks to the bus."""
+    env = os.environ
+    group = parser.add_argument_group("NATS")
+    group.add_argument(
+        "--nats-url",
+        default=env.get("NATS_URL", DEFAULT_NATS_URL),
+        help="server URL(s), comma-separated (env NATS_URL; default %(default)s)",
+    )
+    group.add_argument("--nats-user", default=env.get("NATS_USER"), help="(env NATS_USER)")
+    group.add_argument(
+        "--nats-password", default=env.get("NATS_PASSWORD"), help="(env NATS_PASSWORD)"
+    )
+    group.add_argument("--nats-token", default=env.get("NATS_TOKEN"), help="(env NATS_TOKEN)")
+    group.add_argument(
+        "--nats-creds", type=Path, default=env.get("NATS_CREDS"), help="creds file (env NATS_CREDS)"
+    )
+    group.add_argument(
+        "--tls-ca", type=Path, default=env.get("NATS_TLS_CA"), help="(env NATS_TLS_CA)"
+    )
+    group.add_argument(
+        "--tls-cert", type=Path, default=env.get("NATS_TLS_CERT"), help="(env NATS_TLS_CERT)"
+    )
+    group.add_argument(
+        "--tls-key", type=Path, default=env.get("NATS_TLS_KEY"), help="(env NATS_TLS_KEY)"
+    )
+    group.add_argument(
+        "--subject-prefix",
+        default=env.get("KVHANDOFF_SUBJECT_PREFIX", "kvhandoff"),
+        help="first token of every subject (env KVHANDOFF_SUBJECT_PREFIX; default %(default)s)",
+    )
+
+
+def nats_settings(args: argparse.Namespace) -> NatsSettings:
+    settings = NatsSettings(
+        url=args.nats_url,
+        user=args.nats_user,
+        password=args.nats_password,
+        token=args.nats_token,
+        creds=None if args.nats_creds is None else Path(args.nats_creds),
+        tls_ca=None if args.tls_ca is None else Path(args.tls_ca),
+        tls_cert=None if args.tls_cert is None else Path(args.tls_cert),
+        tls_key=None if args.tls_key is None else Path(args.tls_key),
+        subject_prefix=args.subject_prefix,
+    )
+    settings.validate()
+    return settings
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    add_nats_arguments(parser)
+    env = os.environ
+    defaults = WorkerConfig(nats=NatsSettings(), db_path=Path("kvhandoff.db"))
+    group = parser.add_argument_group("worker")
+    group.add_argument(
+        "--db",
+        type=Path,
+        default=Path(env.get("KVHANDOFF_DB", "kvhandoff.db")),
+        help="SQLite event log (env KVHANDOFF_DB; default %(default)s)",
+    )
+    group.add_argument(
+        "--stream",
+        default=env.get("KVHANDOFF_STREAM", defaults.stream),
+        help="JetStream stream for inputs, created if absent (env KVHANDOFF_STREAM; "
+        "default %(default)s)",
+    )
+    group.add_argument(
+        "--consumer",
+        default=env.get("KVHANDOFF_CONSUMER", defaults.consumer),
+        help="durable consumer name (env KVHANDOFF_CONSUMER; default %(default)s)",
+    )
+    group.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                       help="most inputs per group commit (default %(default)s)")  # fmt: skip
+    group.add_argument(
+        "--retry-interval",
+        type=_duration_arg,
+        default=env.get("KVHANDOFF_RETRY_INTERVAL", f"{defaults.retry_interval_s}s"),
+        help="republish an action with no outcome after this long "
+        "(env KVHANDOFF_RETRY_INTERVAL; default %(default)s)",
+    )
+    group.add_argument(
+        "--ack-wait",
+        type=_duration_arg,
+        default=f"{defaults.ack_wait_s}s",
+        help="JetStream redelivers an input not acknowledged in this time",
+    )
+    group.add_argument(
+        "--synchronous",
+        default=env.get("KVHANDOFF_SYNCHRONOUS", defaults.synchronous),
+        type=str.upper,
+        help="SQLite synchronous: FULL survives power loss, NORMAL only crashes (default FULL)",
+    )
+    group.add_argument(
+        "--retention",
+        type=_duration_arg,
+        default=env.get("KVHANDOFF_RETENTION"),
+        help="delete completed handoffs older than this, hourly (env KVHANDOFF_RETENTION)",
+    )
+    group.add_argument("--metrics-host", default=defaults.metrics_host)
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env.get("KVHANDOFF_METRICS_PORT", defaults.metrics_port)),
+        help="Prometheus /metrics and /healthz; 0 disables (env KVHANDOFF_METRICS_PORT)",
+    )
+    group.add_argument("--log-format", choices=["text", "json"],
+                       default=env.get("KVHANDOFF_LOG_FORMAT", "text"))  # fmt: skip
+    group.add_argument("--log-level", default=env.get("KVHANDOFF_LOG_LEVEL", "INFO"))
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    # argparse runs string defaults through `type`, so durations arrive as seconds.
+    config = WorkerConfig(
+        nats=nats_settings(args),
+        db_path=args.db,
+        stream=args.stream,
+        consumer=args.consumer,
+        batch_size=args.batch_size,
+        retry_interval_s=args.retry_interval,
+        ack_wait_s=args.ack_wait,
+        synchronous=args.synchronous,
+        retention_s=args.retention,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        log_format=args.log_format,
+        log_level=args.log_level.upper(),
+    )
+    config.validate()
+    return config

@@ -1,0 +1,398 @@
+"""The worker: JetStream inputs in, the SQLite event log, actions out.
+
+One task processes the input stream in batches, in stream order:
+
+    fetch  ->  decode, apply to coordinators  ->  commit (one transaction)  ->  publish actions
+           ->  ack inputs (term rejected ones)
+
+so an input is acknowledged only after it is in the log, and an action is published only after
+the input that caused it is. A crash anywhere loses nothing acknowledged:
+
+- before the commit: nothing was logged or acknowledged; JetStream redelivers the batch.
+- after the commit, before publishing: the actions are in the log unmarked; recovery publishes
+  them (the log is the outbox).
+- after publishing, before the acks: the inputs are redelivered and dropped as exact
+  duplicates, which the log recognises by digest.
+
+Coordinators of open handoffs live in memory; a completed handoff leaves memory, and an input
+for a handoff not in memory loads its log and replays it (one query per batch). A second task
+runs the timers: a handoff's deadline publishes a `TimedOut` input to the handoff's own input
+subject, so it is logged and replayed like any other input; an action with no outcome after the
+retry interval is published again with the same action id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from uuid import UUID
+
+import msgspec
+
+from events.codec import decode_input, encode, input_digest
+from events.coordinator import HandoffCoordinator, Mode
+from events.errors import InputRejected
+from events.messages import (
+    Action,
+    Complete,
+    HandoffCompletion,
+    Input,
+    Rejection,
+    Role,
+    StartHandoff,
+    TimedOut,
+)
+from events.records import ActionRecord, InputRecord
+from events.replay import rebuild
+from events.subjects import Subjects
+from worker.bus import Bus, Inbound
+from worker.config import WorkerConfig
+from worker.errors import BusError, StoreError
+from worker.metrics import Metrics
+from worker.schema import HandoffState
+from worker.store import Batch, EventLog, HandoffRow, LoadedHandoff
+from worker.timers import TimerQueue
+
+logger = logging.getLogger(__name__)
+
+_FETCH_TIMEOUT_S = 0.25  # how long an idle worker waits before noticing a stop request
+_REJECTED_PAYLOAD_LIMIT = 2048
+
+
+@dataclass(slots=True)
+class OpenHandoff:
+    """A handoff in memory: its coordinator and what the log knows of it."""
+
+    start: StartHandoff
+    coordinator: HandoffCoordinator
+    row: HandoffRow
+    digests: set[bytes]
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    handoff: OpenHandoff
+    seq: int
+    action: Action
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, log: EventLog, bus: Bus, metrics: Metrics) -> None:
+        self._config = config
+        self._log = log
+        self._bus = bus
+        self._metrics = metrics
+        self._subjects = Subjects(config.nats.subject_prefix)
+        self._open: dict[UUID, OpenHandoff] = {}
+        self._deadlines: TimerQueue[UUID] = TimerQueue()
+        self._retries: TimerQueue[tuple[UUID, int]] = TimerQueue()
+        self._timers_changed = asyncio.Event()
+        # Outbox marks for actions published since the last commit; they ride on the next one.
+        self._published: list[tuple[UUID, int, int]] = []
+        self.recovered = False
+
+    @property
+    def healthy(self) -> bool:
+        return self.recovered and self._bus.is_connected
+
+    @property
+    def open_handoffs(self) -> int:
+        return len(self._open)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Recover, then process inputs until `stop` is set; the batch in hand is finished."""
+        await self.recover()
+        timers = asyncio.create_task(self._run_timers(stop), name="kvhandoff-timers")
+        try:
+            while not stop.is_set():
+                try:
+                    deliveries = await self._bus.fetch(self._config.batch_size, _FETCH_TIMEOUT_S)
+                except BusError as exc:
+                    logger.warning("fetch failed, retrying: %s", exc)
+                    await asyncio.sleep(_FETCH_TIMEOUT_S)  # NATS is reconnecting; back off
+                    continue
+                if deliveries:
+                    await self.process(deliveries)
+                elif self._published:
+                    await self._commit(Batch())
+        finally:
+            timers.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await timers
+            if self._published:
+                with contextlib.suppress(StoreError):
+                    await self._commit(Batch())
+        logger.info("stopped with %d open handoffs", len(self._open))
+
+    # --- Recovery -----------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Rebuild every open handoff from the log, rearm its timers, and publish the actions
+        that were never published or still await an outcome."""
+        began = time.perf_counter()
+        self._open.clear()
+        self._deadlines = TimerQueue()
+        self._retries = TimerQueue()
+        loaded = await self._log.open_handoffs()
+        for handoff_id, logged in loaded.items():
+            handoff = self._adopt(logged)
+            self._deadlines.schedule(handoff_id, handoff.row.deadline_at_ms / 1000)
+        backlog = await self._log.unpublished_actions()
+        # The backlog may include a closed handoff's last actions (e.g. its Complete); its
+        # row is all that routing needs.
+        republish: dict[tuple[UUID, int], tuple[HandoffRow, Action]] = {}
+        marks = Batch()
+        for unpublished in backlog:
+            action = unpublished.record.action
+            republish[(action.handoff_id, action.action_id)] = (unpublished.row, action)
+            marks.mark_published(action.handoff_id, unpublished.seq, _now_ms())
+        for handoff in self._open.values():
+            for action in handoff.coordinator.outstanding():
+                republish.setdefault((action.handoff_id, action.action_id), (handoff.row, action))
+        for row, action in republish.values():
+            await self._publish_action(row, action)
+        await self._log.commit(marks)
+        elapsed = time.perf_counter() - began
+        self._metrics.recovery_seconds.set(elapsed)
+        self._metrics.recovered.set(len(loaded))
+        self._metrics.open_handoffs.set(len(self._open))
+        logger.info(
+            "recovered %d open handoffs and published %d actions in %.3fs",
+            len(loaded), len(republish), elapsed,
+        )  # fmt: skip
+        self.recovered = True
+
+    def _adopt(self, logged: LoadedHandoff) -> OpenHandoff:
+        start, coordinator = rebuild(event.record for event in logged.events)
+        digests = {e.digest for e in logged.events if e.digest is not None}
+        handoff = OpenHandoff(start, coordinator, logged.row, digests)
+        self._open[start.handoff_id] = handoff
+        return handoff
+
+    # --- Inputs -------------------------------------------------------------------------
+
+    async def process(self, deliveries: list[Inbound]) -> None:
+        """Apply one fetched batch: decode, coordinate, commit, publish, acknowledge."""
+        now = _now_ms()
+        batch = Batch()
+        acks: list[Inbound] = []
+        rejected: list[tuple[Inbound, Rejection]] = []
+        outgoing: list[_Outgoing] = []
+        touched: dict[UUID, OpenHandoff] = {}
+        inputs: Counter[str] = Counter()
+        issued: Counter[str] = Counter()
+        reasons: Counter[str] = Counter()
+        duplicates = 0
+
+        def reject(delivery: Inbound, handoff_id: UUID | None, reason: str, label: str) -> None:
+            logger.warning("handoff %s: rejected input: %s", handoff_id, reason)
+            batch.reject(now, handoff_id, reason, delivery.data)
+            payload = delivery.data[:_REJECTED_PAYLOAD_LIMIT].decode(errors="replace")
+            rejected.append((delivery, Rejection(handoff_id, reason, payload)))
+            reasons[label] += 1
+
+        decoded: list[tuple[Inbound, Input]] = []
+        for delivery in deliveries:
+            try:
+                decoded.append((delivery, decode_input(delivery.data)))
+            except msgspec.DecodeError as exc:
+                reject(delivery, None, f"undecodable input: {exc}", "undecodable")
+        loaded = await self._load_missing({message.handoff_id for _, message in decoded})
+
+        for delivery, message in decoded:
+            handoff_id = message.handoff_id
+            handoff = self._open.get(handoff_id)
+            if handoff is None:
+                if not isinstance(message, StartHandoff):
+                    reject(delivery, handoff_id, "no such handoff (not started)", "unknown_handoff")
+                    continue
+                handoff = self._open_new(message, now)
+            digest = input_digest(message)
+            if digest in handoff.digests:
+                duplicates += 1
+                acks.append(delivery)
+                continue
+            if isinstance(message, StartHandoff) and handoff.row.last_seq >= 0:
+                reject(delivery, handoff_id, "handoff already started differently", "restart")
+                continue
+            try:
+                actions = handoff.coordinator.handle(message)
+            except InputRejected as exc:
+                reject(delivery, handoff_id, str(exc), "coordinator")
+                continue
+            handoff.digests.add(digest)
+            seq = handoff.row.last_seq + 1
+            batch.append_input(seq, InputRecord(now, message), digest)
+            for action in actions:
+                seq += 1
+                batch.append_action(seq, ActionRecord(now, action))
+                outgoing.append(_Outgoing(handoff, seq, action))
+                issued[str(action.__struct_config__.tag)] += 1
+            inputs[str(message.__struct_config__.tag)] += 1
+            self._project(handoff, seq, now)
+            batch.upsert_handoff(handoff.row)
+            touched[handoff_id] = handoff
+            acks.append(delivery)
+
+        try:
+            await self._commit(batch)
+        except StoreError:
+            logger.exception("commit failed; rebuilding from the log, inputs will be redelivered")
+            for delivery in deliveries:
+                await delivery.nak()
+            await self.recover()
+            return
+
+        for out in outgoing:
+            await self._publish_action(out.handoff.row, out.action)
+            self._published.append((out.action.handoff_id, out.seq, now))
+            if isinstance(out.action, Complete):
+                self._metrics.completed.labels(out.action.completion.value).inc()
+        for _, rejection in rejected:
+            await self._bus.publish(
+                self._subjects.rejected(rejection.handoff_id), encode(rejection)
+            )
+        for delivery in acks:
+            await delivery.ack()
+        for delivery, _ in rejected:
+            await delivery.term()
+
+        # Handoffs loaded only to check an input against their log leave memory again.
+        self._evict_completed([*touched.values(), *loaded])
+        self._timers_changed.set()
+
+        m = self._metrics
+        Metrics.count(m.inputs, inputs.items())
+        Metrics.count(m.actions, issued.items())
+        Metrics.count(m.rejections, reasons.items())
+        if duplicates:
+            m.duplicates.inc(duplicates)
+        m.batch_size.observe(len(deliveries))
+        m.open_handoffs.set(len(self._open))
+
+    async def _load_missing(self, handoff_ids: set[UUID]) -> list[OpenHandoff]:
+        """Bring logged handoffs that are not in memory (completed ones) back for this batch."""
+        missing = [h for h in handoff_ids if h not in self._open]
+        if not missing:
+            return []
+        return [self._adopt(logged) for logged in (await self._log.load(missing)).values()]
+
+    def _open_new(self, start: StartHandoff, now: int) -> OpenHandoff:
+        row = HandoffRow(
+            handoff_id=start.handoff_id,
+            engine_type=start.engine_type.value,
+            source=start.source,
+            destination=start.destination,
+            started_at_ms=now,
+            deadline_at_ms=now + start.deadline_ms,
+            state=HandoffState.OPEN,
+            completed_at_ms=None,
+            last_seq=-1,  # nothing logged yet
+            updated_at_ms=now,
+        )
+        handoff = OpenHandoff(start, HandoffCoordinator.for_start(start), row, set())
+        self._open[start.handoff_id] = handoff
+        # Armed before the commit: if the commit fails, recovery rebuilds every timer anyway.
+        self._deadlines.schedule(start.handoff_id, row.deadline_at_ms / 1000)
+        return handoff
+
+    @staticmethod
+    def _project(handoff: OpenHandoff, last_seq: int, now: int) -> None:
+        """Bring the handoff's row up to date after an accepted input."""
+        row = handoff.row
+        row.last_seq = last_seq
+        row.updated_at_ms = now
+        completion = handoff.coordinator.completion
+        if not handoff.coordinator.is_complete:
+            row.state, row.completed_at_ms = HandoffState.OPEN, None  # may reopen for cleanup
+        elif row.state is HandoffState.OPEN:
+            row.state = (
+                HandoffState.SUCCEEDED
+                if completion is HandoffCompletion.SUCCESS
+                else HandoffState.CANCELED
+            )
+            row.completed_at_ms = now
+
+    async def _commit(self, batch: Batch) -> None:
+        for handoff_id, seq, at_ms in self._published:
+            batch.mark_published(handoff_id, seq, at_ms)
+        began = time.perf_counter()
+        await self._log.commit(batch)
+        self._metrics.commit_seconds.observe(time.perf_counter() - began)
+        self._published.clear()
+
+    def _evict_completed(self, handoffs: list[OpenHandoff]) -> None:
+        for handoff in handoffs:
+            if handoff.coordinator.is_complete:
+                handoff_id = handoff.start.handoff_id
+                self._open.pop(handoff_id, None)
+                self._deadlines.cancel(handoff_id)
+
+    # --- Actions and timers -------------------------------------------------------------
+
+    def _subject_for(self, row: HandoffRow, action: Action) -> str:
+        match action.executor:
+            case Role.SOURCE:
+                return self._subjects.engine(row.source)
+            case Role.DESTINATION:
+                return self._subjects.engine(row.destination)
+            case Role.FRONTEND:
+                return self._subjects.done(action.handoff_id)
+
+    async def _publish_action(self, row: HandoffRow, action: Action) -> None:
+        await self._bus.publish(self._subject_for(row, action), encode(action))
+        if not isinstance(action, Complete):
+            due = time.time() + self._config.retry_interval_s
+            self._retries.schedule((action.handoff_id, action.action_id), due)
+
+    async def _run_timers(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self._timers_changed.clear()
+            candidates = (self._deadlines.next_due(), self._retries.next_due())
+            dues = [d for d in candidates if d is not None]
+            wait = min(dues) - time.time() if dues else None
+            if wait is None or wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._timers_changed.wait(), wait)
+                continue
+            now = time.time()
+            try:
+                for handoff_id in self._deadlines.pop_due(now):
+                    await self._expire(handoff_id)
+                for handoff_id, action_id in self._retries.pop_due(now):
+                    await self._retry(handoff_id, action_id)
+            except BusError as exc:
+                logger.warning("timer publish failed, will retry: %s", exc)
+                await asyncio.sleep(1.0)  # NATS is reconnecting; the timers were rearmed
+
+    async def _expire(self, handoff_id: UUID) -> None:
+        handoff = self._open.get(handoff_id)
+        if handoff is None or handoff.coordinator.mode is not Mode.ACTIVE:
+            return
+        logger.info("handoff %s: deadline passed, timing out", handoff_id)
+        try:
+            await self._bus.publish_durable(
+                self._subjects.input(handoff_id), encode(TimedOut(handoff_id))
+            )
+        except BusError:
+            self._deadlines.schedule(handoff_id, time.time() + 1.0)
+            raise
+
+    async def _retry(self, handoff_id: UUID, action_id: int) -> None:
+        handoff = self._open.get(handoff_id)
+        if handoff is None:
+            return
+        for action in handoff.coordinator.outstanding():
+            if action.action_id == action_id:
+                logger.debug("handoff %s: republishing action %d", handoff_id, action_id)
+                self._metrics.republished.inc()
+                await self._publish_action(handoff.row, action)
+                return
