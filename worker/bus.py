@@ -162,6 +162,13 @@ class Bus:
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"durable publish to {subject} failed: {exc}") from exc
 
+    async def flush(self) -> None:
+        """Return once the server has everything published so far (one round trip)."""
+        try:
+            await self._nc.flush(timeout=5)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"flush failed: {exc}") from exc
+
     async def close(self) -> None:
         """Flush what was published (actions, acks), then disconnect."""
         try:

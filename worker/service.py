@@ -119,18 +119,33 @@ class Worker:
                     logger.warning("fetch failed, retrying: %s", exc)
                     await asyncio.sleep(_FETCH_TIMEOUT_S)  # NATS is reconnecting; back off
                     continue
-                if deliveries:
-                    await self.process(deliveries)
-                elif self._published:
-                    await self._commit(Batch())
+                try:
+                    if deliveries:
+                        await self.process(deliveries)
+                    elif self._published:
+                        await self._commit(Batch())
+                except BusError as exc:
+                    # Committed actions may not have reached NATS. The log knows which were
+                    # published, so rebuilding from it republishes exactly what is missing.
+                    logger.warning("publishing failed (%s); recovering from the log", exc)
+                    await self._recover_when_possible(stop)
         finally:
             timers.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await timers
             if self._published:
-                with contextlib.suppress(StoreError):
+                with contextlib.suppress(StoreError, BusError):
                     await self._commit(Batch())
         logger.info("stopped with %d open handoffs", len(self._open))
+
+    async def _recover_when_possible(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(_FETCH_TIMEOUT_S)  # give NATS a moment to come back
+            try:
+                await self.recover()
+                return
+            except BusError as exc:
+                logger.warning("recovery must wait for NATS: %s", exc)
 
     # --- Recovery -----------------------------------------------------------------------
 
@@ -138,6 +153,7 @@ class Worker:
         """Rebuild every open handoff from the log, rearm its timers, and publish the actions
         that were never published or still await an outcome."""
         began = time.perf_counter()
+        self._published.clear()  # re-derived below from the log's own marks
         self._open.clear()
         self._deadlines = TimerQueue()
         self._retries = TimerQueue()
@@ -322,6 +338,9 @@ class Worker:
             row.completed_at_ms = now
 
     async def _commit(self, batch: Batch) -> None:
+        if self._published:
+            # "Published" must mean the server has it, not that it sits in our write buffer.
+            await self._bus.flush()
         for handoff_id, seq, at_ms in self._published:
             batch.mark_published(handoff_id, seq, at_ms)
         began = time.perf_counter()

@@ -1,0 +1,125 @@
+"""Fixtures for the worker's tests: a real nats-server, the worker as a real process (so it can
+be killed with SIGKILL), and the scripted engines."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from events.codec import decode_record
+from events.messages import Action, Input
+from events.records import ActionRecord, InputRecord, LogRecord
+from tests.worker.scripted_engine import ScriptedEngines
+from worker.natsserver import EmbeddedNats, free_port
+
+
+class WorkerProcess:
+    """`kvhandoff run` in a child process, restartable on the same database."""
+
+    def __init__(self, nats_url: str, db: Path, *extra: str) -> None:
+        self.nats_url = nats_url
+        self.db = db
+        self.extra = extra
+        self.log_path = db.with_suffix(".log")
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.port = free_port()
+        command = [
+            sys.executable, "-m", "worker.cli", "run",
+            "--nats-url", self.nats_url, "--db", str(self.db),
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.port),
+            "--retry-interval", "1s", "--ack-wait", "2s", *self.extra,
+        ]  # fmt: skip
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if self.process.poll() is not None:
+                raise AssertionError(f"worker exited {self.process.returncode}: {self.logs()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker not healthy in {timeout}s: {self.logs()}")
+            time.sleep(0.05)  # readiness poll of a child process
+
+    def healthy(self) -> bool:
+        try:
+            url = f"http://127.0.0.1:{self.port}/healthz"
+            with urllib.request.urlopen(url, timeout=1) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+            return bytes(r.read()).decode()
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def terminate(self) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=30)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    store = tmp_path / "nats"
+    store.mkdir()
+    server = EmbeddedNats(store_dir=store)
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def worker(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[WorkerProcess]:
+    process = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db")
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+async def engines(nats_server: EmbeddedNats) -> AsyncIterator[ScriptedEngines]:
+    scripted = ScriptedEngines(nats_server.url)
+    await scripted.start()
+    yield scripted
+    await scripted.close()
+
+
+def logged(db: Path, handoff_id: object) -> list[LogRecord]:
+    """One handoff's records, straight from the SQLite file."""
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute(
+            "SELECT record FROM events WHERE handoff_id = ? ORDER BY seq", (str(handoff_id),)
+        ).fetchall()
+    return [decode_record(record) for (record,) in rows]
+
+
+def logged_actions(db: Path, handoff_id: object) -> list[Action]:
+    return [r.action for r in logged(db, handoff_id) if isinstance(r, ActionRecord)]
+
+
+def logged_inputs(db: Path, handoff_id: object) -> list[Input]:
+    return [r.input for r in logged(db, handoff_id) if isinstance(r, InputRecord)]

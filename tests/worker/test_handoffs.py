@@ -1,0 +1,279 @@
+"""The worker end to end: a real nats-server, the worker process, SQLite, scripted engines."""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+
+import msgspec
+import pytest
+
+from events import codec
+from events.messages import (
+    ACCEPTED,
+    APPLIED,
+    SUBMITTED,
+    Action,
+    ActionFailed,
+    ActionOutcome,
+    ActivateDestination,
+    CancelDestination,
+    Canceled,
+    CancelSource,
+    Complete,
+    DestinationReserved,
+    EngineType,
+    HandoffCompletion,
+    Input,
+    Rejection,
+    ReleaseSource,
+    ReserveDestination,
+    SourceHeld,
+    StartHandoff,
+    StartTransfer,
+    SubmitPrefill,
+    TimedOut,
+)
+from tests.worker.conftest import WorkerProcess, logged_actions, logged_inputs
+from tests.worker.scripted_engine import TIMING, ScriptedEngines, success_script
+
+
+def start(engine_type: EngineType, deadline_ms: int = 60_000) -> StartHandoff:
+    return StartHandoff(uuid.uuid4(), engine_type, "prefill-0", "decode-0", deadline_ms)
+
+
+def kinds(actions: list[Action]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+@pytest.mark.parametrize(
+    ("engine_type", "expected"),
+    [
+        (EngineType.VLLM, ["SubmitPrefill", "ReserveDestination"]),
+        (EngineType.TRTLLM, ["SubmitPrefill", "ReserveDestination"]),
+        (EngineType.SGLANG, ["ReserveDestination", "SubmitPrefill"]),
+    ],
+)
+async def test_both_orders_complete_with_success(
+    worker: WorkerProcess, engines: ScriptedEngines, engine_type: EngineType, expected: list[str]
+) -> None:
+    command = start(engine_type)
+    await engines.start_handoff(command)
+    await engines.wait_complete({command.handoff_id})
+
+    seen = engines.actions_of(command.handoff_id)
+    tail = ["StartTransfer", "ActivateDestination", "ReleaseSource", "Complete"]
+    assert kinds(seen) == [*expected, *tail]
+    assert [a.action_id for a in seen] == list(range(6))
+    assert engines.completions[command.handoff_id][0].completion is HandoffCompletion.SUCCESS
+    # The log holds exactly what was published, and every input that led to it.
+    assert logged_actions(worker.db, command.handoff_id) == seen
+    assert isinstance(logged_inputs(worker.db, command.handoff_id)[0], StartHandoff)
+
+
+async def test_frontend_cancel_cleans_up_both_sides(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    command = start(EngineType.VLLM)
+
+    def stall_transfer(action: Action) -> list[Input]:
+        # The transfer never completes, so the frontend's cancel lands mid-handoff.
+        if isinstance(action, StartTransfer):
+            return []
+        return success_script(action)
+
+    engines.script = stall_transfer
+    await engines.start_handoff(command)
+    await engines.wait_for_action(command.handoff_id, StartTransfer)
+    await engines.send(Canceled(command.handoff_id))
+    await engines.wait_complete({command.handoff_id})
+
+    seen = kinds(engines.actions_of(command.handoff_id))
+    assert seen[-3:] == ["CancelSource", "CancelDestination", "Complete"]
+    assert engines.completions[command.handoff_id][0].completion is HandoffCompletion.CANCELED
+
+
+async def test_failed_outcome_cancels_the_source(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    command = start(EngineType.SGLANG)
+
+    def destination_fails(action: Action) -> list[Input]:
+        if isinstance(action, ReserveDestination):
+            return [ActionOutcome(action.handoff_id, action.action_id, ActionFailed("no room"))]
+        return success_script(action)
+
+    engines.script = destination_fails
+    await engines.start_handoff(command)
+    await engines.wait_complete({command.handoff_id})
+
+    # The destination refused ownership and the source was never asked, so the coordinator
+    # still cancels the destination it asked (ownership is ambiguous until acknowledged).
+    assert kinds(engines.actions_of(command.handoff_id)) == [
+        "ReserveDestination", "CancelDestination", "Complete",
+    ]  # fmt: skip
+    assert engines.completions[command.handoff_id][0].completion is HandoffCompletion.CANCELED
+
+
+async def test_deadline_appends_timed_out_and_cleans_up(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    command = start(EngineType.VLLM, deadline_ms=300)
+
+    def prefill_never_held(action: Action) -> list[Input]:
+        if isinstance(action, SubmitPrefill):
+            return [ActionOutcome(action.handoff_id, action.action_id, SUBMITTED)]
+        return success_script(action)
+
+    engines.script = prefill_never_held
+    await engines.start_handoff(command)
+    await engines.wait_complete({command.handoff_id})
+
+    assert kinds(engines.actions_of(command.handoff_id)) == [
+        "SubmitPrefill", "CancelSource", "Complete",
+    ]  # fmt: skip
+    # The deadline is an input like any other, so replay sees it.
+    assert any(isinstance(i, TimedOut) for i in logged_inputs(worker.db, command.handoff_id))
+
+
+async def test_duplicates_are_logged_once_and_premature_facts_rejected(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    command = start(EngineType.VLLM)
+
+    def hold_back(action: Action) -> list[Input]:
+        # Answer the prefill but hold the source fact back; the test sends it by hand.
+        if isinstance(action, SubmitPrefill):
+            return [ActionOutcome(action.handoff_id, action.action_id, SUBMITTED)]
+        return success_script(action)
+
+    engines.script = hold_back
+    h = command.handoff_id
+    # A fact before its precondition is rejected, with its reason, and changes nothing.
+    early = DestinationReserved(h, 64)  # distinct from the one the destination sends later
+    await engines.start_handoff(command)
+    await engines.start_handoff(command)  # a retried publish of the same command
+    await engines.wait_for_action(h, SubmitPrefill)
+    await engines.send(early)
+    rejection = await engines.wait_rejection(h)
+    assert "destination reserved before ownership was accepted" in rejection.reason
+
+    await engines.send(ActionOutcome(h, 0, SUBMITTED))  # an engine reporting twice
+    await engines.send(SourceHeld(h, TIMING))
+    await engines.send(SourceHeld(h, TIMING))
+    await engines.wait_complete({h})
+
+    inputs = logged_inputs(worker.db, h)
+    assert inputs.count(command) == 1
+    assert inputs.count(ActionOutcome(h, 0, SUBMITTED)) == 1
+    assert inputs.count(SourceHeld(h, TIMING)) == 1
+    assert early not in inputs
+    assert engines.completions[h][0].completion is HandoffCompletion.SUCCESS
+
+
+async def test_malformed_and_invalid_inputs_are_rejected_while_valid_handoffs_complete(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    valid = [start(EngineType.VLLM), start(EngineType.SGLANG)]
+    ghost = uuid.uuid4()
+    victim = start(EngineType.TRTLLM)
+    bad_payloads = [
+        b"not json at all",
+        b'{"type": "no_such_message", "handoff_id": "%s"}' % str(ghost).encode(),
+        b'{"type": "destination_reserved", "handoff_id": "%s", '
+        b'"transferable_prompt_tokens": -5}' % str(ghost).encode(),
+        b'{"type": "canceled", "handoff_id": "not-a-uuid"}',
+    ]
+    for payload in bad_payloads:
+        await engines.send_raw(engines.subjects.input(ghost), payload)
+    await engines.send(Canceled(ghost))  # well-formed, but no such handoff
+    for command in [*valid, victim]:
+        await engines.start_handoff(command)
+    await engines.wait_complete({c.handoff_id for c in [*valid, victim]})
+    # Outcomes for a completed handoff are ignored, not rejected: the handoff is over.
+    late = [
+        ActionOutcome(victim.handoff_id, 0, ACCEPTED),
+        ActionOutcome(victim.handoff_id, 99, APPLIED),
+    ]
+    for outcome in late:
+        await engines.send(outcome)
+    # A last bad input: once its rejection arrives, everything before it was processed.
+    sentinel = Canceled(uuid.uuid4())
+    await engines.send(sentinel)
+    await engines.wait_rejection(sentinel.handoff_id)
+
+    rejections = engines.rejections
+    assert len(rejections) == len(bad_payloads) + 2
+    assert all(r.reason for r in rejections)
+    assert sum("undecodable" in r.reason for r in rejections) == len(bad_payloads)
+    assert any("no such handoff" in r.reason and r.handoff_id == ghost for r in rejections)
+    assert not any(r.handoff_id == victim.handoff_id for r in rejections)
+    for command in [*valid, victim]:
+        assert engines.completions[command.handoff_id][0].completion is HandoffCompletion.SUCCESS
+    assert logged_inputs(worker.db, victim.handoff_id)[-2:] == late
+    with sqlite3.connect(worker.db) as db:
+        (count,) = db.execute("SELECT count(*) FROM rejections WHERE reason != ''").fetchone()
+    assert count == len(rejections)
+    assert worker.process is not None and worker.process.poll() is None
+    assert 'kvhandoff_rejections_total{reason="undecodable"} 4.0' in worker.metrics()
+
+
+async def test_invalid_outcome_for_open_handoff_is_rejected_and_changes_nothing(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    command = start(EngineType.VLLM)
+
+    def quiet(action: Action) -> list[Input]:
+        return []  # the test answers by hand
+
+    engines.script = quiet
+    h = command.handoff_id
+    await engines.start_handoff(command)
+    await engines.wait_for_action(h, SubmitPrefill)
+    await engines.send(ActionOutcome(h, 0, APPLIED))  # SubmitPrefill expects Submitted
+    rejection = await engines.wait_rejection(h)
+    assert "invalid handoff action outcome" in rejection.reason
+    assert "awaiting submit_prefill#0" in rejection.reason  # names the state it was in
+    await engines.send(ActionOutcome(h, 0, SUBMITTED))
+    await engines.send(SourceHeld(h, TIMING))
+    await engines.wait_for_action(h, ReserveDestination)
+    assert logged_inputs(worker.db, h) == [
+        command, ActionOutcome(h, 0, SUBMITTED), SourceHeld(h, TIMING),
+    ]  # fmt: skip
+
+
+async def test_reopened_cleanup_after_success(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    command = start(EngineType.VLLM)
+    h = command.handoff_id
+    await engines.start_handoff(command)
+    await engines.wait_complete({h})
+    # The frontend gives up after all: the destination must release the request again.
+    await engines.send(Canceled(h))
+    await engines.wait_completions(h, 2)
+    assert [c.completion for c in engines.completions[h]] == [
+        HandoffCompletion.SUCCESS, HandoffCompletion.CANCELED,
+    ]  # fmt: skip
+    seen = engines.actions_of(h)
+    assert isinstance(seen[-2], CancelDestination) and isinstance(seen[-1], Complete)
+    assert not any(isinstance(a, CancelSource) for a in seen)
+    assert isinstance(seen[-4], ReleaseSource) and isinstance(seen[-5], ActivateDestination)
+
+
+async def test_sigterm_drains_and_exits_zero(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    commands = [start(EngineType.VLLM) for _ in range(50)]
+    for command in commands:
+        await engines.start_handoff(command)
+    await engines.wait_complete({c.handoff_id for c in commands})
+    assert worker.terminate() == 0
+    assert "stopped with 0 open handoffs" in worker.logs()
+
+
+def test_rejection_message_is_part_of_the_wire_vocabulary() -> None:
+    rejection = Rejection(uuid.uuid4(), "why", "payload")
+    assert codec.decode_rejection(codec.encode(rejection)) == rejection
+    with pytest.raises(msgspec.ValidationError):
+        codec.decode_rejection(b'{"type": "rejection", "handoff_id": null}')
