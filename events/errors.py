@@ -20,15 +20,25 @@ class InputRejected(HandoffError):
     """An input the coordinator refused. Nothing about the coordinator changed.
 
     Names the handoff, the coordinator's state when the input arrived, and the input, so a
-    log line or a rejection message is enough to understand what happened.
+    log line or a rejection message is enough to understand what happened. `premature` marks a
+    fact that arrived before the input it depends on; it may be accepted once that input is.
     """
 
-    def __init__(self, handoff_id: UUID, state: str, input_desc: str, reason: str) -> None:
+    def __init__(
+        self,
+        handoff_id: UUID,
+        state: str,
+        input_desc: str,
+        reason: str,
+        *,
+        premature: bool = False,
+    ) -> None:
         super().__init__(f"handoff {handoff_id} [{state}] rejected {input_desc}: {reason}")
         self.handoff_id = handoff_id
         self.state = state
         self.input_desc = input_desc
         self.reason = reason
+        self.premature = premature
 
 
 class ReplayDivergence(HandoffError):

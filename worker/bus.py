@@ -2,7 +2,12 @@
 
 Inputs are captured by a JetStream stream with work-queue retention (an input leaves the
 stream once the worker acknowledges it, which it does only after the input is committed to the
-event log) and consumed through one durable pull consumer with explicit acks. Actions are
+event log) and consumed through one durable pull consumer with explicit acks.
+
+JetStream redelivers an unacknowledged input only after the ack wait, while newer inputs keep
+flowing, so a restart would see inputs out of order (a fact before the outcome it depends on).
+Work-queue retention keeps exactly the unacknowledged inputs, so the worker re-creates its
+consumer on start and reads them again from the oldest, in stream order. Actions are
 published with core NATS: the event log is their outbox, and an action with no outcome is
 published again, so a lost action costs a retry interval, never correctness.
 
@@ -11,6 +16,7 @@ nats-py errors are translated to `BusError` here and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
 from typing import Any
@@ -63,6 +69,11 @@ class Inbound:
         self._msg = msg
         self.data = msg.data
 
+    @property
+    def deliveries(self) -> int:
+        """How many times JetStream has delivered this input, this time included."""
+        return int(self._msg.metadata.num_delivered)
+
     async def ack(self) -> None:
         await self._msg.ack()
 
@@ -70,8 +81,9 @@ class Inbound:
         """Never redeliver: the input was rejected, and redelivering changes nothing."""
         await self._msg.term()
 
-    async def nak(self) -> None:
-        await self._msg.nak()
+    async def nak(self, delay_s: float | None = None) -> None:
+        """Redeliver, after `delay_s` if given."""
+        await self._msg.nak(delay=delay_s)
 
 
 class Bus:
@@ -123,6 +135,8 @@ class Bus:
                     )
                 )
                 logger.info("created stream %s for %s", stream, subjects)
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self._js.delete_consumer(stream, consumer)
             self._inbox = await self._js.pull_subscribe(
                 subjects,
                 durable=consumer,

@@ -26,6 +26,9 @@ class Metrics:
         self.duplicates = Counter(
             "kvhandoff_duplicate_inputs", "Exact duplicates of logged inputs, dropped", registry=r
         )
+        self.deferred = Counter(
+            "kvhandoff_deferred_inputs", "Early inputs redelivered later (reordering)", registry=r
+        )
         self.actions = Counter("kvhandoff_actions", "Issued actions, by kind", ["kind"], registry=r)
         self.republished = Counter(
             "kvhandoff_actions_republished", "Actions published again (no outcome yet)", registry=r

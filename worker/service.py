@@ -14,11 +14,18 @@ the input that caused it is. A crash anywhere loses nothing acknowledged:
 - after publishing, before the acks: the inputs are redelivered and dropped as exact
   duplicates, which the log recognises by digest.
 
+A bus that redelivers can reorder: an input delivered to a worker that died is redelivered
+after the ack wait, behind newer ones. So an input that arrived before the input it depends on
+(the core marks such rejections `premature`, and a fact for a handoff not yet started is one too)
+is not rejected at once but redelivered with growing delays, and rejected only if it is still
+premature after `_DEFER_LIMIT` deliveries (well past twice the ack wait).
+
 Coordinators of open handoffs live in memory; a completed handoff leaves memory, and an input
 for a handoff not in memory loads its log and replays it (one query per batch). A second task
 runs the timers: a handoff's deadline publishes a `TimedOut` input to the handoff's own input
 subject, so it is logged and replayed like any other input; an action with no outcome after the
-retry interval is published again with the same action id.
+retry interval is published again with the same action id, and again after twice as long, up to
+`_RETRY_BACKOFF_CAP` intervals, so a slow engine is not buried under its own backlog.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from events.coordinator import HandoffCoordinator, Mode
 from events.errors import InputRejected
 from events.messages import (
     Action,
+    ActionOutcome,
     Complete,
     HandoffCompletion,
     Input,
@@ -61,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 _FETCH_TIMEOUT_S = 0.25  # how long an idle worker waits before noticing a stop request
 _REJECTED_PAYLOAD_LIMIT = 2048
+_DEFER_LIMIT = 12
+_RETRY_BACKOFF_CAP = 8
 
 
 @dataclass(slots=True)
@@ -94,6 +104,7 @@ class Worker:
         self._open: dict[UUID, OpenHandoff] = {}
         self._deadlines: TimerQueue[UUID] = TimerQueue()
         self._retries: TimerQueue[tuple[UUID, int]] = TimerQueue()
+        self._attempts: dict[tuple[UUID, int], int] = {}  # publications per outstanding action
         self._timers_changed = asyncio.Event()
         # Outbox marks for actions published since the last commit; they ride on the next one.
         self._published: list[tuple[UUID, int, int]] = []
@@ -157,6 +168,7 @@ class Worker:
         self._open.clear()
         self._deadlines = TimerQueue()
         self._retries = TimerQueue()
+        self._attempts.clear()
         loaded = await self._log.open_handoffs()
         for handoff_id, logged in loaded.items():
             handoff = self._adopt(logged)
@@ -200,6 +212,7 @@ class Worker:
         now = _now_ms()
         batch = Batch()
         acks: list[Inbound] = []
+        deferred: list[Inbound] = []
         rejected: list[tuple[Inbound, Rejection]] = []
         outgoing: list[_Outgoing] = []
         touched: dict[UUID, OpenHandoff] = {}
@@ -215,6 +228,13 @@ class Worker:
             rejected.append((delivery, Rejection(handoff_id, reason, payload)))
             reasons[label] += 1
 
+        def premature(delivery: Inbound, handoff_id: UUID, reason: str, label: str) -> None:
+            if delivery.deliveries >= _DEFER_LIMIT:
+                reject(delivery, handoff_id, f"{reason} (still, after redeliveries)", label)
+                return
+            logger.info("handoff %s: deferring an early input: %s", handoff_id, reason)
+            deferred.append(delivery)
+
         decoded: list[tuple[Inbound, Input]] = []
         for delivery in deliveries:
             try:
@@ -228,7 +248,7 @@ class Worker:
             handoff = self._open.get(handoff_id)
             if handoff is None:
                 if not isinstance(message, StartHandoff):
-                    reject(delivery, handoff_id, "no such handoff (not started)", "unknown_handoff")
+                    premature(delivery, handoff_id, "no such handoff (not started)", "unknown")
                     continue
                 handoff = self._open_new(message, now)
             digest = input_digest(message)
@@ -242,9 +262,16 @@ class Worker:
             try:
                 actions = handoff.coordinator.handle(message)
             except InputRejected as exc:
-                reject(delivery, handoff_id, str(exc), "coordinator")
+                if exc.premature:
+                    premature(delivery, handoff_id, str(exc), "premature")
+                else:
+                    reject(delivery, handoff_id, str(exc), "coordinator")
                 continue
             handoff.digests.add(digest)
+            if isinstance(message, ActionOutcome):
+                answered = (handoff_id, message.action_id)
+                self._retries.cancel(answered)
+                self._attempts.pop(answered, None)
             seq = handoff.row.last_seq + 1
             batch.append_input(seq, InputRecord(now, message), digest)
             for action in actions:
@@ -280,6 +307,8 @@ class Worker:
             await delivery.ack()
         for delivery, _ in rejected:
             await delivery.term()
+        for delivery in deferred:
+            await delivery.nak(min(0.05 * 2**delivery.deliveries, self._config.ack_wait_s / 2))
 
         # Handoffs loaded only to check an input against their log leave memory again.
         self._evict_completed([*touched.values(), *loaded])
@@ -291,6 +320,8 @@ class Worker:
         Metrics.count(m.rejections, reasons.items())
         if duplicates:
             m.duplicates.inc(duplicates)
+        if deferred:
+            m.deferred.inc(len(deferred))
         m.batch_size.observe(len(deliveries))
         m.open_handoffs.set(len(self._open))
 
@@ -369,8 +400,10 @@ class Worker:
     async def _publish_action(self, row: HandoffRow, action: Action) -> None:
         await self._bus.publish(self._subject_for(row, action), encode(action))
         if not isinstance(action, Complete):
-            due = time.time() + self._config.retry_interval_s
-            self._retries.schedule((action.handoff_id, action.action_id), due)
+            key = (action.handoff_id, action.action_id)
+            attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
+            backoff = min(2 ** (attempts - 1), _RETRY_BACKOFF_CAP)
+            self._retries.schedule(key, time.time() + self._config.retry_interval_s * backoff)
 
     async def _run_timers(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -406,6 +439,7 @@ class Worker:
             raise
 
     async def _retry(self, handoff_id: UUID, action_id: int) -> None:
+        attempts = self._attempts.pop((handoff_id, action_id), 0)
         handoff = self._open.get(handoff_id)
         if handoff is None:
             return
@@ -413,5 +447,6 @@ class Worker:
             if action.action_id == action_id:
                 logger.debug("handoff %s: republishing action %d", handoff_id, action_id)
                 self._metrics.republished.inc()
+                self._attempts[(handoff_id, action_id)] = attempts
                 await self._publish_action(handoff.row, action)
                 return

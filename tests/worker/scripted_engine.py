@@ -85,6 +85,7 @@ class ScriptedEngines:
         self.rejections: list[Rejection] = []
         self._nc: Client | None = None
         self._changed = asyncio.Condition()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def nc(self) -> Client:
@@ -165,6 +166,12 @@ class ScriptedEngines:
             self._changed.notify_all()
 
     async def _on_action(self, msg: Msg) -> None:
+        # Engines work on many requests at once; the replies to one action stay in order.
+        task = asyncio.create_task(self._answer(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, msg: Msg) -> None:
         action = codec.decode_action(msg.data)
         key = (action.handoff_id, action.action_id)
         self.deliveries[key] += 1

@@ -33,6 +33,7 @@ from events.messages import (
     StartTransfer,
     SubmitPrefill,
     TimedOut,
+    TransferCompleted,
 )
 from tests.worker.conftest import WorkerProcess, logged_actions, logged_inputs
 from tests.worker.scripted_engine import TIMING, ScriptedEngines, success_script
@@ -136,9 +137,7 @@ async def test_deadline_appends_timed_out_and_cleans_up(
     assert any(isinstance(i, TimedOut) for i in logged_inputs(worker.db, command.handoff_id))
 
 
-async def test_duplicates_are_logged_once_and_premature_facts_rejected(
-    worker: WorkerProcess, engines: ScriptedEngines
-) -> None:
+async def test_duplicates_are_logged_once(worker: WorkerProcess, engines: ScriptedEngines) -> None:
     command = start(EngineType.VLLM)
 
     def hold_back(action: Action) -> list[Input]:
@@ -149,15 +148,9 @@ async def test_duplicates_are_logged_once_and_premature_facts_rejected(
 
     engines.script = hold_back
     h = command.handoff_id
-    # A fact before its precondition is rejected, with its reason, and changes nothing.
-    early = DestinationReserved(h, 64)  # distinct from the one the destination sends later
     await engines.start_handoff(command)
     await engines.start_handoff(command)  # a retried publish of the same command
     await engines.wait_for_action(h, SubmitPrefill)
-    await engines.send(early)
-    rejection = await engines.wait_rejection(h)
-    assert "destination reserved before ownership was accepted" in rejection.reason
-
     await engines.send(ActionOutcome(h, 0, SUBMITTED))  # an engine reporting twice
     await engines.send(SourceHeld(h, TIMING))
     await engines.send(SourceHeld(h, TIMING))
@@ -167,15 +160,68 @@ async def test_duplicates_are_logged_once_and_premature_facts_rejected(
     assert inputs.count(command) == 1
     assert inputs.count(ActionOutcome(h, 0, SUBMITTED)) == 1
     assert inputs.count(SourceHeld(h, TIMING)) == 1
-    assert early not in inputs
+    assert "kvhandoff_duplicate_inputs_total 3.0" in worker.metrics()
     assert engines.completions[h][0].completion is HandoffCompletion.SUCCESS
+
+
+async def test_an_early_fact_is_deferred_until_its_precondition_holds(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    command = start(EngineType.VLLM)
+    h = command.handoff_id
+    reserved = DestinationReserved(h, 64)
+
+    def destination_only_accepts(action: Action) -> list[Input]:
+        # The destination's fact overtakes its own outcome: the test sent it early.
+        if isinstance(action, ReserveDestination):
+            return [ActionOutcome(h, action.action_id, ACCEPTED)]
+        return success_script(action)
+
+    engines.script = destination_only_accepts
+    await engines.start_handoff(command)
+    await engines.wait_for_action(h, SubmitPrefill)
+    await engines.send(reserved)  # before ReserveDestination was even issued
+    await engines.wait_complete({h})
+
+    inputs = logged_inputs(worker.db, h)
+    accepted = inputs.index(ActionOutcome(h, 1, ACCEPTED))
+    assert inputs.index(reserved) > accepted  # applied once its precondition held
+    transfer = next(a for a in engines.actions_of(h) if isinstance(a, StartTransfer))
+    assert transfer.delay_ms == pytest.approx(128 * 1024 / 10e9 * 1000)
+    assert not engines.rejections
+    assert "kvhandoff_deferred_inputs_total" in worker.metrics()
+
+
+@pytest.mark.slow
+async def test_an_input_that_stays_premature_is_rejected_after_redeliveries(
+    worker: WorkerProcess, engines: ScriptedEngines
+) -> None:
+    command = start(EngineType.VLLM)
+    h = command.handoff_id
+
+    def transfer_never_scheduled(action: Action) -> list[Input]:
+        return [] if isinstance(action, StartTransfer) else success_script(action)
+
+    engines.script = transfer_never_scheduled
+    await engines.start_handoff(command)
+    await engines.wait_for_action(h, StartTransfer)
+    ghost = uuid.uuid4()
+    await engines.send(TransferCompleted(h))
+    await engines.send(Canceled(ghost))  # a cancel for a handoff that never started
+
+    early = await engines.wait_rejection(h)
+    assert "transfer completed before it was scheduled" in early.reason
+    assert "after redeliveries" in early.reason
+    unknown = await engines.wait_rejection(ghost)
+    assert "no such handoff" in unknown.reason
+    assert TransferCompleted(h) not in logged_inputs(worker.db, h)
 
 
 async def test_malformed_and_invalid_inputs_are_rejected_while_valid_handoffs_complete(
     worker: WorkerProcess, engines: ScriptedEngines
 ) -> None:
     valid = [start(EngineType.VLLM), start(EngineType.SGLANG)]
-    ghost = uuid.uuid4()
+    ghost = uuid.uuid4()  # what the bad payloads claim to be about
     victim = start(EngineType.TRTLLM)
     bad_payloads = [
         b"not json at all",
@@ -186,7 +232,6 @@ async def test_malformed_and_invalid_inputs_are_rejected_while_valid_handoffs_co
     ]
     for payload in bad_payloads:
         await engines.send_raw(engines.subjects.input(ghost), payload)
-    await engines.send(Canceled(ghost))  # well-formed, but no such handoff
     for command in [*valid, victim]:
         await engines.start_handoff(command)
     await engines.wait_complete({c.handoff_id for c in [*valid, victim]})
@@ -197,16 +242,17 @@ async def test_malformed_and_invalid_inputs_are_rejected_while_valid_handoffs_co
     ]
     for outcome in late:
         await engines.send(outcome)
-    # A last bad input: once its rejection arrives, everything before it was processed.
-    sentinel = Canceled(uuid.uuid4())
+    # A last bad input, rejected at once: once its rejection arrives, everything before it
+    # was processed. (A second, different start for a handoff that exists.)
+    sentinel = msgspec.structs.replace(valid[0], deadline_ms=1)
     await engines.send(sentinel)
-    await engines.wait_rejection(sentinel.handoff_id)
+    restart = await engines.wait_rejection(sentinel.handoff_id)
+    assert "already started differently" in restart.reason
 
     rejections = engines.rejections
-    assert len(rejections) == len(bad_payloads) + 2
+    assert len(rejections) == len(bad_payloads) + 1
     assert all(r.reason for r in rejections)
     assert sum("undecodable" in r.reason for r in rejections) == len(bad_payloads)
-    assert any("no such handoff" in r.reason and r.handoff_id == ghost for r in rejections)
     assert not any(r.handoff_id == victim.handoff_id for r in rejections)
     for command in [*valid, victim]:
         assert engines.completions[command.handoff_id][0].completion is HandoffCompletion.SUCCESS
