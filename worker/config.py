@@ -8,6 +8,7 @@ naming the setting, raised before anything connects.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -57,6 +58,10 @@ class NatsSettings:
             parts = urlsplit(url.strip())
             if parts.scheme not in {"nats", "tls", "ws", "wss"} or not parts.hostname:
                 raise ConfigError(f"--nats-url: {url!r} is not a nats://, tls://, ws:// URL")
+            try:
+                parts.port  # noqa: B018  # urlsplit checks the port only when asked
+            except ValueError as exc:
+                raise ConfigError(f"--nats-url: {url!r}: {exc}") from exc
         if (self.user is None) != (self.password is None):
             raise ConfigError("--nats-user and --nats-password go together")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -113,6 +118,11 @@ class WorkerConfig:
             raise ConfigError("--retention must be positive")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port: {self.metrics_port} is not a port")
+        # The environment fallbacks bypass argparse's `choices`, so check here too.
+        if self.log_format not in {"text", "json"}:
+            raise ConfigError(f"--log-format: {self.log_format!r} is not text or json")
+        if self.log_level not in logging.getLevelNamesMapping():
+            raise ConfigError(f"--log-level: {self.log_level!r} is not a logging level")
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,7 +227,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--metrics-port",
         type=int,
-        default=int(env.get("KVHANDOFF_METRICS_PORT", defaults.metrics_port)),
+        # A string default goes through `type`, so a bad value is a usage error, not a crash.
+        default=env.get("KVHANDOFF_METRICS_PORT", str(defaults.metrics_port)),
         help="Prometheus /metrics and /healthz; 0 disables (env KVHANDOFF_METRICS_PORT)",
     )
     group.add_argument("--log-format", choices=["text", "json"],

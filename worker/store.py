@@ -35,6 +35,7 @@ from worker.schema import (
 
 # SQLite's default limit on host parameters is 32766; stay far below it.
 _CHUNK = 500
+_SYNCHRONOUS = ("FULL", "NORMAL", "EXTRA")
 
 
 @dataclass(slots=True)
@@ -164,23 +165,51 @@ class EventLog:
 
     @classmethod
     async def open(cls, path: Path, synchronous: str = "FULL") -> EventLog:
+        """Open the log at `path`, creating it if absent; the file must have this layout."""
+        if synchronous.upper() not in _SYNCHRONOUS:
+            # SQLite silently reads an unknown level as NORMAL, which is not what was asked.
+            raise StoreError(
+                f"cannot open event log {path}: synchronous={synchronous!r} is not one of"
+                f" {', '.join(_SYNCHRONOUS)}"
+            )
         try:
             db = await aiosqlite.connect(path, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open event log {path}: {exc}") from exc
+        try:
             await db.execute("PRAGMA journal_mode=WAL")
             await db.execute(f"PRAGMA synchronous={synchronous}")
             # An offline `compact` may hold the write lock briefly; wait rather than fail.
             await db.execute("PRAGMA busy_timeout=5000")
-            await db.executescript(DDL)
-            await db.execute(
-                "INSERT OR IGNORE INTO meta (key, value) VALUES ('layout', ?)", (LAYOUT_VERSION,)
-            )
-            async with db.execute("SELECT value FROM meta WHERE key = 'layout'") as cursor:
-                found = await cursor.fetchone()
+            tables = {
+                name
+                for (name,) in await db.execute_fetchall(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'"
+                )
+            }
+            # Only an empty file is initialised: another application's database, or a log of
+            # another layout, must be refused before anything is written to it.
+            if not tables:
+                await db.executescript(DDL)
+                await db.execute(
+                    "INSERT INTO meta (key, value) VALUES ('layout', ?)", (LAYOUT_VERSION,)
+                )
+            layout = None
+            if "meta" in tables or not tables:
+                rows = list(
+                    await db.execute_fetchall("SELECT value FROM meta WHERE key = 'layout'")
+                )
+                layout = rows[0][0] if rows else None
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot open event log {path}: {exc}") from exc
-        if found is None or found[0] != LAYOUT_VERSION:
+            # An unclosed connection keeps its thread alive, and the process with it.
             await db.close()
-            raise StoreError(f"event log {path} has layout {found}, this build writes 1")
+            raise StoreError(f"cannot open event log {path}: {exc}") from exc
+        if layout != LAYOUT_VERSION:
+            await db.close()
+            raise StoreError(
+                f"event log {path} has layout {layout!r}, this build reads and writes layout"
+                f" {LAYOUT_VERSION!r}"
+            )
         return cls(db, path)
 
     async def close(self) -> None:
@@ -273,27 +302,33 @@ class EventLog:
 
     async def compact(self, completed_before_ms: int) -> int:
         """Delete handoffs that completed before the given time, with their logs."""
+        db = self._db
         try:
-            await self._db.execute("BEGIN IMMEDIATE")
-            await self._db.execute(
-                "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_id TEXT PRIMARY KEY)"
-            )
-            await self._db.execute("DELETE FROM doomed")
-            await self._db.execute(
-                "INSERT INTO doomed SELECT handoff_id FROM handoffs"
-                " WHERE state != 'open' AND completed_at_ms < ?",
-                (completed_before_ms,),
-            )
-            await self._db.execute(
-                "DELETE FROM events WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
-            )
-            cursor = await self._db.execute(
-                "DELETE FROM handoffs WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
-            )
-            removed = cursor.rowcount
-            await self._db.execute("COMMIT")
+            await db.execute("BEGIN IMMEDIATE")
+            try:
+                await db.execute(
+                    "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_id TEXT PRIMARY KEY)"
+                )
+                await db.execute("DELETE FROM doomed")
+                await db.execute(
+                    "INSERT INTO doomed SELECT handoff_id FROM handoffs"
+                    " WHERE state != 'open' AND completed_at_ms < ?",
+                    (completed_before_ms,),
+                )
+                await db.execute(
+                    "DELETE FROM events WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
+                )
+                cursor = await db.execute(
+                    "DELETE FROM handoffs WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
+                )
+                removed = cursor.rowcount
+                await db.execute("COMMIT")
+            except BaseException:
+                # Only once BEGIN succeeded: a ROLLBACK with no transaction raises and would
+                # hide the error that matters behind an untranslated one.
+                await db.execute("ROLLBACK")
+                raise
         except sqlite3.Error as exc:
-            await self._db.execute("ROLLBACK")
             raise StoreError(f"compaction failed: {exc}") from exc
         return removed
 

@@ -33,6 +33,11 @@ class TimerQueue(Generic[K]):
 
     def cancel(self, key: K) -> None:
         self._due.pop(key, None)
+        # Cancelled entries stay in the heap until they surface; rebuild it when they
+        # outnumber the live ones, so memory follows what is scheduled, not what was.
+        if len(self._heap) > 2 * len(self._due) + 1024:
+            self._heap = [(due, next(self._tiebreak), k) for k, due in self._due.items()]
+            heapq.heapify(self._heap)
 
     def next_due(self) -> float | None:
         self._drop_stale()

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -110,7 +111,7 @@ async def engines(nats_server: EmbeddedNats) -> AsyncIterator[ScriptedEngines]:
 
 def logged(db: Path, handoff_id: object) -> list[LogRecord]:
     """One handoff's records, straight from the SQLite file."""
-    with sqlite3.connect(db) as connection:
+    with closing(sqlite3.connect(db)) as connection:
         rows = connection.execute(
             "SELECT record FROM events WHERE handoff_id = ? ORDER BY seq", (str(handoff_id),)
         ).fetchall()

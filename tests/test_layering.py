@@ -1,0 +1,239 @@
+"""The dependency rules, checked on the source: the core imports only the standard library and
+msgspec; the log and the bus never import each other; the offline commands never reach nats.
+
+Imports are read with `ast`, not by importing, so a rule holds for every import statement,
+including those inside functions that a test run might never execute. One check imports for
+real, in fresh interpreters, because `sys.modules` is the final word on what gets loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("events", "worker")
+
+# The commands that read the log file alone, and the reader they share.
+OFFLINE_COMMANDS = [
+    f"worker.commands.{name}"
+    for name in ("list", "stuck", "replay", "verify", "export", "compact", "conformance", "schema")
+]
+OFFLINE = [*OFFLINE_COMMANDS, "worker.logreader"]
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported module name, where it is imported, and whether it runs at import time."""
+
+    importer: str
+    module: str
+    line: int
+    type_checking_only: bool
+
+    def __str__(self) -> str:
+        return f"{self.importer} imports {self.module} (line {self.line})"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_file(module: str) -> Path | None:
+    base = ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def modules_of(package: str) -> list[str]:
+    return sorted(module_name(path) for path in (ROOT / package).rglob("*.py"))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+@cache
+def imports_of(module: str) -> tuple[Import, ...]:
+    """Every module an import statement anywhere in `module` names, module level or not.
+
+    `from a import b` names `a`, and also `a.b` when that is a module of ours.
+    """
+    path = source_file(module)
+    assert path is not None, f"no source for {module}"
+    is_package = path.name == "__init__.py"
+    found: list[Import] = []
+
+    def visit(node: ast.AST, type_checking: bool) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for statement in node.body:
+                visit(statement, True)
+            for statement in node.orelse:
+                visit(statement, type_checking)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append(Import(module, alias.name, node.lineno, type_checking))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                # Relative: resolve against the importing package.
+                anchor = module.split(".")
+                anchor = anchor if is_package else anchor[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            else:
+                assert node.module is not None
+                base = node.module
+            found.append(Import(module, base, node.lineno, type_checking))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                if source_file(submodule) is not None:
+                    found.append(Import(module, submodule, node.lineno, type_checking))
+        for child in ast.iter_child_nodes(node):
+            visit(child, type_checking)
+
+    visit(ast.parse(path.read_text(), filename=str(path)), False)
+    return tuple(found)
+
+
+def top(name: str) -> str:
+    return name.partition(".")[0]
+
+
+def violations(modules: list[str], forbidden: set[str]) -> Iterator[str]:
+    """Imports of a forbidden module or package (`worker.bus` forbids `worker.bus.x` too)."""
+    for module in modules:
+        for imp in imports_of(module):
+            if any(imp.module == f or imp.module.startswith(f"{f}.") for f in forbidden):
+                yield str(imp)
+
+
+def test_the_module_discovery_sees_the_code() -> None:
+    # Guards the other tests against passing vacuously on an empty or misread tree.
+    assert {"events", "events.coordinator", "events.codec"} <= set(modules_of("events"))
+    assert {"worker.store", "worker.bus", "worker.commands.run"} <= set(modules_of("worker"))
+    assert any(i.module == "nats" for i in imports_of("worker.bus"))
+    assert any(i.module == "worker.store" for i in imports_of("worker.commands.run"))
+
+
+def test_the_core_imports_only_the_standard_library_and_msgspec() -> None:
+    allowed = set(sys.stdlib_module_names) | {"msgspec", "events"}
+    bad = [
+        f"{imp}: events/ may import only the standard library, msgspec and events.*"
+        for module in modules_of("events")
+        for imp in imports_of(module)
+        if top(imp.module) not in allowed
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_core_never_imports_the_worker() -> None:
+    bad = list(violations(modules_of("events"), {"worker"}))
+    assert not bad, "the core must not depend on the IO shell:\n" + "\n".join(bad)
+
+
+def test_the_log_and_the_bus_never_import_each_other() -> None:
+    bad = [
+        *violations(["worker.store", "worker.schema"], {"worker.bus", "nats"}),
+        *violations(["worker.bus"], {"worker.store", "worker.schema", "aiosqlite"}),
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def with_packages(module: str) -> list[str]:
+    """What importing `module` runs: a.b.c runs a/__init__ and a/b/__init__ first."""
+    parts = module.split(".")
+    return [".".join(parts[:depth]) for depth in range(1, len(parts) + 1)]
+
+
+def path_to(start: str, target: str) -> list[Import] | None:
+    """The chain of runtime imports by which `start` reaches `target`, following ours only."""
+    frontier: list[tuple[str, list[Import]]] = [(name, []) for name in with_packages(start)]
+    seen = {name for name, _ in frontier}
+    while frontier:
+        module, chain = frontier.pop(0)
+        for imp in imports_of(module):
+            if imp.type_checking_only:
+                continue
+            if top(imp.module) == target:
+                return [*chain, imp]
+            if top(imp.module) not in PACKAGES:
+                continue
+            for name in with_packages(imp.module):
+                if name not in seen and source_file(name) is not None:
+                    seen.add(name)
+                    frontier.append((name, [*chain, imp]))
+    return None
+
+
+def require_source(module: str) -> None:
+    if source_file(module) is None:
+        pytest.fail(f"{module} does not exist: every offline log command must")
+
+
+@pytest.mark.parametrize("module", OFFLINE)
+def test_offline_modules_never_reach_nats_through_any_import(module: str) -> None:
+    require_source(module)
+    chain = path_to(module, "nats")
+    if chain is not None:
+        pytest.fail(f"{module} reaches nats:\n  " + "\n  ".join(map(str, chain)))
+
+
+_PROBE = """
+import importlib, json, sys
+modules, drivers = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for module in modules:
+    importlib.import_module(module)
+print(json.dumps(sorted({m.partition(".")[0] for m in sys.modules} & set(drivers))))
+"""
+
+
+def loaded_drivers(modules: list[str], drivers: set[str]) -> list[str]:
+    """Those of `drivers` that a fresh interpreter has loaded after importing `modules`."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(modules), json.dumps(sorted(drivers))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.fail(f"importing {', '.join(modules)} failed:\n{probe.stderr}")
+    found: list[str] = json.loads(probe.stdout)
+    return found
+
+
+def assert_load_no(drivers: set[str], modules: list[str]) -> None:
+    """Import all of `modules` in one interpreter (what each loads alone is a subset of that);
+    only if a driver shows up, import them one by one to name the culprits."""
+    if not loaded_drivers(modules, drivers):
+        return
+    culprits = {m: found for m in modules if (found := loaded_drivers([m], drivers))}
+    lines = [f"importing {m} loads {', '.join(found)}" for m, found in culprits.items()]
+    pytest.fail("\n".join(lines or [f"importing {', '.join(modules)} together loads a driver"]))
+
+
+def test_importing_the_offline_modules_leaves_nats_unloaded() -> None:
+    present = [m for m in OFFLINE if source_file(m) is not None]
+    assert_load_no({"nats"}, present)
+    missing = sorted(set(OFFLINE) - set(present))
+    assert not missing, f"missing offline modules: {', '.join(missing)}"
+
+
+def test_importing_the_core_loads_no_driver() -> None:
+    assert_load_no({"nats", "aiosqlite", "sqlite3"}, ["events"])
+    assert_load_no({"nats", "aiosqlite", "sqlite3"}, modules_of("events"))

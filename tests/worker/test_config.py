@@ -1,0 +1,254 @@
+"""`kvhandoff run`'s settings: durations, flags, environment fallbacks, and a `ConfigError` that
+names the setting for every invalid one, before anything connects."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import worker.commands.run as run_command
+from worker.cli import build_parser, main
+from worker.config import NatsSettings, WorkerConfig, parse_duration, worker_config
+from worker.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No setting leaks in from the environment, and relative paths land in tmp_path."""
+    for name in list(os.environ):
+        if name.startswith(("NATS_", "KVHANDOFF_")):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    yield
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """Parse `kvhandoff run ARGV`; environment fallbacks are read here, when defaults are built."""
+    arguments = ["run", *argv]
+    return build_parser(arguments).parse_args(arguments)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("250ms", 0.25),
+        ("30s", 30.0),
+        ("5m", 300.0),
+        ("2h", 7_200.0),
+        ("7d", 604_800.0),
+        ("1.5", 1.5),
+        ("0.5m", 30.0),
+        (" 10 s ", 10.0),
+        ("0", 0.0),
+    ],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "s", "soon", "5x", "-1s", "1e3", "5mm", "1,5s", "5 m s"])
+def test_parse_duration_rejects_what_is_not_a_duration(text: str) -> None:
+    with pytest.raises(ConfigError, match=f"not a duration: {re.escape(repr(text))}"):
+        parse_duration(text)
+
+
+def test_defaults() -> None:
+    assert worker_config(parse()) == WorkerConfig(
+        nats=NatsSettings(
+            url="nats://127.0.0.1:4222",
+            user=None,
+            password=None,
+            token=None,
+            creds=None,
+            tls_ca=None,
+            tls_cert=None,
+            tls_key=None,
+            subject_prefix="kvhandoff",
+        ),
+        db_path=Path("kvhandoff.db"),
+        stream="KVHANDOFF_IN",
+        consumer="kvhandoff-worker",
+        batch_size=512,
+        retry_interval_s=5.0,
+        ack_wait_s=30.0,
+        synchronous="FULL",
+        retention_s=None,
+        metrics_host="0.0.0.0",
+        metrics_port=9464,
+        log_format="text",
+        log_level="INFO",
+    )
+
+
+def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "ca.pem").touch()
+    (tmp_path / "client.crt").touch()
+    (tmp_path / "client.key").touch()
+    (tmp_path / "logs").mkdir()
+    for name, value in {
+        "NATS_URL": "tls://nats-0:4222,tls://nats-1:4222",
+        "NATS_USER": "worker",
+        "NATS_PASSWORD": "secret",
+        "NATS_TLS_CA": "ca.pem",
+        "NATS_TLS_CERT": "client.crt",
+        "NATS_TLS_KEY": "client.key",
+        "KVHANDOFF_SUBJECT_PREFIX": "prod.kv",
+        "KVHANDOFF_DB": "logs/worker.db",
+        "KVHANDOFF_STREAM": "PROD_IN",
+        "KVHANDOFF_CONSUMER": "worker-a",
+        "KVHANDOFF_RETRY_INTERVAL": "250ms",
+        "KVHANDOFF_SYNCHRONOUS": "normal",
+        "KVHANDOFF_RETENTION": "7d",
+        "KVHANDOFF_METRICS_PORT": "0",
+        "KVHANDOFF_LOG_FORMAT": "json",
+        "KVHANDOFF_LOG_LEVEL": "debug",
+    }.items():
+        monkeypatch.setenv(name, value)
+
+    config = worker_config(parse())
+
+    assert config.nats == NatsSettings(
+        url="tls://nats-0:4222,tls://nats-1:4222",
+        user="worker",
+        password="secret",
+        tls_ca=Path("ca.pem"),
+        tls_cert=Path("client.crt"),
+        tls_key=Path("client.key"),
+        subject_prefix="prod.kv",
+    )
+    assert config.db_path == Path("logs/worker.db")
+    assert (config.stream, config.consumer) == ("PROD_IN", "worker-a")
+    assert config.retry_interval_s == pytest.approx(0.25)
+    assert config.synchronous == "NORMAL"
+    assert config.retention_s == 7 * 86_400
+    assert config.metrics_port == 0
+    assert (config.log_format, config.log_level) == ("json", "DEBUG")
+
+
+def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NATS_URL", "nats://from-env:4222")
+    monkeypatch.setenv("KVHANDOFF_RETRY_INTERVAL", "1m")
+    monkeypatch.setenv("KVHANDOFF_SYNCHRONOUS", "NORMAL")
+
+    config = worker_config(
+        parse(
+            "--nats-url",
+            "nats://from-flag:4222",
+            "--retry-interval",
+            "2s",
+            "--synchronous",
+            "extra",
+        )
+    )
+
+    assert config.nats.url == "nats://from-flag:4222"
+    assert config.retry_interval_s == 2.0
+    assert config.synchronous == "EXTRA"
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """`kvhandoff run ARGV`, with `env` set and `files` created, fails with `error` first."""
+
+    argv: list[str]
+    error: str
+    env: dict[str, str] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+
+INVALID = [
+    Invalid(["--nats-url", "http://x:4222"], "--nats-url: 'http://x:4222' is not a nats://"),
+    Invalid(["--nats-url", "nats://a:4222,http://b:4222"], "--nats-url: 'http://b:4222'"),
+    Invalid(["--nats-url", "nats://"], "--nats-url: 'nats://'"),
+    Invalid(["--nats-url", "nats://a:99999"], "--nats-url: 'nats://a:99999'"),
+    Invalid([], "--nats-url: 'localhost:4222'", env={"NATS_URL": "localhost:4222"}),
+    Invalid(["--nats-user", "worker"], "--nats-user and --nats-password go together"),
+    Invalid([], "--nats-user and --nats-password go together", env={"NATS_PASSWORD": "secret"}),
+    Invalid(
+        ["--tls-cert", "client.crt"], "--tls-cert and --tls-key go together", files=["client.crt"]
+    ),
+    Invalid(["--nats-creds", "worker.creds"], "--nats-creds: no such file worker.creds"),
+    Invalid([], "--tls-ca: no such file ca.pem", env={"NATS_TLS_CA": "ca.pem"}),
+    Invalid(["--subject-prefix", "kv.>"], "--subject-prefix: 'kv.>'"),
+    Invalid(["--stream", "KV.IN"], "--stream: 'KV.IN'"),
+    Invalid([], "--stream: 'KV IN'", env={"KVHANDOFF_STREAM": "KV IN"}),
+    Invalid(["--consumer", "worker*"], "--consumer: 'worker*'"),
+    Invalid(["--batch-size", "0"], "--batch-size: 0 is not in 1..10000"),
+    Invalid(["--batch-size", "10001"], "--batch-size: 10001 is not in 1..10000"),
+    Invalid(["--retry-interval", "0s"], "--retry-interval must be positive"),
+    Invalid([], "--retry-interval must be positive", env={"KVHANDOFF_RETRY_INTERVAL": "0ms"}),
+    Invalid(["--ack-wait", "1s"], "--ack-wait must be more than a second"),
+    Invalid(["--synchronous", "off"], "--synchronous: 'OFF' is not FULL, NORMAL or EXTRA"),
+    Invalid([], "--synchronous: 'FAST'", env={"KVHANDOFF_SYNCHRONOUS": "fast"}),
+    Invalid(["--retention", "0"], "--retention must be positive"),
+    Invalid(["--metrics-port", "65536"], "--metrics-port: 65536 is not a port"),
+    Invalid(["--db", "missing/kvhandoff.db"], "--db: directory missing does not exist"),
+    Invalid(
+        [], "--db: directory missing does not exist", env={"KVHANDOFF_DB": "missing/kvhandoff.db"}
+    ),
+    Invalid([], "--log-format: 'xml' is not text or json", env={"KVHANDOFF_LOG_FORMAT": "xml"}),
+    Invalid(["--log-level", "verbose"], "--log-level: 'VERBOSE' is not a logging level"),
+]
+
+
+@pytest.mark.parametrize("case", INVALID, ids=[case.error for case in INVALID])
+def test_each_invalid_setting_is_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case: Invalid
+) -> None:
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, value)
+    for name in case.files:
+        (tmp_path / name).touch()
+    args = parse(*case.argv)
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(case.error)}"):
+        worker_config(args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "error"),
+    [
+        (["--retry-interval", "soon"], {}, "argument --retry-interval: not a duration: 'soon'"),
+        ([], {"KVHANDOFF_RETRY_INTERVAL": "soon"}, "argument --retry-interval: not a duration"),
+        ([], {"KVHANDOFF_METRICS_PORT": "http"}, "argument --metrics-port: invalid int value"),
+        (["--log-format", "xml"], {}, "argument --log-format: invalid choice: 'xml'"),
+        (["--batch-size", "many"], {}, "argument --batch-size: invalid int value: 'many'"),
+    ],
+)
+def test_unparseable_values_are_usage_errors(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    environment: dict[str, str],
+    error: str,
+) -> None:
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse(*argv)
+
+    assert exit_info.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_run_with_an_invalid_setting_exits_2_before_connecting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    async def serve(config: WorkerConfig) -> int:
+        raise AssertionError("the worker started with an invalid configuration")
+
+    monkeypatch.setattr(run_command, "serve", serve)
+
+    assert main(["run", "--nats-url", "http://x"]) == 2
+
+    out, err = capsys.readouterr()
+    assert err == "kvhandoff run: --nats-url: 'http://x' is not a nats://, tls://, ws:// URL\n"
+    assert out == ""
+    assert list(tmp_path.iterdir()) == []  # no event log was created either
