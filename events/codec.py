@@ -63,10 +63,8 @@ def wire_schema() -> dict[str, Any]:
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "kvhandoff wire vocabulary",
         "description": "Inputs go to <prefix>.in.<handoff_id>; actions come from the worker.",
-        "$defs": {**components, "Input": inputs, "Action": actions, "Rejection": rejection},
-        "oneOf": [
-            {"$ref": "#/$defs/Input"},
-            {"$ref": "#/$defs/Action"},
-            {"$ref": "#/$defs/Rejection"},
-        ],
+        # The unions have no component of their own; a single Struct (Rejection) already
+        # is one, and `rejection` is just a reference to it.
+        "$defs": {**components, "Input": inputs, "Action": actions},
+        "oneOf": [{"$ref": "#/$defs/Input"}, {"$ref": "#/$defs/Action"}, rejection],
     }
