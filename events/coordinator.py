@@ -291,9 +291,17 @@ class HandoffCoordinator:
         return self._next_action_id
 
     def outstanding(self) -> list[Action]:
-        """Issued actions that still expect an outcome, in issue order."""
+        """Issued actions whose outcome the handoff still needs, in issue order.
+
+        While cleaning up only the cancels count: an unanswered action from before the cleanup
+        is superseded by its cancel, and carrying it out late (a driver retrying it) would take
+        ownership that nothing would release.
+        """
         outcomes = self._outcomes
-        return [a for i, a in self._issued.items() if i not in outcomes]
+        pending = [a for i, a in self._issued.items() if i not in outcomes]
+        if self._mode is _CLEANING_UP:
+            return [a for a in pending if type(a) is CancelSource or type(a) is CancelDestination]
+        return pending
 
     def waiting_for(self) -> list[Waiting]:
         """What an open handoff is waiting for: outstanding outcomes, then expected facts."""
