@@ -27,8 +27,10 @@ from events.records import ActionRecord, InputRecord, LogRecord
 from worker.errors import StoreConflict, StoreError
 from worker.schema import (
     DDL,
+    HANDOFF_COLUMNS,
     LAYOUT_VERSION,
     SELECT_EVENTS,
+    SELECT_HANDOFFS,
     EventKind,
     HandoffState,
 )
@@ -136,8 +138,6 @@ UPDATE events SET published_at_ms = ? WHERE handoff_id = ? AND seq = ? AND publi
 _INSERT_REJECTION = (
     "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, ?, ?, ?)"
 )
-_HANDOFF_COLUMNS = """handoff_id, engine_type, source, destination, started_at_ms, deadline_at_ms,
-    state, completed_at_ms, last_seq, updated_at_ms"""
 
 
 def _handoff_row(values: Sequence[Any]) -> HandoffRow:
@@ -247,9 +247,7 @@ class EventLog:
         for start in range(0, len(ids), _CHUNK):
             chunk = ids[start : start + _CHUNK]
             marks = ",".join("?" * len(chunk))
-            rows = await self._fetch(
-                f"SELECT {_HANDOFF_COLUMNS} FROM handoffs WHERE handoff_id IN ({marks})", chunk
-            )
+            rows = await self._fetch(f"{SELECT_HANDOFFS} WHERE handoff_id IN ({marks})", chunk)
             for values in rows:
                 row = _handoff_row(values)
                 loaded[row.handoff_id] = LoadedHandoff(row, [])
@@ -268,7 +266,7 @@ class EventLog:
             row.handoff_id: LoadedHandoff(row, [])
             for row in map(
                 _handoff_row,
-                await self._fetch(f"SELECT {_HANDOFF_COLUMNS} FROM handoffs WHERE state = 'open'"),
+                await self._fetch(f"{SELECT_HANDOFFS} WHERE state = 'open'"),
             )
         }
         events = await self._fetch(
@@ -281,7 +279,7 @@ class EventLog:
 
     async def unpublished_actions(self) -> list[UnpublishedAction]:
         """Actions that were committed but never marked published (the outbox's backlog)."""
-        columns = ", ".join(f"h.{c.strip()}" for c in _HANDOFF_COLUMNS.split(","))
+        columns = ", ".join(f"h.{c.strip()}" for c in HANDOFF_COLUMNS.split(","))
         rows = await self._fetch(
             f"SELECT {columns}, e.seq, e.record FROM events e JOIN handoffs h USING (handoff_id)"
             " WHERE e.kind = 'action' AND e.published_at_ms IS NULL ORDER BY e.handoff_id, e.seq"

@@ -1,0 +1,61 @@
+"""Fixtures for the offline log tools: the golden logs (checked in under `golden/v1/`, read in
+place or copied when a test may write), and the `kvhandoff` CLI run in-process."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from worker.cli import main
+
+GOLDEN = Path(__file__).parent / "golden"
+V1 = GOLDEN / "v1"
+
+#: The golden v1 handoffs by scenario (golden/generate.py). Spelled out, not recomputed: the v1
+#: files are frozen, whatever the generator becomes.
+IDS = {
+    "source-first-success": "c0619bee-b518-5110-b32c-809289541a87",
+    "destination-first-success": "c94a9acc-7ce0-5c05-9198-93191b12d549",
+    "frontend-cancel": "5aff7c74-b35e-5721-885f-db8a895bfa13",
+    "failed-outcome": "e749763d-a52f-5726-bd3e-34c0620aff49",
+    "deadline-timed-out": "de2e3d84-85fa-5e1c-b8ce-a98e9d5355ce",
+    "reopened-after-success": "2fed417f-50ca-52df-9303-08354f81ec8b",
+    "stuck-on-reserve": "033dc8c2-d1a1-52af-82f6-d4a1034aa614",
+    "stuck-on-transfer": "20c58cb2-46ba-53bb-a2d1-32af376a2a33",
+    "just-started": "2860a3b1-2002-58e3-bd76-aa9953b77549",
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+Run = Callable[..., Result]
+
+
+@pytest.fixture
+def kvhandoff(capsys: pytest.CaptureFixture[str]) -> Run:
+    """Run `kvhandoff ARGS...` in this process; stdout is captured, so it is not a terminal."""
+
+    def run(*argv: object) -> Result:
+        capsys.readouterr()
+        code = main([str(a) for a in argv])
+        captured = capsys.readouterr()
+        return Result(code, captured.out, captured.err)
+
+    return run
+
+
+@pytest.fixture
+def writable_log(tmp_path: Path) -> Path:
+    """A copy of the golden v1 log that a test may change."""
+    path = tmp_path / "log.sqlite3"
+    shutil.copyfile(V1 / "log.sqlite3", path)
+    return path

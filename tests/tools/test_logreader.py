@@ -1,0 +1,194 @@
+"""`worker.logreader`: both forms of the log behind one interface, read-only, with the JSONL
+export round-tripping exactly and every record passing the codec's version check."""
+
+from __future__ import annotations
+
+import io
+import sqlite3
+from pathlib import Path
+from uuid import UUID
+
+import msgspec
+import pytest
+
+from events.codec import decode_record
+from events.errors import LogCorrupt
+from tests.tools.conftest import IDS, V1
+from worker.commands.verify import verify_log
+from worker.errors import StoreError
+from worker.logreader import (
+    ExportHeader,
+    JsonlLog,
+    SqliteLog,
+    open_log,
+    read_jsonl,
+    write_jsonl,
+)
+from worker.schema import HandoffState
+
+CANCEL = UUID(IDS["frontend-cancel"])
+
+
+def test_open_log_tells_the_forms_apart_by_content(tmp_path: Path) -> None:
+    renamed = tmp_path / "handoff.log"  # no telling extension
+    renamed.write_bytes((V1 / "frontend-cancel.jsonl").read_bytes())
+    with open_log(V1 / "log.sqlite3") as db, open_log(renamed) as export:
+        assert isinstance(db, SqliteLog) and isinstance(export, JsonlLog)
+        assert export.load(CANCEL) == db.load(CANCEL)
+        (exported,) = export.scan()
+        assert exported in list(db.scan())
+
+
+def test_scan_gives_each_handoffs_stored_records_in_id_order() -> None:
+    with SqliteLog(V1 / "log.sqlite3") as log:
+        scanned = list(log.scan())
+        rows = sorted(log.handoffs(), key=lambda h: str(h.handoff_id))
+        assert len(scanned) == len(rows)
+        for row, stored in zip(rows, scanned, strict=True):
+            loaded = log.load(row.handoff_id)
+            assert [seq for seq, _ in stored] == list(range(row.last_seq + 1))
+            assert [decode_record(blob) for _, blob in stored] == [e.record for e in loaded.events]
+
+
+@pytest.mark.parametrize(
+    ("lost", "error"),
+    [
+        # The first handoff in id order; then one whose events would run on from the handoff
+        # before it in id order (reopened-after-success, whose last seq is 18).
+        ("stuck-on-reserve", f"handoff {IDS['stuck-on-reserve']}: log begins at sequence 1"),
+        ("frontend-cancel", "log goes back from sequence 18 to 1 .another handoff's events"),
+    ],
+)
+def test_verify_of_a_log_that_lost_a_handoffs_first_event_fails(
+    writable_log: Path, lost: str, error: str
+) -> None:
+    with sqlite3.connect(writable_log) as db:
+        db.execute("DELETE FROM events WHERE handoff_id = ? AND seq = 0", (IDS[lost],))
+    with SqliteLog(writable_log) as log, pytest.raises(LogCorrupt, match=error):
+        verify_log(log)
+
+
+def test_an_export_round_trips_exactly() -> None:
+    with open_log(V1 / "log.sqlite3") as log:
+        for row in log.handoffs():
+            original = log.load(row.handoff_id)
+            out = io.BytesIO()
+            write_jsonl(original, out)
+            assert read_jsonl(iter(out.getvalue().splitlines())) == original
+
+
+def test_the_export_header_names_format_version_and_handoff() -> None:
+    first = (V1 / "frontend-cancel.jsonl").read_bytes().splitlines()[0]
+    header = msgspec.json.decode(first)
+    assert header["format"] == "kvhandoff-handoff-log"
+    assert header["version"] == 1 and header["schema_version"] == 1
+    assert header["handoff_id"] == IDS["frontend-cancel"]
+    assert header["handoff"]["state"] == "canceled"
+    assert msgspec.json.decode(first, type=ExportHeader).handoff.handoff_id == CANCEL
+
+
+def test_handoffs_filter_by_state_in_start_order() -> None:
+    with SqliteLog(V1 / "log.sqlite3") as log:
+        everything = log.handoffs()
+        open_ = log.handoffs([HandoffState.OPEN])
+    assert [h.started_at_ms for h in everything] == sorted(h.started_at_ms for h in everything)
+    assert {str(h.handoff_id) for h in open_} == {
+        IDS["stuck-on-reserve"], IDS["stuck-on-transfer"], IDS["just-started"]
+    }  # fmt: skip
+    assert len(everything) == len(IDS)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (IDS["frontend-cancel"], IDS["frontend-cancel"]),
+        (IDS["frontend-cancel"].upper(), IDS["frontend-cancel"]),
+        ("5aff", IDS["frontend-cancel"]),
+        ("c06", IDS["source-first-success"]),
+    ],
+)
+def test_resolve_takes_an_id_or_a_unique_prefix(text: str, expected: str) -> None:
+    with SqliteLog(V1 / "log.sqlite3") as log:
+        assert str(log.resolve(text)) == expected
+
+
+@pytest.mark.parametrize(("text", "error"), [("c", "ambiguous"), ("ffff", "no handoff")])
+def test_resolve_refuses_an_ambiguous_or_unknown_id(text: str, error: str) -> None:
+    with SqliteLog(V1 / "log.sqlite3") as log, pytest.raises(StoreError, match=error):
+        log.resolve(text)
+
+
+def test_the_sqlite_log_is_opened_read_only(writable_log: Path) -> None:
+    with SqliteLog(writable_log) as log, pytest.raises(sqlite3.OperationalError, match="readonly"):
+        log._db.execute("DELETE FROM events")
+
+
+def test_a_file_that_is_not_an_event_log_is_refused(tmp_path: Path) -> None:
+    other = tmp_path / "other.sqlite3"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE t (x)")
+    with pytest.raises(StoreError, match="not a kvhandoff event log"):
+        open_log(other)
+    with pytest.raises(StoreError, match="cannot read"):
+        open_log(tmp_path / "missing.sqlite3")
+
+
+def test_a_log_of_another_layout_is_refused(writable_log: Path) -> None:
+    with sqlite3.connect(writable_log) as db:
+        db.execute("UPDATE meta SET value = '2' WHERE key = 'layout'")
+    with pytest.raises(StoreError, match="has layout 2, this build reads 1"):
+        open_log(writable_log)
+
+
+def test_records_from_a_newer_schema_are_refused_in_either_form(
+    writable_log: Path, tmp_path: Path
+) -> None:
+    # A record this build cannot upcast must stop the reader, not be misread.
+    lines = (V1 / "frontend-cancel.jsonl").read_bytes().splitlines()
+    lines[3] = lines[3].replace(b'"v":1}', b'"v":99}')
+    export = tmp_path / "future.jsonl"
+    export.write_bytes(b"\n".join(lines))
+    with pytest.raises(LogCorrupt, match=r"seq 2: log record has schema version 99"):
+        open_log(export)
+
+    with sqlite3.connect(writable_log) as db:
+        (blob,) = db.execute(
+            "SELECT record FROM events WHERE handoff_id = ? AND seq = 2", (str(CANCEL),)
+        ).fetchone()
+        record = msgspec.msgpack.decode(blob)
+        record["v"] = 99
+        db.execute(
+            "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = 2",
+            (msgspec.msgpack.encode(record), str(CANCEL)),
+        )
+    with open_log(writable_log) as log:
+        with pytest.raises(LogCorrupt, match=f"handoff {CANCEL} seq 2: .*version 99"):
+            log.load(CANCEL)
+        with pytest.raises(LogCorrupt, match=f"handoff {CANCEL}: .*version 99"):
+            verify_log(log)
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        (b"", "empty export"),
+        (b'{"format":"something-else","version":1}\n', "not a kvhandoff handoff export"),
+        (b"not json\n", "not a kvhandoff handoff export"),
+    ],
+)
+def test_a_file_that_is_not_an_export_is_refused(
+    tmp_path: Path, content: bytes, error: str
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(LogCorrupt, match=error):
+        open_log(path)
+
+
+def test_a_newer_export_format_is_refused(tmp_path: Path) -> None:
+    lines = (V1 / "frontend-cancel.jsonl").read_bytes().splitlines()
+    lines[0] = lines[0].replace(b'"version":1', b'"version":2')
+    path = tmp_path / "newer.jsonl"
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(LogCorrupt, match="export format version 2"):
+        open_log(path)

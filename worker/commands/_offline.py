@@ -1,0 +1,139 @@
+"""What the offline log commands (list, stuck, replay, verify, export, compact) share on the
+command line: the log argument, times and ages as arguments, `--json`/`--print-schema`, and
+turning the errors they expect into a one-line message and exit status 2.
+
+Exit status: 0 success, 1 the check failed (`verify` found a divergence), 2 the command could
+not do its job (no such file or handoff, an unreadable log, a bad argument).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+
+from events.errors import HandoffError
+from worker.errors import WorkerError
+from worker.reports import json_schema
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_ERROR = 2
+
+_UNITS_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+
+
+def parse_duration_ms(text: str) -> int:
+    """`250ms`, `30s`, `5m`, `2h`, `1d`, or a sum such as `1h30m`, in milliseconds."""
+    compact = text.strip().replace(" ", "")
+    if compact == "0":
+        return 0
+    parts = _DURATION.findall(compact)
+    if not parts or "".join(n + u for n, u in parts) != compact:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30s, 5m, 1h30m)")
+    return round(sum(float(n) * _UNITS_MS[u] for n, u in parts))
+
+
+def parse_time_ms(text: str, now_ms: int) -> int:
+    """An instant: milliseconds since the epoch, ISO 8601 (UTC unless it says otherwise), or
+    an age such as `10m`, meaning that long before `now_ms`."""
+    stripped = text.strip()
+    if stripped.isdigit():
+        return int(stripped)
+    try:
+        return now_ms - parse_duration_ms(stripped)
+    except argparse.ArgumentTypeError:
+        pass
+    try:
+        moment = datetime.fromisoformat(stripped)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (epoch ms, ISO 8601, or an age such as 10m)"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return round(moment.timestamp() * 1000)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def add_log_argument(parser: argparse.ArgumentParser, *, sqlite_only: bool = False) -> None:
+    if sqlite_only:
+        help_text = "the worker's SQLite event log"
+    else:
+        help_text = "the worker's SQLite event log, or one handoff exported as JSONL"
+    parser.add_argument("log", type=Path, nargs="?", help=help_text)
+
+
+def add_now_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--now",
+        metavar="TIME",
+        help="the time that ages are measured from (default: the clock), for reproducible output",
+    )
+
+
+def resolve_now(args: argparse.Namespace) -> int:
+    if args.now is None:
+        return now_ms()
+    return parse_time_ms(args.now, now_ms())
+
+
+def add_report_arguments(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--print-schema", action="store_true", help="print the JSON Schema of the report and exit"
+    )
+
+
+def print_schema(name: str) -> None:
+    print(msgspec.json.format(msgspec.json.encode(json_schema(name)), indent=2).decode())
+
+
+def print_json(report: object) -> None:
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(report), indent=2).decode())
+    sys.stdout.write("\n")
+
+
+def offline_command(
+    name: str,
+) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+    """Wrap a command's `execute`: `--print-schema`, a missing log, and expected errors."""
+
+    def wrap(execute: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        @functools.wraps(execute)
+        def run(args: argparse.Namespace) -> int:
+            if getattr(args, "print_schema", False):
+                print_schema(name)
+                return EXIT_OK
+            if args.log is None:
+                return fail(name, "the log argument is required")
+            try:
+                return execute(args)
+            except (WorkerError, HandoffError, argparse.ArgumentTypeError) as exc:
+                return fail(name, str(exc))
+            except BrokenPipeError:
+                # The reader went away (`| head`): stop quietly, as the Python docs advise.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return EXIT_FAILED
+
+        return run
+
+    return wrap
+
+
+def fail(name: str, message: str) -> int:
+    print(f"kvhandoff {name}: {message}", file=sys.stderr)
+    return EXIT_ERROR

@@ -1,0 +1,46 @@
+"""`kvhandoff compact LOG --older-than AGE`: remove completed handoffs older than AGE.
+
+Deletes every handoff that completed (succeeded or canceled) more than AGE ago, with its whole
+log, in one transaction, through the worker's own `EventLog.compact`. Open handoffs are never
+touched. Safe while a worker runs on the same file: both wait for SQLite's write lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from worker.commands import _offline, _text
+from worker.store import EventLog
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    _offline.add_log_argument(parser, sqlite_only=True)
+    parser.add_argument(
+        "--older-than",
+        metavar="AGE",
+        type=_offline.parse_duration_ms,
+        required=True,
+        help="remove handoffs that completed more than AGE ago (30s, 5m, 7d, 1h30m)",
+    )
+    _offline.add_now_argument(parser)
+
+
+@_offline.offline_command("compact")
+def execute(args: argparse.Namespace) -> int:
+    if not args.log.is_file():
+        # EventLog.open would create an empty log; compacting a typo must not.
+        return _offline.fail("compact", f"no event log at {args.log}")
+    cutoff = _offline.resolve_now(args) - args.older_than
+    removed = asyncio.run(_compact(args.log, cutoff))
+    print(f"removed {_text.count(removed, 'handoff')} completed before {_text.instant(cutoff)}")
+    return _offline.EXIT_OK
+
+
+async def _compact(path: Path, completed_before_ms: int) -> int:
+    log = await EventLog.open(path)
+    try:
+        return await log.compact(completed_before_ms)
+    finally:
+        await log.close()

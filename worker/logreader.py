@@ -1,0 +1,321 @@
+"""The offline, read-only reader of the event log, for `list`, `stuck`, `replay`, `verify` and
+`export`. It needs the log file alone: no NATS, no running worker.
+
+A log comes in two forms, read through one interface (`LogSource`):
+
+- the worker's SQLite file (`SqliteLog`), opened read-only (`file:...?mode=ro`) with the
+  standard library's sqlite3, so a running worker can keep writing while a tool reads;
+- one handoff exported as self-contained JSONL (`JsonlLog`), for bug reports: a header line,
+  then one line per event with the record as JSON. `write_jsonl` writes it.
+
+`open_log` tells them apart by content (SQLite's magic header), not by extension. Records are
+decoded by `events.codec.decode_record`, the one place that upcasts older schema versions,
+whichever form they were read from. sqlite errors are translated to `StoreError` here.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Protocol, Self
+from uuid import UUID
+
+import msgspec
+from msgspec import Struct
+
+from events.codec import decode_record, encode_record
+from events.errors import LogCorrupt
+from events.records import SCHEMA_VERSION, LogRecord
+from events.replay import LoggedRecord, StoredRecord
+from worker.errors import StoreError
+from worker.schema import (
+    LAYOUT_VERSION,
+    SCAN_RECORDS,
+    SELECT_EVENTS,
+    SELECT_HANDOFF,
+    SELECT_HANDOFF_IDS_BETWEEN,
+    SELECT_HANDOFFS,
+    HandoffState,
+)
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+#: The name and version of the JSONL export, in its header line.
+EXPORT_FORMAT = "kvhandoff-handoff-log"
+EXPORT_VERSION = 1
+
+
+class HandoffSummary(Struct, frozen=True):
+    """A handoff's row in the `handoffs` projection."""
+
+    handoff_id: UUID
+    engine_type: str
+    source: str
+    destination: str
+    started_at_ms: int
+    deadline_at_ms: int
+    state: HandoffState
+    completed_at_ms: int | None
+    last_seq: int
+    updated_at_ms: int
+
+
+class LoggedEvent(Struct, frozen=True):
+    """One decoded entry of a handoff's log."""
+
+    seq: int
+    at_ms: int
+    record: LogRecord
+    published_at_ms: int | None = None
+
+
+class HandoffLog(Struct, frozen=True):
+    """One handoff: its projection and its whole log in sequence order."""
+
+    handoff: HandoffSummary
+    events: tuple[LoggedEvent, ...]
+
+    def records(self) -> list[LoggedRecord]:
+        """The log as `events.replay` reads it."""
+        return [(e.seq, e.record) for e in self.events]
+
+
+class LogSource(Protocol):
+    """What the offline tools read, from either form of the log."""
+
+    path: Path
+
+    def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
+        """Every handoff (in one of `states`, if given), oldest start first."""
+        ...
+
+    def resolve(self, text: str) -> UUID:
+        """The handoff whose id is `text` or begins with it (unique prefix, as git does)."""
+        ...
+
+    def load(self, handoff_id: UUID) -> HandoffLog: ...
+
+    def scan(self) -> Iterator[list[StoredRecord]]:
+        """Every handoff's log, records as stored (encoded), in one pass in handoff id order."""
+        ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+def open_log(path: Path) -> SqliteLog | JsonlLog:
+    """Open a log read-only, in whichever form the file holds."""
+    try:
+        with path.open("rb") as file:
+            magic = file.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        raise StoreError(f"cannot read event log {path}: {exc.strerror}") from exc
+    if magic == _SQLITE_MAGIC:
+        return SqliteLog(path)
+    return JsonlLog(path)
+
+
+class _Closing:
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class SqliteLog(_Closing):
+    """The worker's SQLite event log, read-only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        uri = f"{path.resolve().as_uri()}?mode=ro"
+        try:
+            self._db = sqlite3.connect(uri, uri=True)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open event log {path}: {exc}") from exc
+        try:
+            found = self._db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise StoreError(f"{path} is not a kvhandoff event log: {exc}") from exc
+        if found is None or found[0] != LAYOUT_VERSION:
+            self._db.close()
+            layout = None if found is None else found[0]
+            raise StoreError(
+                f"event log {path} has layout {layout}, this build reads {LAYOUT_VERSION}"
+            )
+
+    def close(self) -> None:
+        self._db.close()
+
+    def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
+        sql, params = SELECT_HANDOFFS, [s.value for s in states]
+        if params:
+            sql += f" WHERE state IN ({','.join('?' * len(params))})"
+        rows = self._fetch(sql + " ORDER BY started_at_ms, handoff_id", params)
+        return [_summary(row) for row in rows]
+
+    def resolve(self, text: str) -> UUID:
+        prefix = text.strip().lower()
+        # Every character of a stored id sorts below '~', so this range is "begins with".
+        found = self._fetch(SELECT_HANDOFF_IDS_BETWEEN, (prefix, prefix + "~", 2))
+        if not found:
+            raise StoreError(f"no handoff {text!r} in {self.path}")
+        if len(found) > 1 and found[0][0] != prefix:
+            raise StoreError(f"handoff id prefix {text!r} is ambiguous in {self.path}")
+        return UUID(found[0][0])
+
+    def load(self, handoff_id: UUID) -> HandoffLog:
+        key = (str(handoff_id),)
+        rows = self._fetch(SELECT_HANDOFF, key)
+        if not rows:
+            raise StoreError(f"no handoff {handoff_id} in {self.path}")
+        events = tuple(
+            LoggedEvent(seq, at_ms, _decode(handoff_id, seq, record), published)
+            for _, seq, _, at_ms, _, published, record in self._fetch(SELECT_EVENTS, key)
+        )
+        return HandoffLog(_summary(rows[0]), events)
+
+    def scan(self) -> Iterator[list[StoredRecord]]:
+        # `verify`'s read of a whole log, kept lean: a handoff begins where seq is 0 (every log
+        # begins with its start, and seq counts from 0 without gaps), so neither the handoff id
+        # nor a new tuple is made per row; the replay names the handoff from its records.
+        rows: list[StoredRecord] = []
+        try:
+            for row in self._db.execute(SCAN_RECORDS):
+                if row[0] == 0 and rows:
+                    yield rows
+                    rows = []
+                rows.append(row)
+        except sqlite3.Error as exc:
+            raise StoreError(f"reading {self.path} failed: {exc}") from exc
+        if rows:
+            yield rows
+
+    def _fetch(self, sql: str, params: Collection[object] = ()) -> list[Any]:
+        try:
+            return self._db.execute(sql, tuple(params)).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"reading {self.path} failed: {exc}") from exc
+
+
+class JsonlLog(_Closing):
+    """One handoff's log, as `kvhandoff export` wrote it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with path.open("rb") as file:
+                self.log = read_jsonl(file)
+        except OSError as exc:
+            raise StoreError(f"cannot read {path}: {exc.strerror}") from exc
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise LogCorrupt(f"{path} is not a kvhandoff handoff export: {exc}") from exc
+
+    def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
+        handoff = self.log.handoff
+        return [handoff] if not states or handoff.state in states else []
+
+    def resolve(self, text: str) -> UUID:
+        handoff_id = self.log.handoff.handoff_id
+        if not str(handoff_id).startswith(text.strip().lower()):
+            raise StoreError(f"{self.path} holds handoff {handoff_id}, not {text!r}")
+        return handoff_id
+
+    def load(self, handoff_id: UUID) -> HandoffLog:
+        if handoff_id != self.log.handoff.handoff_id:
+            raise StoreError(f"{self.path} holds handoff {self.log.handoff.handoff_id} only")
+        return self.log
+
+    def scan(self) -> Iterator[list[StoredRecord]]:
+        yield [(e.seq, encode_record(e.record)) for e in self.log.events]
+
+
+# --- The JSONL export -----------------------------------------------------------------------
+
+
+class ExportHeader(Struct, frozen=True, tag=EXPORT_FORMAT, tag_field="format"):
+    """The first line of an export: what it is, and the handoff's projection."""
+
+    version: int
+    handoff_id: UUID
+    schema_version: int
+    handoff: HandoffSummary
+
+
+class ExportedEvent(Struct, frozen=True):
+    """Every further line: one event, its record as the JSON form of a `LogRecord`."""
+
+    seq: int
+    at_ms: int
+    published_at_ms: int | None
+    record: msgspec.Raw
+
+
+_header_decoder = msgspec.json.Decoder(ExportHeader)
+_event_decoder = msgspec.json.Decoder(ExportedEvent)
+_json_encoder = msgspec.json.Encoder()
+
+
+def write_jsonl(log: HandoffLog, out: IO[bytes]) -> None:
+    """Write a handoff's log as a self-contained JSONL export."""
+    encode = _json_encoder.encode
+    handoff = log.handoff
+    out.write(encode(ExportHeader(EXPORT_VERSION, handoff.handoff_id, SCHEMA_VERSION, handoff)))
+    out.write(b"\n")
+    for e in log.events:
+        raw = msgspec.Raw(encode(e.record))
+        out.write(encode(ExportedEvent(e.seq, e.at_ms, e.published_at_ms, raw)))
+        out.write(b"\n")
+
+
+def read_jsonl(lines: Iterator[bytes] | IO[bytes]) -> HandoffLog:
+    """Read a JSONL export back; every record goes through the codec's upcasting decoder."""
+    lines = (line for line in lines if line.strip())
+    first = next(lines, None)
+    if first is None:
+        raise LogCorrupt("empty export")
+    header = _header_decoder.decode(first)
+    if header.version > EXPORT_VERSION:
+        raise LogCorrupt(f"export format version {header.version}, this build reads 1")
+    events = []
+    for line in lines:
+        event = _event_decoder.decode(line)
+        # Through msgpack, so that JSON records meet the same upcaster as stored ones.
+        blob = msgspec.msgpack.encode(msgspec.json.decode(event.record))
+        record = _decode(header.handoff_id, event.seq, blob)
+        events.append(LoggedEvent(event.seq, event.at_ms, record, event.published_at_ms))
+    return HandoffLog(header.handoff, tuple(events))
+
+
+def _decode(handoff_id: object, seq: object, blob: object) -> LogRecord:
+    if not isinstance(blob, bytes):
+        raise LogCorrupt(f"handoff {handoff_id} seq {seq}: record is not a blob")
+    try:
+        return decode_record(blob)
+    except LogCorrupt as exc:
+        raise LogCorrupt(f"handoff {handoff_id} seq {seq}: {exc}") from exc
+
+
+def _summary(row: Collection[object]) -> HandoffSummary:
+    # sqlite3 gives untyped rows; convert validates every column against the Struct.
+    fields = HandoffSummary.__struct_fields__
+    return msgspec.convert(dict(zip(fields, row, strict=True)), HandoffSummary)

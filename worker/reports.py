@@ -1,0 +1,119 @@
+"""The JSON documents that the offline log commands print (`--json`, `--format json`).
+
+Each is a msgspec Struct, so the output is encoded from the same types that describe it, and
+`json_schema(name)` (or `kvhandoff <command> --print-schema`) gives its JSON Schema. Inputs,
+actions and coordinator states inside a report use the wire vocabulary's own JSON forms, so the
+wire schema (`kvhandoff schema`) describes them too.
+
+Evolution follows the wire types' rules: new fields get defaults, a field's type never changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+from events.messages import Action, HandoffOrder, Input, Role
+from events.replay import Divergence, Timeline
+from worker.logreader import HandoffSummary
+
+
+class ListedHandoff(Struct, frozen=True):
+    """One handoff of `kvhandoff list`. `duration_ms` is null while it is open."""
+
+    handoff: HandoffSummary
+    order: HandoffOrder | None
+    events: int
+    age_ms: int
+    duration_ms: int | None
+
+
+class ListReport(Struct, frozen=True):
+    now_ms: int
+    handoffs: list[ListedHandoff]
+
+
+class LoggedInput(Struct, frozen=True):
+    """An input as it stands in the log."""
+
+    seq: int
+    at_ms: int
+    input: Input
+
+
+class WaitingFor(Struct, frozen=True):
+    """One thing a stuck handoff waits for: a `fact`, or the outcome of an issued `action`.
+
+    `engine` is the handoff's source or destination (by `role`), or "frontend"; `since_ms` is
+    when the awaited action was logged, or, for a fact, when the last input was.
+    """
+
+    role: Role
+    engine: str
+    fact: str | None
+    action: Action | None
+    since_ms: int
+    waited_ms: int
+
+
+class StuckHandoff(Struct, frozen=True):
+    """An open handoff that waits; `idle_ms` is the time since its last logged event.
+
+    `state` is the rebuilt coordinator's short description, or "cannot replay: ..." (with no
+    waits) when this build's coordinator rejects the handoff's logged inputs.
+    """
+
+    handoff: HandoffSummary
+    state: str
+    age_ms: int
+    idle_ms: int
+    overdue: bool
+    waiting: list[WaitingFor]
+    last_input: LoggedInput
+    outstanding: list[int]
+
+
+class StuckReport(Struct, frozen=True):
+    now_ms: int
+    older_than_ms: int
+    open: int
+    handoffs: list[StuckHandoff]
+
+
+class ReplayReport(Struct, frozen=True):
+    """A handoff's timeline; `at` is the step it stopped at (`--at`), else null."""
+
+    handoff: HandoffSummary
+    at: int | None
+    timeline: Timeline
+
+
+class VerifyReport(Struct, frozen=True):
+    """What `kvhandoff verify` checked; `diverged` holds each handoff's first divergence."""
+
+    handoffs: int
+    events: int
+    diverged: list[Divergence]
+
+
+REPORTS: dict[str, type[Struct]] = {
+    "list": ListReport,
+    "stuck": StuckReport,
+    "replay": ReplayReport,
+    "verify": VerifyReport,
+}
+
+
+def json_schema(name: str) -> dict[str, Any]:
+    """The JSON Schema (2020-12) of one command's report."""
+    (root,), components = msgspec.json.schema_components(
+        (REPORTS[name],), ref_template="#/$defs/{name}"
+    )
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": f"kvhandoff {name} report",
+        **root,
+        "$defs": components,
+    }
