@@ -29,6 +29,10 @@ class Subjects:
     def all_rejected(self) -> str:
         return f"{self.prefix}.rejected.>"
 
+    @property
+    def engines_report(self) -> str:
+        return f"{self.prefix}.engines.report"
+
     def input(self, handoff_id: UUID) -> str:
         return f"{self.prefix}.in.{handoff_id}"
 

@@ -16,7 +16,9 @@ nats-py errors are translated to `BusError` here and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import logging
 import ssl
 from typing import Any
@@ -91,6 +93,17 @@ class Bus:
         self._nc = client
         self._js = client.jetstream()
         self._inbox: Any = None
+        self._barrier_subject = client.new_inbox()
+        self._barriers: dict[bytes, asyncio.Future[None]] = {}
+        self._barrier_count = itertools.count()
+
+    async def _start(self) -> None:
+        await self._nc.subscribe(self._barrier_subject, cb=self._on_barrier)
+
+    async def _on_barrier(self, msg: Msg) -> None:
+        waiter = self._barriers.pop(msg.data, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str) -> Bus:
@@ -112,7 +125,9 @@ class Bus:
             )
         except (TimeoutError, nats.errors.Error, OSError) as exc:
             raise BusError(f"cannot connect to NATS at {settings.url}: {exc}") from exc
-        return cls(client)
+        bus = cls(client)
+        await bus._start()
+        return bus
 
     @property
     def is_connected(self) -> bool:
@@ -177,16 +192,26 @@ class Bus:
             raise BusError(f"durable publish to {subject} failed: {exc}") from exc
 
     async def flush(self) -> None:
-        """Return once the server has everything published so far (one round trip)."""
+        """Return once the server has everything published so far.
+
+        nats-py's own flush() writes its PING straight to the socket, ahead of commands still
+        in its write buffer, so its PONG proves nothing about them. A message to our own inbox
+        travels behind them: when it comes back, everything before it reached the server.
+        """
+        token = str(next(self._barrier_count)).encode()
+        waiter = self._barriers[token] = asyncio.get_running_loop().create_future()
         try:
-            await self._nc.flush(timeout=5)
+            await self._nc.publish(self._barrier_subject, token)
+            await asyncio.wait_for(waiter, timeout=5)
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"flush failed: {exc}") from exc
+        finally:
+            self._barriers.pop(token, None)
 
     async def close(self) -> None:
         """Flush what was published (actions, acks), then disconnect."""
         try:
-            await self._nc.flush(timeout=5)
-        except (TimeoutError, nats.errors.Error) as exc:
+            await self.flush()
+        except BusError as exc:
             logger.warning("NATS flush on close failed: %s", exc)
         await self._nc.close()

@@ -1,0 +1,92 @@
+"""Fixtures for the mock engine and load generator tests. One real nats-server serves the
+session; every test gets its own subject prefix, and so its own input stream, which keeps tests
+apart without restarting the server."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from events.subjects import Subjects
+from tests.engines.harness import FAST, ONE_PAIR, WorkerSide
+from worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
+from worker.natsserver import EmbeddedNats
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+def subjects() -> Subjects:
+    return Subjects(f"t{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+async def worker_side(nats_server: EmbeddedNats, subjects: Subjects) -> AsyncIterator[WorkerSide]:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    stream = f"IN_{subjects.prefix}"
+    await js.add_stream(name=stream, subjects=[subjects.inputs])
+    side = WorkerSide(nc, subjects)
+    await side.start()
+    yield side
+    await js.delete_stream(stream)
+    await nc.close()
+
+
+StartEngines = Callable[..., Awaitable[MockEngines]]
+
+
+@pytest.fixture
+async def start_engines(
+    nats_server: EmbeddedNats, subjects: Subjects
+) -> AsyncIterator[StartEngines]:
+    """Starts mock engines on their own connection; stopped at the end of the test."""
+    started: list[tuple[Client, MockEngines]] = []
+
+    async def start(
+        model: EngineModel = FAST, faults: Faults | None = None, roster: Roster = ONE_PAIR
+    ) -> MockEngines:
+        nc = await nats.connect(nats_server.url)
+        config = EnginesConfig(
+            roster=roster, model=model, faults=faults or Faults(), subjects=subjects
+        )
+        engines = MockEngines(nc, config)
+        await engines.start()
+        started.append((nc, engines))
+        return engines
+
+    yield start
+    for nc, engines in started:
+        await engines.stop()
+        await nc.close()
+
+
+@pytest.fixture
+def worker(nats_server: EmbeddedNats, subjects: Subjects, tmp_path: Path) -> Iterator[Path]:
+    """`kvhandoff run` on the test's subjects; yields its log. Needs no readiness check: the
+    load generator retries its publishes until the worker has created the input stream."""
+    prefix = subjects.prefix
+    command = [
+        sys.executable, "-m", "worker.cli", "run",
+        "--nats-url", nats_server.url, "--db", str(tmp_path / "kvhandoff.db"),
+        "--subject-prefix", prefix, "--stream", f"IN_{prefix}", "--consumer", f"W_{prefix}",
+        "--retry-interval", "0.25s", "--metrics-port", "0",
+    ]  # fmt: skip
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    yield log
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0, log.read_text()

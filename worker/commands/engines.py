@@ -1,0 +1,325 @@
+"""`kvhandoff engines`: mock source and destination engines on the bus, until SIGINT or SIGTERM.
+
+On stop it prints each engine's accounting and the leaks it found, and exits 0 if there were
+none, 1 otherwise. The roster options (`--engine-types`, `--sources`, `--destinations`) are also
+the load generator's, so that both name the same engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+from rich.console import Console
+from rich.table import Table
+
+from events.messages import EngineType, KvTransferTimingMode
+from events.subjects import Subjects
+from worker.bus import connect_options
+from worker.config import NatsSettings, add_nats_arguments, nats_settings
+from worker.engines import (
+    DEFAULT_DESTINATIONS,
+    DEFAULT_ENGINE_TYPES,
+    DEFAULT_SOURCES,
+    EngineModel,
+    EnginesConfig,
+    EnginesReport,
+    Faults,
+    Leak,
+    MockEngines,
+    Roster,
+)
+from worker.errors import ConfigError
+from worker.logs import configure_logging
+
+logger = logging.getLogger("worker.engines.command")
+
+
+def _engine_types(text: str) -> tuple[EngineType, ...]:
+    try:
+        return tuple(EngineType(name.strip()) for name in text.split(",") if name.strip())
+    except ValueError as exc:
+        choices = ",".join(EngineType)
+        raise argparse.ArgumentTypeError(f"{exc}; choose from {choices}") from exc
+
+
+def _prompt_range(text: str) -> tuple[int, int]:
+    shortest, _, longest = text.partition(":")
+    try:
+        return int(shortest), int(longest or shortest)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX tokens, got {text!r}") from exc
+
+
+def add_roster_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engines")
+    group.add_argument(
+        "--engine-types",
+        type=_engine_types,
+        default=DEFAULT_ENGINE_TYPES,
+        help=f"comma-separated engine types (default {','.join(DEFAULT_ENGINE_TYPES)})",
+    )
+    group.add_argument(
+        "--sources",
+        type=int,
+        default=DEFAULT_SOURCES,
+        help="prefill engines <type>-prefill-<i> per type (default %(default)s)",
+    )
+    group.add_argument(
+        "--destinations",
+        type=int,
+        default=DEFAULT_DESTINATIONS,
+        help="decode engines <type>-decode-<i> per type (default %(default)s)",
+    )
+
+
+def roster(args: argparse.Namespace) -> Roster:
+    try:
+        return Roster(args.engine_types, args.sources, args.destinations)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_nats_arguments(parser)
+    add_roster_arguments(parser)
+    defaults = EngineModel()
+    model = parser.add_argument_group("model (durations are divided by --speedup)")
+    model.add_argument(
+        "--block-size",
+        type=int,
+        default=defaults.block_size,
+        help="tokens per KV block (default %(default)s)",
+    )
+    model.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=defaults.kv_blocks,
+        help="KV blocks per engine (default %(default)s)",
+    )
+    model.add_argument(
+        "--max-slots",
+        type=int,
+        default=defaults.max_slots,
+        help="handoffs an engine holds at once (default %(default)s)",
+    )
+    model.add_argument(
+        "--prompt-tokens",
+        type=_prompt_range,
+        default=(defaults.shortest_prompt, defaults.longest_prompt),
+        metavar="MIN:MAX",
+        help="prompt length range; derived from each handoff id, so give every engine process "
+        f"the same range (default {defaults.shortest_prompt}:{defaults.longest_prompt})",
+    )
+    model.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=defaults.prefill_tokens_per_s,
+        help="prefill speed (default %(default)s)",
+    )
+    model.add_argument(
+        "--decode-ms",
+        type=float,
+        default=defaults.decode_ms,
+        help="decode time after activation (default %(default)s)",
+    )
+    model.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=defaults.kv_bytes_per_token,
+        help="reported in SourceHeld (default %(default)s)",
+    )
+    model.add_argument(
+        "--bandwidth-gb-s",
+        type=float,
+        default=defaults.bandwidth_gb_s,
+        help="reported in SourceHeld (default %(default)s)",
+    )
+    model.add_argument(
+        "--timing-mode",
+        type=KvTransferTimingMode,
+        choices=list(KvTransferTimingMode),
+        default=defaults.timing_mode,
+        help="reported in SourceHeld (default %(default)s)",
+    )
+    model.add_argument(
+        "--speedup",
+        type=float,
+        default=defaults.speedup,
+        help="divide prefill, transfer and decode times by this (default 1)",
+    )
+    faults = parser.add_argument_group("faults (seeded, wall-clock)")
+    faults.add_argument(
+        "--fail-rate",
+        type=float,
+        default=0.0,
+        help="share of forward actions that fail, as an outcome or a Failed fact",
+    )
+    faults.add_argument(
+        "--drop-rate",
+        type=float,
+        default=0.0,
+        help="share of action receipts ignored (the worker's retry recovers)",
+    )
+    faults.add_argument(
+        "--duplicate-rate",
+        type=float,
+        default=0.0,
+        help="share of outcomes and facts published twice",
+    )
+    faults.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="random extra delay, up to this, before answering an action",
+    )
+    faults.add_argument(
+        "--silent",
+        type=int,
+        default=0,
+        help="engines per type and role (indexes 0..N-1) that stop answering",
+    )
+    faults.add_argument(
+        "--silent-ms",
+        type=float,
+        default=Faults().silent_ms,
+        help="how long a silent engine ignores actions, from its first one (default %(default)s)",
+    )
+    faults.add_argument("--seed", type=int, default=0, help="fault seed (default %(default)s)")
+    logs = parser.add_argument_group("logging")
+    logs.add_argument("--log-format", choices=["text", "json"], default="text")
+    logs.add_argument("--log-level", type=str.upper, default="INFO")
+
+
+def execute(args: argparse.Namespace) -> int:
+    try:
+        settings = nats_settings(args)
+        config = EnginesConfig(
+            roster=roster(args),
+            model=EngineModel(
+                block_size=args.block_size,
+                kv_blocks=args.kv_blocks,
+                max_slots=args.max_slots,
+                shortest_prompt=args.prompt_tokens[0],
+                longest_prompt=args.prompt_tokens[1],
+                prefill_tokens_per_s=args.prefill_tokens_per_s,
+                decode_ms=args.decode_ms,
+                kv_bytes_per_token=args.kv_bytes_per_token,
+                bandwidth_gb_s=args.bandwidth_gb_s,
+                timing_mode=args.timing_mode,
+                speedup=args.speedup,
+            ),
+            faults=Faults(
+                seed=args.seed,
+                fail_rate=args.fail_rate,
+                drop_rate=args.drop_rate,
+                duplicate_rate=args.duplicate_rate,
+                delay_ms=args.delay_ms,
+                silent=args.silent,
+                silent_ms=args.silent_ms,
+            ),
+            subjects=Subjects(settings.subject_prefix),
+        )
+    except (ConfigError, ValueError) as exc:
+        print(f"kvhandoff engines: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, args.log_format)
+    report = asyncio.run(serve(settings, config))
+    if report is None:
+        return 1
+    print_report(report, Console())
+    return 0 if not report.leaks else 1
+
+
+async def serve(settings: NatsSettings, config: EnginesConfig) -> EnginesReport | None:
+    """Run the engines until SIGINT or SIGTERM; their final report, or None if NATS never
+    answered before the signal."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    nc = await _connect(settings, stop)
+    if nc is None:
+        return None
+    engines = MockEngines(nc, config)
+    try:
+        await engines.start()
+        await stop.wait()
+        return await engines.stop()
+    finally:
+        await nc.close()
+
+
+async def _connect(settings: NatsSettings, stop: asyncio.Event) -> Client | None:
+    """Connect, waiting for NATS as long as it takes (it may start after us), or None if a
+    signal came first."""
+
+    async def log_error(exc: Exception) -> None:
+        logger.warning("NATS: %s", exc)
+
+    connecting = asyncio.create_task(
+        nats.connect(**connect_options(settings, "kvhandoff-engines"), error_cb=log_error)
+    )
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():
+        connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await connecting
+        return None
+    try:
+        return connecting.result()
+    except (nats.errors.Error, OSError) as exc:
+        logger.error("cannot connect to NATS at %s: %s", settings.url, exc)
+        return None
+
+
+def print_report(report: EnginesReport, console: Console) -> None:
+    table = Table(title=f"mock engines ({report.process})")
+    table.add_column("engine")
+    for column in ("blocks", "decoding", "waiting", "executed", "repeated"):
+        table.add_column(column, justify="right")
+    table.add_column("faults")
+    for status in report.engines:
+        counters = status.counters
+        faults = {
+            "dropped": counters.dropped,
+            "ignored": counters.ignored,
+            "delayed": counters.delayed,
+            "duplicated": counters.duplicated,
+            "failed": counters.injected_failures,
+        }
+        table.add_row(
+            status.engine_id + (" (silent)" if status.silent else ""),
+            f"{status.blocks_held}/{status.blocks_total}",
+            str(status.blocks_decoding),
+            str(status.waiting),
+            str(counters.executed),
+            str(counters.repeated),
+            ", ".join(f"{name} {count}" for name, count in faults.items() if count) or "-",
+        )
+    console.print(table)
+    print_leaks(report.leaks, console)
+
+
+def print_leaks(leaks: list[Leak], console: Console) -> None:
+    """One plain line per leak, so the handoff id is never cut and the lines can be grepped."""
+    if not leaks:
+        console.print("no leaks")
+        return
+    console.print(f"{len(leaks)} leaks (held for handoffs the worker completed):")
+    for leak in leaks:
+        what = "waits for blocks" if leak.waiting else f"holds {leak.blocks} blocks"
+        console.print(
+            f"leak: {leak.engine_id} {what} for handoff {leak.handoff_id} ({leak.state})",
+            soft_wrap=True,
+            highlight=False,
+        )

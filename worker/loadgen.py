@@ -1,0 +1,444 @@
+"""The load generator: plays the frontend. It starts handoffs, cancels some of them, waits for
+each to end, and reports throughput, latency and the engines' leaks.
+
+The model
+---------
+- Every handoff is planned up front from the seed: its engine type (round robin over the
+  roster's types, so the mix is even), a source and a destination of that type (uniformly at
+  random, with the engine ids of `worker.engines.Roster`), and, for exactly
+  round(cancel_share * handoffs) of them, a frontend cancel after a uniform random 0 to
+  cancel_within_ms. Handoff ids are fresh uuid4s whatever the seed: the worker de-duplicates
+  inputs durably, so a second run must never reuse an id.
+- It subscribes to `<prefix>.done.>` and `<prefix>.rejected.>` before it publishes anything, so
+  no `Complete` can slip past it. Inputs are stored with JetStream (`publish_input`), retried
+  while the input stream does not exist yet.
+- Pacing is a closed loop (`concurrency` handoffs open at once; the next starts when one ends)
+  or, when `rate_per_s` is set, an open loop (starts at that rate however many are open).
+- A handoff ends at its first `Complete`: completed (success) or canceled (any cleanup: a
+  frontend cancel, an engine failure, the worker's deadline). It is rejected if the worker
+  rejects its `StartHandoff`, and timed out if neither happens within `wait_timeout_s` (by
+  default the worker's deadline plus 30 s). A frontend cancel whose handoff already ended is
+  not sent.
+- Latency runs from just before the `StartHandoff` publish to the receipt of the `Complete`,
+  over successful handoffs (percentiles by nearest rank). Throughput is the handoffs that ended
+  with a `Complete` per second, from the first publish to the last end.
+- Finally it gathers the engine processes' reports, retrying until the engines hold blocks only
+  for decodes still running or `settle_timeout_s` passes, and counts their leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import random
+import statistics
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import nats
+import nats.errors
+from msgspec import Struct
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from events.codec import decode_action, decode_input, decode_rejection, encode
+from events.ids import HandoffId
+from events.messages import (
+    Canceled,
+    Complete,
+    EngineType,
+    HandoffCompletion,
+    Input,
+    StartHandoff,
+)
+from events.subjects import Subjects
+from worker.bus import connect_options
+from worker.config import NatsSettings
+from worker.engines import (
+    EnginesReport,
+    Leak,
+    Roster,
+    publish_input,
+    request_reports,
+    settled,
+    sync_with_server,
+)
+from worker.errors import BusError, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    nats: NatsSettings
+    handoffs: int
+    concurrency: int = 32
+    rate_per_s: float | None = None  # when set, an open loop at this rate; concurrency unused
+    cancel_share: float = 0.0
+    cancel_within_ms: float = 100.0
+    roster: Roster = field(default_factory=Roster)
+    deadline_ms: int = 30_000
+    fallback_delay_ms: float = 0.0
+    wait_timeout_s: float | None = None  # None: the deadline plus 30 s
+    settle_timeout_s: float = 10.0
+    publish_give_up_s: float = 30.0
+    connect_give_up_s: float = 30.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.handoffs < 1:
+            raise ConfigError(f"handoffs must be at least 1, got {self.handoffs}")
+        if self.concurrency < 1:
+            raise ConfigError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.rate_per_s is not None and not self.rate_per_s > 0:
+            raise ConfigError(f"rate must be positive, got {self.rate_per_s}")
+        if not 0.0 <= self.cancel_share <= 1.0:
+            raise ConfigError(f"cancel share must be within [0, 1], got {self.cancel_share}")
+        if self.cancel_within_ms < 0:
+            raise ConfigError(f"cancel delay must be >= 0, got {self.cancel_within_ms}")
+        if self.deadline_ms < 1:
+            raise ConfigError(f"deadline must be at least 1 ms, got {self.deadline_ms}")
+        if self.wait_timeout_s is not None and not self.wait_timeout_s > 0:
+            raise ConfigError(f"wait timeout must be positive, got {self.wait_timeout_s}")
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.nats.subject_prefix)
+
+    @property
+    def wait_timeout(self) -> float:
+        if self.wait_timeout_s is not None:
+            return self.wait_timeout_s
+        return self.deadline_ms / 1000.0 + 30.0
+
+
+class Ending(enum.StrEnum):
+    COMPLETED = "completed"
+    CANCELED = "canceled"
+    TIMED_OUT = "timed_out"
+    REJECTED = "rejected"
+
+
+class LoadProgress(Struct, frozen=True):
+    """Counts so far, handed to the progress callback each time a handoff ends."""
+
+    handoffs: int
+    started: int
+    completed: int
+    canceled: int
+    timed_out: int
+    rejected: int
+
+    @property
+    def ended(self) -> int:
+        return self.completed + self.canceled + self.timed_out + self.rejected
+
+
+class Latency(Struct, frozen=True):
+    count: int
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    mean: float | None
+    max: float | None
+
+
+class LoadReport(Struct, frozen=True):
+    handoffs: int
+    completed: int
+    canceled: int
+    timed_out: int
+    rejected: int
+    leaks: int
+    throughput_per_s: float
+    latency_ms: Latency
+    duration_s: float
+    cancels_sent: int
+    # A `Complete` for a handoff that had already ended here: a late terminal fact reopened a
+    # successful handoff's cleanup, or the Complete came after the wait timed out.
+    extra_completions: int
+    # Rejections of inputs other than a StartHandoff (an engine's late fact, a cancel).
+    input_rejections: int
+    engine_processes: int
+    engines_settled: bool
+    leak_details: list[Leak]
+
+    @property
+    def ok(self) -> bool:
+        """Every handoff ended with a Complete and no engine reports a leak."""
+        return self.completed + self.canceled == self.handoffs and self.leaks == 0
+
+
+def latency_summary(latencies_ms: list[float]) -> Latency:
+    """Nearest-rank percentiles, mean and maximum; all None when there are no values."""
+    if not latencies_ms:
+        return Latency(count=0, p50=None, p90=None, p99=None, mean=None, max=None)
+    ordered = sorted(latencies_ms)
+
+    def rank(percent: float) -> float:
+        return ordered[max(0, math.ceil(percent / 100.0 * len(ordered)) - 1)]
+
+    return Latency(
+        count=len(ordered),
+        p50=rank(50),
+        p90=rank(90),
+        p99=rank(99),
+        mean=statistics.fmean(ordered),
+        max=ordered[-1],
+    )
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    start: StartHandoff
+    cancel_after_s: float | None
+
+
+def plan_handoffs(config: LoadConfig) -> list[HandoffPlan]:
+    """Every handoff's routing and frontend cancel, drawn from the seed."""
+    rng = random.Random(config.seed)
+    roster = config.roster
+    types = roster.engine_types
+    canceled = set(
+        rng.sample(range(config.handoffs), k=round(config.cancel_share * config.handoffs))
+    )
+    plans = []
+    for index in range(config.handoffs):
+        engine_type: EngineType = types[index % len(types)]
+        start = StartHandoff(
+            handoff_id=uuid.uuid4(),
+            engine_type=engine_type,
+            source=rng.choice(roster.source_ids(engine_type)),
+            destination=rng.choice(roster.destination_ids(engine_type)),
+            deadline_ms=config.deadline_ms,
+            fallback_delay_ms=config.fallback_delay_ms,
+        )
+        cancel_after_s = None
+        if index in canceled:
+            cancel_after_s = rng.uniform(0.0, config.cancel_within_ms) / 1000.0
+        plans.append(HandoffPlan(start, cancel_after_s))
+    return plans
+
+
+async def run_load(
+    config: LoadConfig, *, progress: Callable[[LoadProgress], None] | None = None
+) -> LoadReport:
+    """Run one load against the bus at `config.nats.url` and report. NATS failures (cannot
+    connect, an input that could not be stored in time) raise `BusError`."""
+    try:
+        nc = await asyncio.wait_for(
+            nats.connect(**connect_options(config.nats, "kvhandoff-load"), error_cb=_log_error),
+            config.connect_give_up_s,
+        )
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        raise BusError(f"cannot connect to NATS at {config.nats.url}: {exc!r}") from exc
+    try:
+        return await _LoadRun(nc, config, progress).run()
+    except nats.errors.Error as exc:
+        raise BusError(f"load generation failed on the bus: {exc!r}") from exc
+    finally:
+        await nc.close()
+
+
+async def _log_error(exc: Exception) -> None:
+    logger.warning("NATS: %s", exc)
+
+
+class _LoadRun:
+    def __init__(
+        self, nc: Client, config: LoadConfig, progress: Callable[[LoadProgress], None] | None
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._config = config
+        self._progress = progress
+        self._plans = plan_handoffs(config)
+        self._loop = asyncio.get_running_loop()
+        self._ends: dict[HandoffId, asyncio.Future[tuple[Ending, float]]] = {}
+        self._counts = dict.fromkeys(Ending, 0)
+        self._latencies_ms: list[float] = []
+        self._started = 0
+        self._cancels_sent = 0
+        self._extra_completions = 0
+        self._input_rejections = 0
+        self._began = 0.0
+        self._last_end = 0.0
+        self._cancelers: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> LoadReport:
+        subjects = self._config.subjects
+        subscriptions = [
+            await self._nc.subscribe(subjects.all_done, cb=self._on_done),
+            await self._nc.subscribe(subjects.all_rejected, cb=self._on_rejected),
+        ]
+        # Both must be registered before the first StartHandoff goes out.
+        await sync_with_server(self._nc)
+        self._began = self._last_end = self._loop.time()
+        try:
+            if self._config.rate_per_s is None:
+                await self._closed_loop()
+            else:
+                await self._open_loop(self._config.rate_per_s)
+            reports, engines_settled = await self._settle()
+        finally:
+            await _cancel_all(self._cancelers)
+            for subscription in subscriptions:
+                await subscription.unsubscribe()
+        return self._report(reports, engines_settled)
+
+    async def _closed_loop(self) -> None:
+        plans = iter(self._plans)
+
+        async def lane() -> None:
+            for plan in plans:
+                await self._one(plan)
+
+        lanes = [asyncio.create_task(lane()) for _ in range(self._config.concurrency)]
+        try:
+            await asyncio.gather(*lanes)
+        finally:  # after a failure, the other lanes stop too
+            await _cancel_all(lanes)
+
+    async def _open_loop(self, rate_per_s: float) -> None:
+        handoffs: list[asyncio.Task[None]] = []
+        try:
+            for index, plan in enumerate(self._plans):
+                start_at = self._began + index / rate_per_s
+                await asyncio.sleep(max(0.0, start_at - self._loop.time()))
+                handoffs.append(asyncio.create_task(self._one(plan)))
+            await asyncio.gather(*handoffs)
+        finally:
+            await _cancel_all(handoffs)
+
+    async def _one(self, plan: HandoffPlan) -> None:
+        handoff_id = plan.start.handoff_id
+        ended: asyncio.Future[tuple[Ending, float]] = self._loop.create_future()
+        self._ends[handoff_id] = ended
+        sent_at = self._loop.time()
+        await self._publish(plan.start)
+        self._started += 1
+        if plan.cancel_after_s is not None:
+            canceler = asyncio.create_task(self._cancel_later(handoff_id, plan.cancel_after_s))
+            self._cancelers.add(canceler)
+            canceler.add_done_callback(self._cancelers.discard)
+        try:
+            ending, at = await asyncio.wait_for(asyncio.shield(ended), self._config.wait_timeout)
+        except TimeoutError:
+            ending, at = Ending.TIMED_OUT, self._loop.time()
+            logger.warning("handoff %s: no Complete within the wait timeout", handoff_id)
+            ended.cancel()  # a Complete after this counts as an extra completion
+        self._counts[ending] += 1
+        self._last_end = max(self._last_end, at)
+        if ending is Ending.COMPLETED:
+            self._latencies_ms.append((at - sent_at) * 1000.0)
+        if self._progress is not None:
+            self._progress(self.progress())
+
+    async def _cancel_later(self, handoff_id: HandoffId, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        if not self._ends[handoff_id].done():
+            await self._publish(Canceled(handoff_id))
+            self._cancels_sent += 1
+
+    async def _publish(self, message: Input) -> None:
+        subject = self._config.subjects.input(message.handoff_id)
+        await publish_input(
+            self._js, subject, encode(message), give_up_after_s=self._config.publish_give_up_s
+        )
+
+    async def _on_done(self, msg: Msg) -> None:
+        try:
+            action = decode_action(msg.data)
+        except msgspec.DecodeError as exc:
+            logger.warning("ignored an undecodable message on %s: %s", msg.subject, exc)
+            return
+        if not isinstance(action, Complete):
+            return
+        ended = self._ends.get(action.handoff_id)
+        if ended is None:  # another frontend's handoff
+            return
+        if ended.done():
+            self._extra_completions += 1
+            return
+        ending = (
+            Ending.COMPLETED if action.completion is HandoffCompletion.SUCCESS else Ending.CANCELED
+        )
+        ended.set_result((ending, self._loop.time()))
+
+    async def _on_rejected(self, msg: Msg) -> None:
+        try:
+            rejection = decode_rejection(msg.data)
+        except msgspec.DecodeError as exc:
+            logger.warning("ignored an undecodable rejection on %s: %s", msg.subject, exc)
+            return
+        if rejection.handoff_id is None or rejection.handoff_id not in self._ends:
+            return
+        ended = self._ends[rejection.handoff_id]
+        logger.warning(
+            "handoff %s: the worker rejected an input: %s", rejection.handoff_id, rejection.reason
+        )
+        if _rejects_start(rejection.payload) and not ended.done():
+            ended.set_result((Ending.REJECTED, self._loop.time()))
+        else:
+            self._input_rejections += 1
+
+    async def _settle(self) -> tuple[list[EnginesReport], bool]:
+        give_up_at = self._loop.time() + self._config.settle_timeout_s
+        while True:
+            reports = await request_reports(self._nc, self._config.subjects)
+            if settled(reports):
+                return reports, True
+            if self._loop.time() >= give_up_at:
+                return reports, False
+            await asyncio.sleep(0.1)  # the poll interval: decodes end on their own time
+
+    def progress(self) -> LoadProgress:
+        return LoadProgress(
+            handoffs=len(self._plans),
+            started=self._started,
+            completed=self._counts[Ending.COMPLETED],
+            canceled=self._counts[Ending.CANCELED],
+            timed_out=self._counts[Ending.TIMED_OUT],
+            rejected=self._counts[Ending.REJECTED],
+        )
+
+    def _report(self, reports: list[EnginesReport], engines_settled: bool) -> LoadReport:
+        duration_s = self._last_end - self._began
+        ended_with_complete = self._counts[Ending.COMPLETED] + self._counts[Ending.CANCELED]
+        leaks = [leak for report in reports for leak in report.leaks]
+        return LoadReport(
+            handoffs=len(self._plans),
+            completed=self._counts[Ending.COMPLETED],
+            canceled=self._counts[Ending.CANCELED],
+            timed_out=self._counts[Ending.TIMED_OUT],
+            rejected=self._counts[Ending.REJECTED],
+            leaks=len(leaks),
+            throughput_per_s=ended_with_complete / duration_s if duration_s > 0 else 0.0,
+            latency_ms=latency_summary(self._latencies_ms),
+            duration_s=duration_s,
+            cancels_sent=self._cancels_sent,
+            extra_completions=self._extra_completions,
+            input_rejections=self._input_rejections,
+            engine_processes=len(reports),
+            engines_settled=engines_settled,
+            leak_details=leaks,
+        )
+
+
+def _rejects_start(payload: str) -> bool:
+    """Whether a rejection's payload is a StartHandoff (as opposed to a later input)."""
+    try:
+        return isinstance(decode_input(payload), StartHandoff)
+    except msgspec.DecodeError:
+        return False
+
+
+async def _cancel_all(tasks: set[asyncio.Task[None]] | list[asyncio.Task[None]]) -> None:
+    pending = list(tasks)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
