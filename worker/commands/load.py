@@ -114,7 +114,7 @@ def execute(args: argparse.Namespace) -> int:
     console = Console()
     show_progress = not args.quiet and sys.stdout.isatty()
     try:
-        report = asyncio.run(_run(config, console if show_progress else None))
+        report = asyncio.run(run_with_progress(config, console if show_progress else None))
     except BusError as exc:
         print(f"kvhandoff load: {exc}", file=sys.stderr)
         return 1
@@ -129,7 +129,8 @@ def execute(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-async def _run(config: LoadConfig, console: Console | None) -> LoadReport:
+async def run_with_progress(config: LoadConfig, console: Console | None) -> LoadReport:
+    """Run the load, with a progress bar on `console` if one is given."""
     if console is None:
         return await run_load(config)
     columns = (
