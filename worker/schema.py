@@ -7,9 +7,11 @@
     rejections  inputs that were refused, with the reason (they changed nothing else)
     meta        the layout version
 
-The unique key on (handoff_id, seq) makes a second writer fail loudly instead of interleaving,
-and the unique partial index on (handoff_id, digest) makes input de-duplication durable: an
-exact duplicate of a logged input can never be logged again, whatever NATS redelivers.
+The unique key on (handoff_id, seq) makes a second writer fail loudly instead of interleaving.
+Every input row keeps its digest, and the worker loads a handoff's digests with its log before
+it applies anything to it, so an exact duplicate of a logged input is recognised whatever NATS
+redelivers and however long ago the original came. (No unique index on the digest: it would
+only repeat that check, at a quarter of the commit's cost.)
 """
 
 from __future__ import annotations
@@ -62,8 +64,6 @@ CREATE TABLE IF NOT EXISTS events (
     record          BLOB NOT NULL,
     PRIMARY KEY (handoff_id, seq)
 ) WITHOUT ROWID;
-CREATE UNIQUE INDEX IF NOT EXISTS events_input_digest
-    ON events (handoff_id, digest) WHERE digest IS NOT NULL;
 CREATE INDEX IF NOT EXISTS events_unpublished
     ON events (handoff_id, seq) WHERE kind = 'action' AND published_at_ms IS NULL;
 

@@ -218,6 +218,7 @@ class Worker:
         touched: dict[UUID, OpenHandoff] = {}
         inputs: Counter[str] = Counter()
         issued: Counter[str] = Counter()
+        completions: Counter[str] = Counter()
         reasons: Counter[str] = Counter()
         duplicates = 0
 
@@ -298,7 +299,7 @@ class Worker:
             await self._publish_action(out.handoff.row, out.action)
             self._published.append((out.action.handoff_id, out.seq, now))
             if isinstance(out.action, Complete):
-                self._metrics.completed.labels(out.action.completion.value).inc()
+                completions[out.action.completion.value] += 1
         for _, rejection in rejected:
             await self._bus.publish(
                 self._subjects.rejected(rejection.handoff_id), encode(rejection)
@@ -318,6 +319,7 @@ class Worker:
         Metrics.count(m.inputs, inputs.items())
         Metrics.count(m.actions, issued.items())
         Metrics.count(m.rejections, reasons.items())
+        Metrics.count(m.completed, completions.items())
         if duplicates:
             m.duplicates.inc(duplicates)
         if deferred:
