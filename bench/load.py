@@ -25,8 +25,8 @@ from pathlib import Path
 
 import nats
 
-# Runnable from a checkout (`python bench/load.py`): put the repository root ahead of bench/,
-# where bench/worker.py would otherwise shadow the `worker` package.
+# Runnable from a checkout (`python bench/load.py`) without installing: the repository root
+# holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.config import NatsSettings
