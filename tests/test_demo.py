@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,12 @@ from worker.loadgen import LoadReport
 def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     db = tmp_path / "demo.db"
+    # The demo keeps its logs in a fresh temporary folder; keep that inside tmp_path.
+    environment = {**os.environ, "TMPDIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "worker.cli", "demo", "--quiet",
          "--json", str(report_path), "--db", str(db)],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True, text=True, timeout=600, check=False, env=environment,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
 

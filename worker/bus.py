@@ -43,6 +43,10 @@ def connect_options(settings: NatsSettings, name: str) -> dict[str, Any]:
         "name": name,
         "max_reconnect_attempts": -1,  # a worker outlives NATS restarts
         "reconnect_time_wait": 0.5,
+        # nats-py pings every 2 minutes by default: a connection that died silently (the peer
+        # came back at another address) would go unnoticed for minutes. Notice within ~15 s.
+        "ping_interval": 5,
+        "max_outstanding_pings": 2,
         "connect_timeout": 5,
     }
     if settings.user is not None:

@@ -6,7 +6,8 @@ into these at exactly one seam per adapter, with `raise ... from exc`.
     ├── StoreError         the SQLite event log failed (translated in worker.store)
     │   └── StoreConflict  a second writer appended the same (handoff, sequence)
     ├── BusError           NATS / JetStream failed (translated in worker.bus)
-    └── NatsServerError    the embedded nats-server did not start
+    ├── NatsServerError    the embedded nats-server did not start
+    └── ContainerError     a test container did not start (worker.testing)
 """
 
 from __future__ import annotations

@@ -431,7 +431,6 @@ class Worker:
         handoff = self._open.get(handoff_id)
         if handoff is None or handoff.coordinator.mode is not Mode.ACTIVE:
             return
-        logger.info("handoff %s: deadline passed, timing out", handoff_id)
         try:
             await self._bus.publish_durable(
                 self._subjects.input(handoff_id), encode(TimedOut(handoff_id))
@@ -439,6 +438,7 @@ class Worker:
         except BusError:
             self._deadlines.schedule(handoff_id, time.time() + 1.0)
             raise
+        logger.info("handoff %s: deadline passed, timed out", handoff_id)
 
     async def _retry(self, handoff_id: UUID, action_id: int) -> None:
         attempts = self._attempts.pop((handoff_id, action_id), 0)
