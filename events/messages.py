@@ -176,7 +176,6 @@ class ActionOutcome(_Input, frozen=True, tag="action_outcome"):
 
 
 Fact = SourceHeld | DestinationReserved | TransferCompleted | Failed | TimedOut | Canceled
-TerminalFact = Failed | TimedOut | Canceled
 Input = StartHandoff | Fact | ActionOutcome
 
 # --- Actions --------------------------------------------------------------------------------

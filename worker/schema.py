@@ -82,10 +82,6 @@ SELECT_EVENTS = """
 SELECT handoff_id, seq, kind, at_ms, digest, published_at_ms, record
 FROM events WHERE handoff_id = ? ORDER BY seq
 """
-SELECT_ALL_EVENTS = """
-SELECT handoff_id, seq, kind, at_ms, digest, published_at_ms, record
-FROM events ORDER BY handoff_id, seq
-"""
 SELECT_HANDOFF = """
 SELECT handoff_id, engine_type, source, destination, started_at_ms, deadline_at_ms, state,
        completed_at_ms, last_seq, updated_at_ms

@@ -114,10 +114,6 @@ class Worker:
     def healthy(self) -> bool:
         return self.recovered and self._bus.is_connected
 
-    @property
-    def open_handoffs(self) -> int:
-        return len(self._open)
-
     async def run(self, stop: asyncio.Event) -> None:
         """Recover, then process inputs until `stop` is set; the batch in hand is finished."""
         await self.recover()
