@@ -77,7 +77,7 @@ CREATE TABLE IF NOT EXISTS rejections (
 CREATE INDEX IF NOT EXISTS rejections_handoff ON rejections (handoff_id);
 """
 
-# Reads of one or more handoffs' logs, in replay order.
+# One handoff's log, in replay order.
 SELECT_EVENTS = """
 SELECT handoff_id, seq, kind, at_ms, digest, published_at_ms, record
 FROM events WHERE handoff_id = ? ORDER BY seq
