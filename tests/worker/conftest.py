@@ -4,22 +4,21 @@ be killed with SIGKILL), and the scripted engines."""
 from __future__ import annotations
 
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from contextlib import closing
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 
-from events.codec import decode_record
 from events.messages import Action, Input
-from events.records import ActionRecord, InputRecord, LogRecord
+from events.records import ActionRecord, InputRecord
 from tests.worker.scripted_engine import ScriptedEngines
+from worker.logreader import HandoffLog, open_log
 from worker.natsserver import EmbeddedNats, free_port
 
 
@@ -109,18 +108,17 @@ async def engines(nats_server: EmbeddedNats) -> AsyncIterator[ScriptedEngines]:
     await scripted.close()
 
 
-def logged(db: Path, handoff_id: object) -> list[LogRecord]:
-    """One handoff's records, straight from the SQLite file."""
-    with closing(sqlite3.connect(db)) as connection:
-        rows = connection.execute(
-            "SELECT record FROM events WHERE handoff_id = ? ORDER BY seq", (str(handoff_id),)
-        ).fetchall()
-    return [decode_record(record) for (record,) in rows]
+def logged(db: Path, handoff_id: UUID) -> HandoffLog:
+    """One handoff's log, read the way the offline tools read it (read-only, beside the worker)."""
+    with open_log(db) as log:
+        return log.load(handoff_id)
 
 
-def logged_actions(db: Path, handoff_id: object) -> list[Action]:
-    return [r.action for r in logged(db, handoff_id) if isinstance(r, ActionRecord)]
+def logged_actions(db: Path, handoff_id: UUID) -> list[Action]:
+    records = (e.record for e in logged(db, handoff_id).events)
+    return [r.action for r in records if isinstance(r, ActionRecord)]
 
 
-def logged_inputs(db: Path, handoff_id: object) -> list[Input]:
-    return [r.input for r in logged(db, handoff_id) if isinstance(r, InputRecord)]
+def logged_inputs(db: Path, handoff_id: UUID) -> list[Input]:
+    records = (e.record for e in logged(db, handoff_id).events)
+    return [r.input for r in records if isinstance(r, InputRecord)]
