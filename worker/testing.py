@@ -88,6 +88,7 @@ from testcontainers.core.network import Network
 from testcontainers.core.waiting_utils import WaitStrategy, WaitStrategyTarget
 
 from worker.errors import WorkerError
+from worker.health import answers_ok
 
 __all__ = [
     "NATS_IMAGE",
@@ -116,14 +117,6 @@ _ALIVE = frozenset({"created", "running", "restarting"})
 class ContainerError(WorkerError):
     """A test container's image is missing, or the container exited or was not ready in time.
     The message carries the end of the container's log."""
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 class _Readiness(WaitStrategy):
@@ -244,7 +237,7 @@ class NatsContainer(_KvhandoffContainer):
         self.with_exposed_ports(NATS_PORT, NATS_MONITOR_PORT)
         self._readiness = _Readiness(
             f"NATS ({image})",
-            lambda: _http_ok(f"{self.monitoring_url}/healthz"),
+            lambda: answers_ok(f"{self.monitoring_url}/healthz"),
             startup_timeout_s,
         )
         self.waiting_for(self._readiness)
@@ -324,7 +317,7 @@ class KvhandoffWorkerContainer(_KvhandoffContainer):
             self.with_kwargs(user=user)
         self._readiness = _Readiness(
             f"kvhandoff worker ({image})",
-            lambda: _http_ok(f"{self.metrics_url}/healthz"),
+            lambda: answers_ok(f"{self.metrics_url}/healthz"),
             startup_timeout_s,
         )
         self.waiting_for(self._readiness)
@@ -350,7 +343,7 @@ class KvhandoffWorkerContainer(_KvhandoffContainer):
 
     def healthy(self) -> bool:
         """Whether /healthz answers 200 now (recovered and connected to NATS)."""
-        return _http_ok(f"{self.metrics_url}/healthz")
+        return answers_ok(f"{self.metrics_url}/healthz")
 
     def metrics(self) -> str:
         """The Prometheus exposition text of /metrics."""

@@ -18,6 +18,7 @@ import pytest
 from events.messages import Action, Input
 from events.records import ActionRecord, InputRecord
 from tests.worker.scripted_engine import ScriptedEngines
+from worker.health import answers_ok, worker_healthz
 from worker.logreader import HandoffLog, open_log
 from worker.natsserver import EmbeddedNats, free_port
 
@@ -52,12 +53,7 @@ class WorkerProcess:
             time.sleep(0.05)  # readiness poll of a child process
 
     def healthy(self) -> bool:
-        try:
-            url = f"http://127.0.0.1:{self.port}/healthz"
-            with urllib.request.urlopen(url, timeout=1) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return answers_ok(worker_healthz(self.port), timeout_s=1)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:

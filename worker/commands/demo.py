@@ -21,8 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from worker.commands.load import print_summary, run_with_progress
 from worker.config import NatsSettings
 from worker.engines import Roster, request_reports
 from worker.errors import BusError
+from worker.health import answers_ok, worker_healthz
 from worker.loadgen import LoadConfig
 from worker.logreader import open_log
 from worker.natsserver import EmbeddedNats, free_port
@@ -165,12 +164,8 @@ def _wait_healthy(port: int, children: _Children) -> None:
     while time.monotonic() < deadline:
         if not children.running("worker"):
             raise _DemoError("the worker exited; see worker.log")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+        if answers_ok(worker_healthz(port), timeout_s=1):
+            return
         time.sleep(0.05)  # readiness poll of a child process
     raise _DemoError(f"the worker was not healthy within {_READY_TIMEOUT_S:.0f}s")
 

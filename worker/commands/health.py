@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import urllib.error
-import urllib.request
+
+from worker.health import answers_ok, worker_healthz
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
-        default="http://127.0.0.1:{}/healthz".format(
-            os.environ.get("KVHANDOFF_METRICS_PORT", "9464")
-        ),
+        default=worker_healthz(int(os.environ.get("KVHANDOFF_METRICS_PORT", "9464"))),
         help="health endpoint (default %(default)s)",
     )
 
 
 def execute(args: argparse.Namespace) -> int:
-    try:
-        with urllib.request.urlopen(args.url, timeout=3) as response:
-            healthy: bool = response.status == 200
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"unhealthy: {exc}")
-        return 1
-    print("healthy" if healthy else "unhealthy")
+    healthy = answers_ok(args.url, timeout_s=3)
+    print("healthy" if healthy else f"unhealthy: {args.url} did not answer 200")
     return 0 if healthy else 1
