@@ -83,13 +83,6 @@ class OpenHandoff:
     digests: set[bytes]
 
 
-@dataclass(slots=True)
-class _Outgoing:
-    handoff: OpenHandoff
-    seq: int
-    action: Action
-
-
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -210,7 +203,7 @@ class Worker:
         acks: list[Inbound] = []
         deferred: list[Inbound] = []
         rejected: list[tuple[Inbound, Rejection]] = []
-        outgoing: list[_Outgoing] = []
+        outgoing: list[tuple[HandoffRow, int, Action]] = []  # what to publish once committed
         touched: dict[UUID, OpenHandoff] = {}
         inputs: Counter[str] = Counter()
         issued: Counter[str] = Counter()
@@ -274,7 +267,7 @@ class Worker:
             for action in actions:
                 seq += 1
                 batch.append_action(seq, ActionRecord(now, action))
-                outgoing.append(_Outgoing(handoff, seq, action))
+                outgoing.append((handoff.row, seq, action))
                 issued[str(action.__struct_config__.tag)] += 1
             inputs[str(message.__struct_config__.tag)] += 1
             self._project(handoff, seq, now)
@@ -291,11 +284,11 @@ class Worker:
             await self.recover()
             return
 
-        for out in outgoing:
-            await self._publish_action(out.handoff.row, out.action)
-            self._published.append((out.action.handoff_id, out.seq, now))
-            if isinstance(out.action, Complete):
-                completions[out.action.completion.value] += 1
+        for row, seq, action in outgoing:
+            await self._publish_action(row, action)
+            self._published.append((action.handoff_id, seq, now))
+            if isinstance(action, Complete):
+                completions[action.completion.value] += 1
         for _, rejection in rejected:
             await self._bus.publish(
                 self._subjects.rejected(rejection.handoff_id), encode(rejection)
