@@ -4,7 +4,8 @@
                 deadlines and compaction; rewritten in the same transaction as its events
     events      the log: one msgpack `LogRecord` per accepted input and per issued action,
                 keyed by (handoff_id, seq); `seq` counts from 0 per handoff with no gaps
-    rejections  inputs that were refused, with the reason (they changed nothing else)
+    rejections  inputs that were refused, with the reason (they changed nothing else), and the
+                reason a handoff was quarantined (reason starting "quarantined:")
     meta        the layout version
 
 The unique key on (handoff_id, seq) makes a second writer fail loudly instead of interleaving.
@@ -25,6 +26,10 @@ class HandoffState(enum.StrEnum):
     OPEN = "open"
     SUCCEEDED = "succeeded"
     CANCELED = "canceled"
+    # The worker could not rebuild the handoff from its log (an undecodable record, a replay
+    # that diverges): it is set aside, its inputs are rejected, and the rest carry on. The
+    # rejections table holds the reason; an operator repairs or exports it by hand.
+    QUARANTINED = "quarantined"
 
 
 class EventKind(enum.StrEnum):
