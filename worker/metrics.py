@@ -40,6 +40,15 @@ class Metrics:
             "kvhandoff_handoffs_completed", "Completions, by kind", ["completion"], registry=r
         )
         self.open_handoffs = Gauge("kvhandoff_open_handoffs", "Handoffs in memory", registry=r)
+        self.quarantined = Gauge(
+            "kvhandoff_quarantined_handoffs",
+            "Handoffs set aside because their log cannot be rebuilt",
+            registry=r,
+        )
+        self.commit_failures = Counter(
+            "kvhandoff_commit_failures", "Group commits that failed (and changed nothing)",
+            registry=r,
+        )  # fmt: skip
         self.batch_size = Histogram(
             "kvhandoff_commit_batch_size", "Inputs per group commit", buckets=_BATCH_BUCKETS,
             registry=r,

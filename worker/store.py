@@ -23,6 +23,7 @@ from uuid import UUID
 import aiosqlite
 
 from events.codec import decode_record, encode_record
+from events.errors import LogCorrupt
 from events.records import ActionRecord, InputRecord, LogRecord
 from worker.errors import StoreConflict, StoreError
 from worker.schema import (
@@ -72,6 +73,17 @@ class LoadedHandoff:
 
 
 @dataclass(frozen=True, slots=True)
+class CorruptHandoff:
+    """A handoff whose row or log could not be read back: the caller quarantines it."""
+
+    handoff_id: UUID
+    reason: str
+
+
+Loaded = LoadedHandoff | CorruptHandoff
+
+
+@dataclass(frozen=True, slots=True)
 class UnpublishedAction:
     row: HandoffRow
     seq: int
@@ -86,6 +98,7 @@ class Batch:
     handoffs: dict[UUID, HandoffRow] = field(default_factory=dict)
     published: list[tuple[int, str, int]] = field(default_factory=list)
     rejections: list[tuple[int, str | None, str, bytes]] = field(default_factory=list)
+    quarantined: list[tuple[int, str]] = field(default_factory=list)
 
     def append_input(self, seq: int, record: InputRecord, digest: bytes) -> None:
         message = record.input
@@ -116,8 +129,15 @@ class Batch:
         hid = None if handoff_id is None else str(handoff_id)
         self.rejections.append((at_ms, hid, reason, payload))
 
+    def quarantine(self, at_ms: int, handoff_id: UUID, reason: str) -> None:
+        """Set the handoff aside: its state becomes `quarantined`, with the reason beside it."""
+        self.quarantined.append((at_ms, str(handoff_id)))
+        self.reject(at_ms, handoff_id, f"quarantined: {reason}", b"")
+
     def __bool__(self) -> bool:
-        return bool(self.events or self.handoffs or self.published or self.rejections)
+        return bool(
+            self.events or self.handoffs or self.published or self.rejections or self.quarantined
+        )
 
 
 _UPSERT_HANDOFF = """
@@ -135,6 +155,10 @@ VALUES (?, ?, ?, ?, ?, ?, ?)
 _MARK_PUBLISHED = """
 UPDATE events SET published_at_ms = ? WHERE handoff_id = ? AND seq = ? AND published_at_ms IS NULL
 """
+_QUARANTINE = (
+    f"UPDATE handoffs SET state = '{HandoffState.QUARANTINED}', updated_at_ms = ?"
+    " WHERE handoff_id = ?"
+)
 _INSERT_REJECTION = (
     "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, ?, ?, ?)"
 )
@@ -231,6 +255,8 @@ class EventLog:
                     await db.executemany(_MARK_PUBLISHED, batch.published)
                 if batch.rejections:
                     await db.executemany(_INSERT_REJECTION, batch.rejections)
+                if batch.quarantined:
+                    await db.executemany(_QUARANTINE, batch.quarantined)
                 await db.execute("COMMIT")
             except BaseException:
                 await db.execute("ROLLBACK")
@@ -240,55 +266,59 @@ class EventLog:
         except sqlite3.Error as exc:
             raise StoreError(f"commit failed: {exc}") from exc
 
-    async def load(self, handoff_ids: Collection[UUID]) -> dict[UUID, LoadedHandoff]:
-        """The logs of those handoffs that exist, keyed by id."""
-        loaded: dict[UUID, LoadedHandoff] = {}
+    async def load(self, handoff_ids: Collection[UUID]) -> dict[UUID, Loaded]:
+        """The logs of those handoffs that exist, keyed by id; unreadable ones as corrupt."""
+        loaded: dict[UUID, Loaded] = {}
         ids = [str(h) for h in handoff_ids]
         for start in range(0, len(ids), _CHUNK):
             chunk = ids[start : start + _CHUNK]
             marks = ",".join("?" * len(chunk))
             rows = await self._fetch(f"{SELECT_HANDOFFS} WHERE handoff_id IN ({marks})", chunk)
-            for values in rows:
-                row = _handoff_row(values)
-                loaded[row.handoff_id] = LoadedHandoff(row, [])
             if rows:
                 events = await self._fetch(
                     "SELECT handoff_id, seq, at_ms, digest, published_at_ms, record FROM events"
                     f" WHERE handoff_id IN ({marks}) ORDER BY handoff_id, seq",
                     chunk,
                 )
-                self._attach(loaded, events)
+                loaded.update(self._assemble(rows, events))
         return loaded
 
-    async def open_handoffs(self) -> dict[UUID, LoadedHandoff]:
+    async def open_handoffs(self) -> dict[UUID, Loaded]:
         """Every handoff that has not completed, with its log: what recovery rebuilds."""
-        loaded = {
-            row.handoff_id: LoadedHandoff(row, [])
-            for row in map(
-                _handoff_row,
-                await self._fetch(f"{SELECT_HANDOFFS} WHERE state = 'open'"),
-            )
-        }
+        rows = await self._fetch(f"{SELECT_HANDOFFS} WHERE state = 'open'")
         events = await self._fetch(
             "SELECT e.handoff_id, e.seq, e.at_ms, e.digest, e.published_at_ms, e.record"
             " FROM events e JOIN handoffs h USING (handoff_id)"
             " WHERE h.state = 'open' ORDER BY e.handoff_id, e.seq"
         )
-        self._attach(loaded, events)
-        return loaded
+        return self._assemble(rows, events)
 
-    async def unpublished_actions(self) -> list[UnpublishedAction]:
+    async def quarantined(self) -> set[UUID]:
+        """The handoffs set aside because their log could not be rebuilt."""
+        rows = await self._fetch(
+            "SELECT handoff_id FROM handoffs WHERE state = ?", (HandoffState.QUARANTINED,)
+        )
+        return {UUID(hid) for (hid,) in rows}
+
+    async def unpublished_actions(self) -> list[UnpublishedAction | CorruptHandoff]:
         """Actions that were committed but never marked published (the outbox's backlog)."""
         columns = ", ".join(f"h.{c.strip()}" for c in HANDOFF_COLUMNS.split(","))
         rows = await self._fetch(
             f"SELECT {columns}, e.seq, e.record FROM events e JOIN handoffs h USING (handoff_id)"
-            " WHERE e.kind = 'action' AND e.published_at_ms IS NULL ORDER BY e.handoff_id, e.seq"
+            " WHERE e.kind = 'action' AND e.published_at_ms IS NULL"
+            f" AND h.state != '{HandoffState.QUARANTINED}' ORDER BY e.handoff_id, e.seq"
         )
-        backlog = []
+        backlog: list[UnpublishedAction | CorruptHandoff] = []
         for values in rows:
-            record = decode_record(values[-1])
-            assert isinstance(record, ActionRecord)
-            backlog.append(UnpublishedAction(_handoff_row(values[:-2]), values[-2], record))
+            try:
+                row = _handoff_row(values[:-2])
+                record = decode_record(values[-1])
+                if not isinstance(record, ActionRecord):
+                    raise LogCorrupt(f"seq {values[-2]} is marked an action but holds {record}")
+            except (LogCorrupt, ValueError) as exc:
+                backlog.append(CorruptHandoff(UUID(values[0]), str(exc)))
+                continue
+            backlog.append(UnpublishedAction(row, values[-2], record))
         return backlog
 
     async def events_of(self, handoff_id: UUID) -> list[LoggedEvent]:
@@ -338,8 +368,26 @@ class EventLog:
             raise StoreError(f"read failed: {exc}") from exc
 
     @staticmethod
-    def _attach(loaded: dict[UUID, LoadedHandoff], rows: list[sqlite3.Row]) -> None:
-        for hid, seq, at_ms, digest, published, record in rows:
-            loaded[UUID(hid)].events.append(
-                LoggedEvent(seq, at_ms, decode_record(record), digest, published)
-            )
+    def _assemble(rows: list[sqlite3.Row], events: list[sqlite3.Row]) -> dict[UUID, Loaded]:
+        """Handoff rows and their events (ordered by handoff, seq) as loaded handoffs; a row or
+        record that cannot be read makes that one handoff corrupt, not the whole load."""
+        loaded: dict[UUID, Loaded] = {}
+        for values in rows:
+            hid = UUID(values[0])
+            try:
+                loaded[hid] = LoadedHandoff(_handoff_row(values), [])
+            except ValueError as exc:  # e.g. a state this build does not know
+                loaded[hid] = CorruptHandoff(hid, f"unreadable handoff row: {exc}")
+        for hid_text, seq, at_ms, digest, published, record in events:
+            handoff = loaded[UUID(hid_text)]
+            if isinstance(handoff, CorruptHandoff):
+                continue
+            try:
+                handoff.events.append(
+                    LoggedEvent(seq, at_ms, decode_record(record), digest, published)
+                )
+            except LogCorrupt as exc:
+                loaded[handoff.row.handoff_id] = CorruptHandoff(
+                    handoff.row.handoff_id, f"seq {seq}: {exc}"
+                )
+        return loaded

@@ -32,7 +32,16 @@ from events.records import ActionRecord, InputRecord
 from tests.worker.scripted_engine import Script, success_script
 from worker.errors import StoreConflict, StoreError
 from worker.schema import HandoffState
-from worker.store import Batch, EventLog, HandoffRow, LoggedEvent, UnpublishedAction
+from worker.store import (
+    Batch,
+    CorruptHandoff,
+    EventLog,
+    HandoffRow,
+    Loaded,
+    LoadedHandoff,
+    LoggedEvent,
+    UnpublishedAction,
+)
 
 
 class Handoff:
@@ -146,6 +155,12 @@ def batch_of(handoff: Handoff, batch: Batch) -> Batch:
     return own
 
 
+def readable(loaded: dict[uuid.UUID, Loaded]) -> dict[uuid.UUID, LoadedHandoff]:
+    corrupt = [h for h in loaded.values() if isinstance(h, CorruptHandoff)]
+    assert not corrupt, corrupt
+    return {h: handoff for h, handoff in loaded.items() if isinstance(handoff, LoadedHandoff)}
+
+
 def table(db: Path, sql: str, *parameters: object) -> list[tuple[object, ...]]:
     """Rows read by a separate, plain sqlite3 connection: what is really in the file."""
     with closing(sqlite3.connect(db)) as connection:
@@ -186,7 +201,7 @@ async def test_commit_then_load_round_trips_records_and_rows(log: EventLog) -> N
     waiting, second = started(2_000)
     await log.commit(merged(first, second))
 
-    loaded = await log.load([done.id, waiting.id, uuid.uuid4()])
+    loaded = readable(await log.load([done.id, waiting.id, uuid.uuid4()]))
 
     assert set(loaded) == {done.id, waiting.id}  # an unknown id is simply absent
     for handoff in (done, waiting):
@@ -213,7 +228,7 @@ async def test_published_marks_are_loaded_and_never_overwritten(log: EventLog) -
     again.mark_published(handoff.id, first_action, 9_999)
     await log.commit(again)
 
-    events = (await log.load([handoff.id]))[handoff.id].events
+    events = readable(await log.load([handoff.id]))[handoff.id].events
     assert events == handoff.events
     assert [e.seq for e in events if e.published_at_ms is not None] == [first_action]
     assert events[first_action].published_at_ms == 1_100
@@ -240,12 +255,12 @@ async def test_a_colliding_batch_writes_nothing(log: EventLog, db: Path) -> None
     assert table(db, "SELECT * FROM handoffs WHERE handoff_id = ?", str(newcomer.id)) == []
     assert table(db, "SELECT * FROM events WHERE handoff_id = ?", str(newcomer.id)) == []
     assert table(db, "SELECT * FROM rejections") == []
-    loaded = (await log.load([existing.id]))[existing.id]
+    loaded = readable(await log.load([existing.id]))[existing.id]
     assert loaded.row == existing.row  # last_seq 2, not the stale writer's 3
     assert loaded.events == existing.events  # seq 2 is still the outcome; nothing published
     # The failed transaction was rolled back, so the connection goes on writing.
     await log.commit(batch_of(newcomer, stale))
-    assert set(await log.load([newcomer.id])) == {newcomer.id}
+    assert set(readable(await log.load([newcomer.id]))) == {newcomer.id}
 
 
 async def test_every_input_digest_survives_a_reopen(log: EventLog, db: Path) -> None:
@@ -257,7 +272,7 @@ async def test_every_input_digest_survives_a_reopen(log: EventLog, db: Path) -> 
 
     reopened = await EventLog.open(db)
     try:
-        loaded = (await reopened.load([handoff.id]))[handoff.id]
+        loaded = readable(await reopened.load([handoff.id]))[handoff.id]
     finally:
         await reopened.close()
     digests = [e.digest for e in loaded.events if isinstance(e.record, InputRecord)]
@@ -301,12 +316,51 @@ async def test_open_handoffs_are_the_open_ones_with_their_logs(log: EventLog) ->
     waiting, third = started(2_000)
     await log.commit(merged(first, second, third))
 
-    recovered = await log.open_handoffs()
+    recovered = readable(await log.open_handoffs())
 
     assert set(recovered) == {waiting.id}
-    assert set(await log.load([done.id, gone.id])) == {done.id, gone.id}  # logged, but closed
+    assert set(readable(await log.load([done.id, gone.id]))) == {
+        done.id,
+        gone.id,
+    }  # logged, but closed
     assert recovered[waiting.id].row == waiting.row
     assert recovered[waiting.id].events == waiting.events
+
+
+async def test_an_unreadable_handoff_is_reported_alone(log: EventLog, db: Path) -> None:
+    """One bad record or row makes its own handoff corrupt; the others load as usual."""
+    bad_record, first = started(1_000)
+    bad_state, second = started(1_000)
+    good, third = started(2_000)
+    await log.commit(merged(first, second, third))
+    alter(db, f"UPDATE events SET record = x'c1' WHERE handoff_id = '{bad_record.id}' AND seq = 1")
+    alter(db, f"UPDATE handoffs SET state = 'half-open' WHERE handoff_id = '{bad_state.id}'")
+
+    loaded = await log.load([bad_record.id, bad_state.id, good.id])
+    recovered = await log.open_handoffs()
+
+    assert loaded[good.id] == LoadedHandoff(good.row, good.events)
+    assert set(recovered) == {bad_record.id, good.id}
+    for found in (loaded, recovered):
+        corrupt = found[bad_record.id]
+        assert isinstance(corrupt, CorruptHandoff) and "seq 1" in corrupt.reason
+    corrupt_row = loaded[bad_state.id]
+    assert isinstance(corrupt_row, CorruptHandoff) and "half-open" in corrupt_row.reason
+
+
+async def test_a_quarantine_sets_the_handoff_aside_with_its_reason(log: EventLog, db: Path) -> None:
+    handoff, batch = started(1_000)
+    await log.commit(batch)
+    quarantine = Batch()
+    quarantine.quarantine(1_500, handoff.id, "seq 1: undecodable")
+    await log.commit(quarantine)
+
+    assert await log.quarantined() == {handoff.id}
+    assert readable(await log.open_handoffs()) == {}
+    assert table(db, "SELECT state, updated_at_ms FROM handoffs") == [("quarantined", 1_500)]
+    assert table(db, "SELECT handoff_id, reason FROM rejections") == [
+        (str(handoff.id), "quarantined: seq 1: undecodable")
+    ]
 
 
 async def test_compact_removes_only_closed_handoffs_completed_before_the_cutoff(
@@ -321,7 +375,9 @@ async def test_compact_removes_only_closed_handoffs_completed_before_the_cutoff(
 
     assert await log.compact(3_000) == 2
 
-    kept = await log.load([h.id for h in (old, old_canceled, at_cutoff, recent, old_open)])
+    kept = readable(
+        await log.load([h.id for h in (old, old_canceled, at_cutoff, recent, old_open)])
+    )
     assert set(kept) == {at_cutoff.id, recent.id, old_open.id}
     for handoff in (at_cutoff, recent, old_open):
         assert kept[handoff.id].events == handoff.events
@@ -349,12 +405,12 @@ async def test_reopening_keeps_everything_in_wal_mode(
     assert table(db, "PRAGMA journal_mode") == [("wal",)]  # persistent, unlike synchronous
     reopened = await EventLog.open(db, synchronous)
     try:
-        loaded = await reopened.load([done.id, waiting.id])
+        loaded = readable(await reopened.load([done.id, waiting.id]))
         assert {h: (loaded[h].row, loaded[h].events) for h in loaded} == {
             done.id: (done.row, done.events),
             waiting.id: (waiting.row, waiting.events),
         }
-        assert set(await reopened.open_handoffs()) == {waiting.id}
+        assert set(readable(await reopened.open_handoffs())) == {waiting.id}
         assert len(await reopened.unpublished_actions()) == len(done.action_seqs())
     finally:
         await reopened.close()
