@@ -2,7 +2,8 @@
 
 <prefix>.in.<handoff_id>               inputs: StartHandoff, facts, ActionOutcome (JetStream)
 <prefix>.engine.<engine_id>.actions    actions for the engine that executes them
-<prefix>.done.<handoff_id>             Complete, for the frontend waiting on the handoff
+<prefix>.done.<handoff_id>             Complete, for the frontend waiting on the handoff (the
+                                       worker's completion stream keeps the last one)
 <prefix>.rejected.<handoff_id>         Rejection of an input (`unknown` if undecodable)
 """
 
@@ -26,6 +27,11 @@ class Subjects:
         return f"{self.prefix}.done.>"
 
     @property
+    def completions(self) -> str:
+        """The wildcard the completion stream captures: one token, the handoff id."""
+        return f"{self.prefix}.done.*"
+
+    @property
     def all_rejected(self) -> str:
         return f"{self.prefix}.rejected.>"
 
@@ -35,6 +41,16 @@ class Subjects:
 
     def input(self, handoff_id: UUID) -> str:
         return f"{self.prefix}.in.{handoff_id}"
+
+    def input_handoff(self, subject: str) -> UUID | None:
+        """The handoff id an input subject names, or None if it names none."""
+        head = f"{self.prefix}.in."
+        if not subject.startswith(head):
+            return None
+        try:
+            return UUID(subject[len(head) :])
+        except ValueError:
+            return None
 
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}.engine.{engine_id}.actions"

@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import ssl
+from collections.abc import Awaitable
 from typing import Any
 
 import nats
@@ -69,27 +70,41 @@ def connect_options(settings: NatsSettings, name: str) -> dict[str, Any]:
 class Inbound:
     """One input message from the stream, with the three ways to settle it."""
 
-    __slots__ = ("_msg", "data")
+    __slots__ = ("_msg", "data", "subject")
 
     def __init__(self, msg: Msg) -> None:
         self._msg = msg
         self.data = msg.data
+        self.subject = msg.subject
 
     @property
     def deliveries(self) -> int:
         """How many times JetStream has delivered this input, this time included."""
         return int(self._msg.metadata.num_delivered)
 
+    @property
+    def stream_seq(self) -> int:
+        """The input's position in the stream: the same on every delivery."""
+        return int(self._msg.metadata.sequence.stream)
+
     async def ack(self) -> None:
-        await self._msg.ack()
+        await self._settle(self._msg.ack(), "ack")
 
     async def term(self) -> None:
         """Never redeliver: the input was rejected, and redelivering changes nothing."""
-        await self._msg.term()
+        await self._settle(self._msg.term(), "term")
 
     async def nak(self, delay_s: float | None = None) -> None:
         """Redeliver, after `delay_s` if given."""
-        await self._msg.nak(delay=delay_s)
+        await self._settle(self._msg.nak(delay=delay_s), "nak")
+
+    async def _settle(self, settling: Awaitable[None], how: str) -> None:
+        # An ack during a disconnect fails in nats-py's terms; JetStream redelivers the input
+        # after the ack wait, and the log drops it as a duplicate, so it is only a BusError.
+        try:
+            await settling
+        except (nats.errors.Error, OSError) as exc:
+            raise BusError(f"{how} of input {self.subject} failed: {exc}") from exc
 
 
 class Bus:
@@ -100,6 +115,8 @@ class Bus:
         self._barrier_subject = client.new_inbox()
         self._barriers: dict[bytes, asyncio.Future[None]] = {}
         self._barrier_count = itertools.count()
+        # JetStream acks of durable publishes not yet awaited; `flush` awaits them.
+        self._unconfirmed: list[asyncio.Future[Any]] = []
 
     async def _start(self) -> None:
         await self._nc.subscribe(self._barrier_subject, cb=self._on_barrier)
@@ -171,6 +188,27 @@ class Bus:
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot open stream {stream} / consumer {consumer}: {exc}") from exc
 
+    async def open_completions(self, stream: str, subjects: str, max_age_s: float) -> None:
+        """Create (or update) the stream that keeps the last completion of every handoff, so a
+        frontend that was away when its `Complete` went out can still read it."""
+        config = StreamConfig(
+            name=stream,
+            subjects=[subjects],
+            retention=RetentionPolicy.LIMITS,
+            max_msgs_per_subject=1,
+            max_age=max_age_s,
+        )
+        try:
+            try:
+                await self._js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                await self._js.add_stream(config)
+                logger.info("created stream %s for %s", stream, subjects)
+            else:
+                await self._js.update_stream(config)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot open completion stream {stream}: {exc}") from exc
+
     async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
         """Whatever inputs are ready, up to `max_messages`; waits up to `timeout_s` for one."""
         try:
@@ -195,8 +233,16 @@ class Bus:
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"durable publish to {subject} failed: {exc}") from exc
 
+    async def publish_stored(self, subject: str, payload: bytes) -> None:
+        """JetStream publish whose ack the next `flush` awaits: many can be in flight at once."""
+        try:
+            self._unconfirmed.append(await self._js.publish_async(subject, payload))
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"durable publish to {subject} failed: {exc}") from exc
+
     async def flush(self) -> None:
-        """Return once the server has everything published so far.
+        """Return once the server has everything published so far, and the streams have
+        stored every `publish_stored` message.
 
         nats-py's own flush() writes its PING straight to the socket, ahead of commands still
         in its write buffer, so its PONG proves nothing about them. A message to our own inbox
@@ -204,10 +250,15 @@ class Bus:
         """
         token = str(next(self._barrier_count)).encode()
         waiter = self._barriers[token] = asyncio.get_running_loop().create_future()
+        unconfirmed, self._unconfirmed = self._unconfirmed, []
         try:
             await self._nc.publish(self._barrier_subject, token)
             await asyncio.wait_for(waiter, timeout=5)
+            if unconfirmed:
+                await asyncio.wait_for(asyncio.gather(*unconfirmed), timeout=5)
         except (TimeoutError, nats.errors.Error) as exc:
+            for future in unconfirmed:
+                future.cancel()
             raise BusError(f"flush failed: {exc}") from exc
         finally:
             self._barriers.pop(token, None)

@@ -88,6 +88,8 @@ class WorkerConfig:
     db_path: Path
     stream: str = "KVHANDOFF_IN"
     consumer: str = "kvhandoff-worker"
+    done_stream: str = "KVHANDOFF_DONE"
+    completion_ttl_s: float = 3600.0
     batch_size: int = 512
     retry_interval_s: float = 5.0
     ack_wait_s: float = 30.0
@@ -106,6 +108,13 @@ class WorkerConfig:
             raise ConfigError(f"--stream: {self.stream!r} must be letters, digits, '-' or '_'")
         if not re.fullmatch(r"[A-Za-z0-9_-]+", self.consumer):
             raise ConfigError(f"--consumer: {self.consumer!r} must be letters, digits, '-' or '_'")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.done_stream) or self.done_stream == self.stream:
+            raise ConfigError(
+                f"--done-stream: {self.done_stream!r} must be letters, digits, '-' or '_', and"
+                " not the input stream"
+            )
+        if self.completion_ttl_s <= 0:
+            raise ConfigError("--completion-ttl must be positive")
         if not 1 <= self.batch_size <= 10_000:
             raise ConfigError(f"--batch-size: {self.batch_size} is not in 1..10000")
         if self.retry_interval_s <= 0:
@@ -196,6 +205,19 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=env.get("KVHANDOFF_CONSUMER", defaults.consumer),
         help="durable consumer name (env KVHANDOFF_CONSUMER; default %(default)s)",
     )
+    group.add_argument(
+        "--done-stream",
+        default=env.get("KVHANDOFF_DONE_STREAM", defaults.done_stream),
+        help="JetStream stream keeping each handoff's last completion, created if absent "
+        "(env KVHANDOFF_DONE_STREAM; default %(default)s)",
+    )
+    group.add_argument(
+        "--completion-ttl",
+        type=_duration_arg,
+        default=env.get("KVHANDOFF_COMPLETION_TTL", "1h"),
+        help="how long the completion stream keeps a completion "
+        "(env KVHANDOFF_COMPLETION_TTL; default %(default)s)",
+    )
     group.add_argument("--batch-size", type=int, default=defaults.batch_size,
                        help="most inputs per group commit (default %(default)s)")  # fmt: skip
     group.add_argument(
@@ -243,6 +265,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         db_path=args.db,
         stream=args.stream,
         consumer=args.consumer,
+        done_stream=args.done_stream,
+        completion_ttl_s=args.completion_ttl,
         batch_size=args.batch_size,
         retry_interval_s=args.retry_interval,
         ack_wait_s=args.ack_wait,

@@ -69,6 +69,11 @@ async def serve(config: WorkerConfig) -> int:
                 config.ack_wait_s,
                 max_pending=max(4 * config.batch_size, 1024),
             )
+            await bus.open_completions(
+                config.done_stream,
+                Subjects(config.nats.subject_prefix).completions,
+                config.completion_ttl_s,
+            )
             logger.info("consuming %s as %s; log %s", config.stream, config.consumer, log.path)
             await worker.run(stop)
         finally:
