@@ -1,0 +1,93 @@
+"""The worker on a full disk: commits fail, so nothing of their batches happens. The worker
+must back off instead of spinning, republish nothing, say why (SQLite's own words) and turn
+its health red; once there is room again, every handoff completes and the log verifies."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from events.replay import find_divergence
+from tests.worker.conftest import WorkerProcess, logged, logged_actions
+from tests.worker.scripted_engine import ScriptedEngines
+from tests.worker.test_faults import make_starts
+from tests.worker.tmpfs import small_filesystem
+from worker.natsserver import EmbeddedNats
+
+
+def fill(directory: Path) -> Path:
+    """Write a file until the filesystem has no room left; deleting it frees the room."""
+    filler = directory / "filler"
+    with filler.open("wb", buffering=0) as out:
+        try:
+            while True:
+                out.write(b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+async def poll(condition: object, what: str, within: float = 30.0) -> None:
+    assert callable(condition)
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)  # polling another process's state
+
+
+async def test_a_full_disk_changes_nothing_until_there_is_room(
+    nats_server: EmbeddedNats, engines: ScriptedEngines, tmp_path: Path
+) -> None:
+    with small_filesystem(tmp_path, size_kib=4096) as disk:
+        worker = WorkerProcess(nats_server.url, disk / "kvhandoff.db")
+        worker.start()
+        try:
+            rng = random.Random(11)
+            warm = make_starts(5, rng)
+            for start in warm:
+                await engines.start_handoff(start)
+            await engines.wait_complete({s.handoff_id for s in warm})
+            seen_before = len(engines.first)
+
+            filler = fill(disk)
+            starts = make_starts(300, rng)
+            for start in starts:
+                await engines.start_handoff(start)
+            await poll(lambda: not worker.healthy(), "health to turn red")
+            await poll(lambda: "database or disk is full" in worker.logs(), "the cause")
+            failures = metric(worker.metrics(), "kvhandoff_commit_failures_total")
+            # Nothing committed, so nothing may be published: not the new handoffs' actions,
+            # and no republication of what was already out.
+            assert len(engines.first) == seen_before
+            assert metric(worker.metrics(), "kvhandoff_actions_republished_total") == 0
+            assert worker.process is not None and worker.process.poll() is None
+
+            filler.unlink()
+            await engines.wait_complete({s.handoff_id for s in starts}, within=120)
+            await poll(worker.healthy, "health to turn green again")
+            # It backed off rather than spinning: a failure every few seconds at most.
+            assert metric(worker.metrics(), "kvhandoff_commit_failures_total") >= failures
+            assert not engines.mismatched
+            assert set(engines.effects.values()) == {1}
+            for start in [*warm, *starts]:
+                assert find_divergence(logged(worker.db, start.handoff_id).records()) is None
+                published = engines.actions_of(start.handoff_id)
+                assert logged_actions(worker.db, start.handoff_id) == published
+            assert worker.terminate() == 0
+        finally:
+            worker.stop()
+
+
+pytestmark = pytest.mark.slow
