@@ -328,7 +328,9 @@ class Worker:
             except msgspec.DecodeError as exc:
                 reject(delivery, named, f"undecodable input: {exc}", "undecodable")
                 continue
-            if message.handoff_id != named:
+            # The canonical subject, not just the same id: a partitioned stream maps every input
+            # of a handoff to one place by its subject, so each handoff has exactly one.
+            if delivery.subject != self._subjects.input(message.handoff_id):
                 reject(
                     delivery, named,
                     f"input for handoff {message.handoff_id} sent to {delivery.subject}",
