@@ -1,10 +1,19 @@
 """Encoders and decoders, built once: JSON on the wire (any language can speak it), msgpack in
 the log (compact and fast to replay).
 
-Decoding from the wire is strict: a message of the wrong shape, an unknown tag, a malformed id
-or any value outside its bound in `events.ids` raises `msgspec.ValidationError` naming the path,
-before anything acts on it. A message that decodes can always be digested (`input_digest`) and
-encoded again, for the wire (`encode`) and for the log (`encode_record`): the bounds guarantee it.
+Decoding from the wire is total and strict. For any bytes at all, `decode_input`,
+`decode_action` and `decode_rejection` return a message or raise `msgspec.DecodeError`, and
+nothing else:
+
+- `msgspec.ValidationError` (a subclass) when the JSON is well-formed but not a message: a wrong
+  shape, an unknown tag, a negative count, a malformed id, or any value outside its bound in
+  `events.ids`. It names the path.
+- a plain `msgspec.DecodeError` when the bytes are not JSON, including JSON nested so deeply that
+  decoding it would recurse past Python's limit (msgspec recurses even through a field that it
+  ignores, and raises `RecursionError` there; we translate it).
+
+A message that decodes can always be digested (`input_digest`) and encoded again, for the wire
+(`encode`) and for the log (`encode_record`): the bounds guarantee it.
 
 `decode_record` reads the log. It raises `LogCorrupt` for anything it cannot read, but reads a
 value outside today's bounds as it was written: the log is history, and a record logged before
@@ -37,11 +46,35 @@ _record_type = mi.type_info(LogRecord)
 encode = _json_encoder.encode
 """Any wire message to JSON bytes."""
 
-decode_input = _input_decoder.decode
-decode_action = _action_decoder.decode
-decode_rejection = _rejection_decoder.decode
-
 encode_record = _record_encoder.encode
+
+
+def _too_deep(exc: RecursionError) -> msgspec.DecodeError:
+    return msgspec.DecodeError(f"JSON is malformed: nested too deeply ({exc})")
+
+
+def decode_input(data: bytes | str) -> Input:
+    """An input from its JSON; any other bytes raise `msgspec.DecodeError` (see above)."""
+    try:
+        return _input_decoder.decode(data)
+    except RecursionError as exc:
+        raise _too_deep(exc) from exc
+
+
+def decode_action(data: bytes | str) -> Action:
+    """An action from its JSON; any other bytes raise `msgspec.DecodeError` (see above)."""
+    try:
+        return _action_decoder.decode(data)
+    except RecursionError as exc:
+        raise _too_deep(exc) from exc
+
+
+def decode_rejection(data: bytes | str) -> Rejection:
+    """A rejection from its JSON; any other bytes raise `msgspec.DecodeError` (see above)."""
+    try:
+        return _rejection_decoder.decode(data)
+    except RecursionError as exc:
+        raise _too_deep(exc) from exc
 
 
 def decode_record(blob: bytes) -> LogRecord:
