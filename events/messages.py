@@ -11,6 +11,8 @@ Three tagged unions, each decoded by one typed decoder (see `events.codec`):
 Tags are explicit strings and never change: they are stored in the event log, so renaming a
 class must never orphan a record. New fields get defaults; a change of meaning is a new Struct
 with a new tag. Unknown fields are ignored, so an older worker can read a newer engine's message.
+Every number, engine id and reason is bounded by the constraints of `events.ids`, checked on
+decode, so a message that decodes can be digested, logged, stored and timed.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from msgspec import Struct
 
 from events.ids import (
     ActionId,
+    BandwidthGBs,
     ByteCount,
     EngineId,
     HandoffId,
     Milliseconds,
     PositiveMilliseconds,
+    Reason,
     TokenCount,
+    TransferDelay,
 )
 
 
@@ -80,7 +85,7 @@ class HandoffTransferTiming(Struct, frozen=True):
     mode: KvTransferTimingMode
     full_prompt_tokens: TokenCount
     kv_bytes_per_token: ByteCount | None = None
-    bandwidth_gb_s: float | None = None
+    bandwidth_gb_s: BandwidthGBs | None = None
 
 
 # --- Inputs ---------------------------------------------------------------------------------
@@ -155,7 +160,7 @@ class Noop(_Outcome, frozen=True, tag="noop"):
 class ActionFailed(_Outcome, frozen=True, tag="failed"):
     """The engine could not carry out the action."""
 
-    reason: str
+    reason: Reason
 
 
 Outcome = Submitted | Accepted | Scheduled | Applied | Noop | ActionFailed
@@ -198,7 +203,7 @@ class ReserveDestination(_Action, frozen=True, tag="reserve_destination"):
 
 class StartTransfer(_Action, frozen=True, tag="start_transfer"):
     executor = Role.SOURCE
-    delay_ms: float
+    delay_ms: TransferDelay
 
 
 class ActivateDestination(_Action, frozen=True, tag="activate_destination"):

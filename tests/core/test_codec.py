@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from events import codec
 from events.errors import LogCorrupt
+from events.ids import MAX_EXACT_INT
 from events.messages import (
     ACCEPTED,
     APPLIED,
@@ -56,7 +57,7 @@ H = UUID("6f1c2b9e-8a4d-4c3e-9f70-1d2e3f405162")
 OTHER = UUID("00000000-0000-0000-0000-00000000dead")
 TIMING = HandoffTransferTiming(
     mode=KvTransferTimingMode.DESTINATION_MISSING,
-    full_prompt_tokens=2**60,
+    full_prompt_tokens=MAX_EXACT_INT,
     kv_bytes_per_token=131_072,
     bandwidth_gb_s=12.5,
 )
@@ -66,7 +67,7 @@ INPUTS: list[Input] = [
     StartHandoff(H, EngineType.SGLANG, "p", "d", deadline_ms=1, fallback_delay_ms=2.5),
     SourceHeld(H, TIMING),
     SourceHeld(H, HandoffTransferTiming(KvTransferTimingMode.FULL_PROMPT, 0)),
-    DestinationReserved(H, 2**60),
+    DestinationReserved(H, MAX_EXACT_INT),
     TransferCompleted(H),
     Failed(H),
     TimedOut(H),
@@ -289,8 +290,8 @@ def test_different_inputs_have_different_digests() -> None:
         ActionOutcome(OTHER, 7, SUBMITTED),
         ActionOutcome(H, 7, ActionFailed("disk ful")),
         ActionOutcome(H, 7, ActionFailed("")),
-        DestinationReserved(H, 2**60 - 1),
-        DestinationReserved(OTHER, 2**60),
+        DestinationReserved(H, MAX_EXACT_INT - 1),
+        DestinationReserved(OTHER, MAX_EXACT_INT),
         SourceHeld(H, HandoffTransferTiming(KvTransferTimingMode.FULL_PROMPT, 0, None, 0.0)),
         SourceHeld(H, HandoffTransferTiming(KvTransferTimingMode.FULL_PROMPT, 0, 0)),
         SourceHeld(H, HandoffTransferTiming(KvTransferTimingMode.DESTINATION_MISSING, 0)),
