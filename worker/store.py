@@ -8,13 +8,15 @@ acknowledged is in the log, and whatever was not will be redelivered.
 
 Appends are group-committed: the service gathers everything one fetched batch produced (new
 handoffs, events, rejections, outbox marks) into a `Batch` and commits it in one transaction.
-sqlite errors are translated to `StoreError` here and nowhere else.
+When a transaction fails, the error is SQLite's own ("database or disk is full"), never that of
+the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,10 +219,8 @@ class EventLog:
 
     async def commit(self, batch: Batch) -> None:
         """Write the batch in one transaction, or nothing at all."""
-        db = self._db
         try:
-            await db.execute("BEGIN IMMEDIATE")
-            try:
+            async with self._transaction() as db:
                 if batch.handoffs:
                     await db.executemany(
                         _UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()]
@@ -231,14 +231,10 @@ class EventLog:
                     await db.executemany(_MARK_PUBLISHED, batch.published)
                 if batch.rejections:
                     await db.executemany(_INSERT_REJECTION, batch.rejections)
-                await db.execute("COMMIT")
-            except BaseException:
-                await db.execute("ROLLBACK")
-                raise
         except sqlite3.IntegrityError as exc:
             raise StoreConflict(f"append collided with the log: {exc}") from exc
         except sqlite3.Error as exc:
-            raise StoreError(f"commit failed: {exc}") from exc
+            raise StoreError(f"commit to event log {self.path} failed: {exc}") from exc
 
     async def load(self, handoff_ids: Collection[UUID]) -> dict[UUID, LoadedHandoff]:
         """The logs of those handoffs that exist, keyed by id."""
@@ -300,10 +296,8 @@ class EventLog:
 
     async def compact(self, completed_before_ms: int) -> int:
         """Delete handoffs that completed before the given time, with their logs."""
-        db = self._db
         try:
-            await db.execute("BEGIN IMMEDIATE")
-            try:
+            async with self._transaction() as db:
                 await db.execute(
                     "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_id TEXT PRIMARY KEY)"
                 )
@@ -319,16 +313,29 @@ class EventLog:
                 cursor = await db.execute(
                     "DELETE FROM handoffs WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
                 )
-                removed = cursor.rowcount
-                await db.execute("COMMIT")
-            except BaseException:
-                # Only once BEGIN succeeded: a ROLLBACK with no transaction raises and would
-                # hide the error that matters behind an untranslated one.
-                await db.execute("ROLLBACK")
-                raise
         except sqlite3.Error as exc:
-            raise StoreError(f"compaction failed: {exc}") from exc
-        return removed
+            raise StoreError(f"compaction of event log {self.path} failed: {exc}") from exc
+        return cursor.rowcount
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        """BEGIN IMMEDIATE, then COMMIT, or a rollback on any error. sqlite errors pass
+        through unchanged, for the caller to translate."""
+        db = self._db
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            await db.execute("COMMIT")
+        except BaseException as exc:
+            # SQLite itself rolls back on some errors (SQLITE_FULL, SQLITE_IOERR, ...), even on
+            # a failed COMMIT. A ROLLBACK then fails with "no transaction is active", and its
+            # error must never replace the one that says what went wrong.
+            if db.in_transaction:
+                try:
+                    await db.execute("ROLLBACK")
+                except sqlite3.Error as rollback_error:
+                    exc.add_note(f"the rollback failed too: {rollback_error}")
+            raise
 
     async def _fetch(self, sql: str, parameters: Iterable[object] = ()) -> list[sqlite3.Row]:
         try:

@@ -30,6 +30,7 @@ from events.messages import (
 )
 from events.records import ActionRecord, InputRecord
 from tests.worker.scripted_engine import Script, success_script
+from tests.worker.tmpfs import fill, small_filesystem
 from worker.errors import StoreConflict, StoreError
 from worker.schema import HandoffState
 from worker.store import Batch, EventLog, HandoffRow, LoggedEvent, UnpublishedAction
@@ -440,3 +441,39 @@ async def test_another_applications_database_is_left_untouched(tmp_path: Path) -
     with closing(sqlite3.connect(foreign)) as connection:
         tables = {name for (name,) in connection.execute("SELECT name FROM sqlite_master")}
     assert tables == {"users"}
+
+
+# --- the file itself ------------------------------------------------------------------------
+
+
+async def test_a_full_disk_fails_with_its_cause_and_the_log_recovers(tmp_path: Path) -> None:
+    """When COMMIT fails for lack of space SQLite has already rolled back: the error must say
+    "database or disk is full", and the log must work again once there is space."""
+    with small_filesystem(tmp_path, 1024) as directory:
+        db = directory / "kvhandoff.db"
+        log = await EventLog.open(db)
+        try:
+            _, first = completed(1_000)
+            await log.commit(first)
+            waiting, second = started(2_000)
+            # Larger than anything written so far, so it cannot fit in space the WAL has.
+            second.reject(2_000, None, "undecodable input", b"x" * 256 * 1024)
+            filler = fill(directory)
+
+            with pytest.raises(StoreError, match="database or disk is full") as compact_error:
+                await log.compact(10_000)
+            with pytest.raises(StoreError, match="database or disk is full") as commit_error:
+                await log.commit(second)
+            for error in (compact_error, commit_error):
+                assert isinstance(error.value.__cause__, sqlite3.OperationalError)
+                assert "rollback" not in str(error.value)
+
+            filler.unlink()
+            await log.commit(second)
+            assert await log.compact(1_500) == 1
+        finally:
+            await log.close()
+
+        # The failed attempts left nothing behind; the retried commit is whole.
+        assert table(db, "SELECT handoff_id FROM handoffs") == [(str(waiting.id),)]
+        assert table(db, "SELECT length(payload) FROM rejections") == [(256 * 1024,)]
