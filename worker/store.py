@@ -10,12 +10,21 @@ Appends are group-committed: the service gathers everything one fetched batch pr
 handoffs, events, rejections, outbox marks) into a `Batch` and commits it in one transaction.
 When a transaction fails, the error is SQLite's own ("database or disk is full"), never that of
 the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
+
+The file. A new log is built under a temporary name and linked into place once its layout is
+written, so a log at the path is never a half-made one: an empty file there is a log that was
+truncated or lost, and it is refused rather than adopted (adopting it would forget every open
+handoff). A new log is created 0600, because it holds raw payloads, and SQLite gives its -wal and
+-shm files the same mode. An existing file's mode is left as the operator set it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 import sqlite3
+import tempfile
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +151,51 @@ _INSERT_REJECTION = (
 )
 
 
+def _prepare(path: Path) -> None:
+    """Refuse an empty file at `path`, and create the log if there is no file at all."""
+    try:
+        size: int | None = path.stat().st_size
+    except FileNotFoundError:
+        size = None
+    except OSError as exc:
+        raise StoreError(f"cannot open event log {path}: {exc}") from exc
+    if size == 0:
+        raise StoreError(
+            f"event log {path} is an empty file: most likely a log that was truncated or lost,"
+            " and starting on it would forget every open handoff; restore the log, or delete"
+            " the file to start a new one"
+        )
+    if size is None:
+        try:
+            _create(path)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot create event log {path}: {exc}") from exc
+
+
+def _create(path: Path) -> None:
+    """Build a new log beside `path` (0600, mkstemp's mode) and link it into place."""
+    fd, name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".new", dir=path.parent)
+    os.close(fd)
+    draft = Path(name)
+    try:
+        # No transaction needed: nobody sees the draft until it is complete.
+        with contextlib.closing(sqlite3.connect(draft, isolation_level=None)) as db:
+            db.executescript(DDL)
+            db.execute("INSERT INTO meta (key, value) VALUES ('layout', ?)", (LAYOUT_VERSION,))
+            db.execute("PRAGMA journal_mode=WAL")
+        # A link, unlike a rename, never replaces: if another process created the log
+        # meanwhile, its log is the one both open.
+        with contextlib.suppress(FileExistsError):
+            os.link(draft, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the new name must survive a power loss with the log
+        finally:
+            os.close(directory)
+    finally:
+        draft.unlink()
+
+
 def _handoff_row(values: Sequence[Any]) -> HandoffRow:
     (hid, engine_type, source, destination, started, deadline, state, completed, last_seq,
      updated) = values  # fmt: skip
@@ -167,52 +221,55 @@ class EventLog:
 
     @classmethod
     async def open(cls, path: Path, synchronous: str = "FULL") -> EventLog:
-        """Open the log at `path`, creating it if absent; the file must have this layout."""
+        """Open the log at `path`, creating it if absent. An existing file must be a log of this
+        layout; an empty one is refused (see the module docstring)."""
         if synchronous.upper() not in _SYNCHRONOUS:
             # SQLite silently reads an unknown level as NORMAL, which is not what was asked.
             raise StoreError(
                 f"cannot open event log {path}: synchronous={synchronous!r} is not one of"
                 f" {', '.join(_SYNCHRONOUS)}"
             )
+        await asyncio.to_thread(_prepare, path)
         try:
             db = await aiosqlite.connect(path, isolation_level=None)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open event log {path}: {exc}") from exc
         try:
-            await db.execute("PRAGMA journal_mode=WAL")
-            await db.execute(f"PRAGMA synchronous={synchronous}")
+            await cls._configure(db, path, synchronous)
+        except BaseException:
+            # An unclosed connection keeps its thread alive, and the process with it.
+            await db.close()
+            raise
+        return cls(db, path)
+
+    @staticmethod
+    async def _configure(db: aiosqlite.Connection, path: Path, synchronous: str) -> None:
+        try:
             # An offline `compact` may hold the write lock briefly; wait rather than fail.
             await db.execute("PRAGMA busy_timeout=5000")
+            # Checked before anything is written: another application's database, or a log of
+            # another layout, must be left as it is.
             tables = {
                 name
                 for (name,) in await db.execute_fetchall(
                     "SELECT name FROM sqlite_master WHERE type = 'table'"
                 )
             }
-            # Only an empty file is initialised: another application's database, or a log of
-            # another layout, must be refused before anything is written to it.
-            if not tables:
-                await db.executescript(DDL)
-                await db.execute(
-                    "INSERT INTO meta (key, value) VALUES ('layout', ?)", (LAYOUT_VERSION,)
-                )
             layout = None
-            if "meta" in tables or not tables:
+            if "meta" in tables:
                 rows = list(
                     await db.execute_fetchall("SELECT value FROM meta WHERE key = 'layout'")
                 )
                 layout = rows[0][0] if rows else None
+            if layout != LAYOUT_VERSION:
+                raise StoreError(
+                    f"event log {path} has layout {layout!r}, this build reads and writes layout"
+                    f" {LAYOUT_VERSION!r}"
+                )
+            await db.execute("PRAGMA journal_mode=WAL")
+            await db.execute(f"PRAGMA synchronous={synchronous}")
         except sqlite3.Error as exc:
-            # An unclosed connection keeps its thread alive, and the process with it.
-            await db.close()
             raise StoreError(f"cannot open event log {path}: {exc}") from exc
-        if layout != LAYOUT_VERSION:
-            await db.close()
-            raise StoreError(
-                f"event log {path} has layout {layout!r}, this build reads and writes layout"
-                f" {LAYOUT_VERSION!r}"
-            )
-        return cls(db, path)
 
     async def close(self) -> None:
         await self._db.close()

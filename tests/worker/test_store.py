@@ -5,8 +5,10 @@ read back. Records come from the real coordinator, written the way the service w
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sqlite3
+import stat
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -33,7 +35,13 @@ from tests.worker.scripted_engine import Script, success_script
 from tests.worker.tmpfs import fill, small_filesystem
 from worker.errors import StoreConflict, StoreError
 from worker.schema import HandoffState
-from worker.store import Batch, EventLog, HandoffRow, LoggedEvent, UnpublishedAction
+from worker.store import (
+    Batch,
+    EventLog,
+    HandoffRow,
+    LoggedEvent,
+    UnpublishedAction,
+)
 
 
 class Handoff:
@@ -444,6 +452,52 @@ async def test_another_applications_database_is_left_untouched(tmp_path: Path) -
 
 
 # --- the file itself ------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("no_leaked_threads")
+async def test_an_empty_file_is_refused_as_a_lost_log(db: Path) -> None:
+    """A 0-byte file is what a truncated or lost log looks like; adopting it as a new log would
+    forget every open handoff."""
+    db.touch()  # noqa: ASYNC240  # a file in the test's own tmp_path
+
+    with pytest.raises(StoreError, match=rf"event log {re.escape(str(db))} is an empty file"):
+        await EventLog.open(db)
+    assert db.read_bytes() == b""  # noqa: ASYNC240
+    assert sorted(p.name for p in db.parent.iterdir()) == [db.name]
+
+
+@pytest.fixture
+def usual_umask() -> Iterator[None]:
+    """The umask most services run with, which leaves new files readable by everyone."""
+    before = os.umask(0o022)
+    yield
+    os.umask(before)
+
+
+@pytest.mark.usefixtures("usual_umask")
+async def test_a_new_log_its_wal_and_shm_are_readable_by_the_owner_only(
+    log: EventLog, db: Path
+) -> None:
+    """They hold raw payloads. SQLite gives the -wal and -shm files the database file's mode."""
+    _, batch = started(1_000)
+    await log.commit(batch)
+
+    files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in db.parent.iterdir()}
+    assert files == {db.name: 0o600, f"{db.name}-wal": 0o600, f"{db.name}-shm": 0o600}
+
+
+@pytest.mark.usefixtures("usual_umask")
+async def test_an_existing_logs_mode_is_left_as_it_is(db: Path) -> None:
+    await (await EventLog.open(db)).close()
+    db.chmod(0o640)  # noqa: ASYNC240  # an operator's choice, e.g. for a backup group
+
+    log = await EventLog.open(db)
+    try:
+        _, batch = started(1_000)
+        await log.commit(batch)
+    finally:
+        await log.close()
+    assert stat.S_IMODE(db.stat().st_mode) == 0o640  # noqa: ASYNC240
 
 
 async def test_a_full_disk_fails_with_its_cause_and_the_log_recovers(tmp_path: Path) -> None:
