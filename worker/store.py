@@ -149,6 +149,25 @@ UPDATE events SET published_at_ms = ? WHERE handoff_id = ? AND seq = ? AND publi
 _INSERT_REJECTION = (
     "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, ?, ?, ?)"
 )
+# A quarantined handoff waits for an operator, with its rejections as the evidence: compaction
+# keeps both, however old.
+_DOOM_HANDOFFS = """
+INSERT INTO doomed SELECT handoff_id FROM handoffs
+WHERE state != 'open' AND state != 'quarantined' AND completed_at_ms < ?
+"""
+_DELETE_REJECTIONS = """
+DELETE FROM rejections WHERE at_ms < ? AND NOT EXISTS (
+    SELECT 1 FROM handoffs h WHERE h.handoff_id = rejections.handoff_id AND h.state = 'quarantined'
+)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Compacted:
+    """What one compaction deleted."""
+
+    handoffs: int
+    rejections: int
 
 
 def _prepare(path: Path) -> None:
@@ -351,28 +370,26 @@ class EventLog:
             for _, seq, _, at_ms, digest, published, record in rows
         ]
 
-    async def compact(self, completed_before_ms: int) -> int:
-        """Delete handoffs that completed before the given time, with their logs."""
+    async def compact(self, before_ms: int) -> Compacted:
+        """Delete the handoffs that completed before `before_ms`, with their logs, and the
+        rejections logged before it. Open and quarantined handoffs are kept."""
         try:
             async with self._transaction() as db:
                 await db.execute(
                     "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_id TEXT PRIMARY KEY)"
                 )
                 await db.execute("DELETE FROM doomed")
-                await db.execute(
-                    "INSERT INTO doomed SELECT handoff_id FROM handoffs"
-                    " WHERE state != 'open' AND completed_at_ms < ?",
-                    (completed_before_ms,),
-                )
+                await db.execute(_DOOM_HANDOFFS, (before_ms,))
                 await db.execute(
                     "DELETE FROM events WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
                 )
-                cursor = await db.execute(
+                handoffs = await db.execute(
                     "DELETE FROM handoffs WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
                 )
+                rejections = await db.execute(_DELETE_REJECTIONS, (before_ms,))
         except sqlite3.Error as exc:
             raise StoreError(f"compaction of event log {self.path} failed: {exc}") from exc
-        return cursor.rowcount
+        return Compacted(handoffs.rowcount, rejections.rowcount)
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:

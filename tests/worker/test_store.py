@@ -37,6 +37,7 @@ from worker.errors import StoreConflict, StoreError
 from worker.schema import HandoffState
 from worker.store import (
     Batch,
+    Compacted,
     EventLog,
     HandoffRow,
     LoggedEvent,
@@ -328,7 +329,7 @@ async def test_compact_removes_only_closed_handoffs_completed_before_the_cutoff(
     old_open, e = started(0)
     await log.commit(merged(a, b, c, d, e))
 
-    assert await log.compact(3_000) == 2
+    assert await log.compact(3_000) == Compacted(handoffs=2, rejections=0)
 
     kept = await log.load([h.id for h in (old, old_canceled, at_cutoff, recent, old_open)])
     assert set(kept) == {at_cutoff.id, recent.id, old_open.id}
@@ -336,7 +337,31 @@ async def test_compact_removes_only_closed_handoffs_completed_before_the_cutoff(
         assert kept[handoff.id].events == handoff.events
     for handoff in (old, old_canceled):
         assert table(db, "SELECT * FROM events WHERE handoff_id = ?", str(handoff.id)) == []
-    assert await log.compact(3_000) == 0
+    assert await log.compact(3_000) == Compacted(handoffs=0, rejections=0)
+
+
+async def test_compact_removes_rejections_logged_before_the_cutoff(log: EventLog, db: Path) -> None:
+    """Rejections keep whole payloads; only those of a quarantined handoff are kept, however old:
+    they are the evidence an operator needs."""
+    old, a = completed(1_000)
+    quarantined, b = started(1_000)
+    b.upsert_handoff(dataclasses.replace(quarantined.row, state=HandoffState.QUARANTINED))
+    rejections = Batch()
+    rejections.reject(1_000, None, "undecodable input", b"{" * 1024)
+    rejections.reject(2_999, old.id, "not expected", b"[]")
+    rejections.reject(1_000, quarantined.id, "quarantined: replay diverged", b"")
+    rejections.reject(2_000, quarantined.id, "handoff quarantined", b"{}")
+    rejections.reject(3_000, None, "undecodable input", b"at the cutoff")
+    await log.commit(merged(a, b, rejections))
+
+    assert await log.compact(3_000) == Compacted(handoffs=1, rejections=2)
+
+    assert table(db, "SELECT at_ms, handoff_id, reason FROM rejections ORDER BY id") == [
+        (1_000, str(quarantined.id), "quarantined: replay diverged"),
+        (2_000, str(quarantined.id), "handoff quarantined"),
+        (3_000, None, "undecodable input"),
+    ]
+    assert set(await log.load([old.id, quarantined.id])) == {quarantined.id}
 
 
 @pytest.mark.parametrize(("synchronous", "level"), [("FULL", 2), ("NORMAL", 1), ("EXTRA", 3)])
@@ -435,7 +460,7 @@ async def test_a_locked_log_fails_with_store_errors_and_recovers(log: EventLog, 
 
     # Neither failure left a transaction open on the log's connection.
     await log.commit(batch)
-    assert await log.compact(10_000) == 1
+    assert await log.compact(10_000) == Compacted(handoffs=1, rejections=0)
 
 
 async def test_another_applications_database_is_left_untouched(tmp_path: Path) -> None:
@@ -524,7 +549,7 @@ async def test_a_full_disk_fails_with_its_cause_and_the_log_recovers(tmp_path: P
 
             filler.unlink()
             await log.commit(second)
-            assert await log.compact(1_500) == 1
+            assert await log.compact(1_500) == Compacted(handoffs=1, rejections=0)
         finally:
             await log.close()
 

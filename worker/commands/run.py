@@ -98,14 +98,19 @@ async def _connect(config: WorkerConfig, stop: asyncio.Event) -> Bus | None:
 
 
 async def _retain(config: WorkerConfig, log: EventLog, stop: asyncio.Event) -> None:
-    """Delete completed handoffs older than the retention, at start and then hourly."""
+    """Delete completed handoffs and rejections older than the retention, at start and then
+    hourly."""
     if config.retention_s is None:
         return
     while not stop.is_set():
         cutoff_ms = int((time.time() - config.retention_s) * 1000)
         try:
             removed = await log.compact(cutoff_ms)
-            logger.info("retention: removed %d completed handoffs", removed)
+            logger.info(
+                "retention: removed %d completed handoffs and %d rejections",
+                removed.handoffs,
+                removed.rejections,
+            )
         except StoreError as exc:
             logger.warning("retention: %s", exc)
         with contextlib.suppress(TimeoutError):
