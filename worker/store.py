@@ -16,26 +16,35 @@ written, so a log at the path is never a half-made one: an empty file there is a
 truncated or lost, and it is refused rather than adopted (adopting it would forget every open
 handoff). A new log is created 0600, because it holds raw payloads, and SQLite gives its -wal and
 -shm files the same mode. An existing file's mode is left as the operator set it.
+
+One writer. SQLite's locks serialise transactions, not workers: two workers on one file both
+commit, and they collide and duplicate. `WriterLock` is the worker's exclusive claim on a log for
+its lifetime, an `flock` on the `<db>.lock` file beside it, which the OS releases when the
+process dies however it dies, so a crash never blocks the restart. The offline tools and
+`compact` do not take it: their reads and their short transactions are safe beside a worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
+import socket
 import sqlite3
 import tempfile
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from uuid import UUID
 
 import aiosqlite
 
 from events.codec import decode_record, encode_record
 from events.records import ActionRecord, InputRecord, LogRecord
-from worker.errors import StoreConflict, StoreError
+from worker.errors import StoreConflict, StoreError, StoreLocked
 from worker.schema import (
     DDL,
     HANDOFF_COLUMNS,
@@ -170,6 +179,71 @@ class Compacted:
     rejections: int
 
 
+class WriterLock:
+    """A worker's exclusive claim to write one event log, held for as long as the worker runs.
+
+    An `flock` on `<db>.lock` (created 0600) into which the holder writes who it is, for the
+    error that a second worker gets. The file stays when the lock is released: deleting a lock
+    file that another process has open would let two holders lock two different files.
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, db_path: Path) -> WriterLock:
+        """Take the lock of the log at `db_path`, or raise `StoreLocked` naming its holder."""
+        # Resolved, so that two spellings of one log (relative, through a symlink) share a lock.
+        resolved = db_path.resolve()
+        path = resolved.with_name(f"{resolved.name}.lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StoreError(f"cannot lock event log {db_path}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{_whoami()}\n".encode(), 0)
+        except BlockingIOError as exc:  # only flock blocks
+            holder = _holder(fd)
+            os.close(fd)
+            raise StoreLocked(
+                f"event log {db_path} is in use by another worker: {holder} (lock file {path})"
+            ) from exc
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError(f"cannot lock event log {db_path}: {exc}") from exc
+        return cls(fd, path)
+
+    def release(self) -> None:
+        """Give the lock up: another worker may take it at once."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _whoami() -> str:
+    started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"pid {os.getpid()} on host {socket.gethostname()}, since {started}"
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as it wrote itself into the lock file."""
+    try:
+        written = os.pread(fd, 512, 0).decode(errors="replace").strip()
+    except OSError:
+        written = ""
+    # Empty in the instant between the holder's flock and its write.
+    return written or "a process that has not yet written its name"
+
+
 def _prepare(path: Path) -> None:
     """Refuse an empty file at `path`, and create the log if there is no file at all."""
     try:
@@ -241,7 +315,7 @@ class EventLog:
     @classmethod
     async def open(cls, path: Path, synchronous: str = "FULL") -> EventLog:
         """Open the log at `path`, creating it if absent. An existing file must be a log of this
-        layout; an empty one is refused (see the module docstring)."""
+        layout; an empty one is refused (see the module docstring). Takes no `WriterLock`."""
         if synchronous.upper() not in _SYNCHRONOUS:
             # SQLite silently reads an unknown level as NORMAL, which is not what was asked.
             raise StoreError(

@@ -33,7 +33,7 @@ from events.messages import (
 from events.records import ActionRecord, InputRecord
 from tests.worker.scripted_engine import Script, success_script
 from tests.worker.tmpfs import fill, small_filesystem
-from worker.errors import StoreConflict, StoreError
+from worker.errors import StoreConflict, StoreError, StoreLocked
 from worker.schema import HandoffState
 from worker.store import (
     Batch,
@@ -42,6 +42,7 @@ from worker.store import (
     HandoffRow,
     LoggedEvent,
     UnpublishedAction,
+    WriterLock,
 )
 
 
@@ -556,3 +557,29 @@ async def test_a_full_disk_fails_with_its_cause_and_the_log_recovers(tmp_path: P
         # The failed attempts left nothing behind; the retried commit is whole.
         assert table(db, "SELECT handoff_id FROM handoffs") == [(str(waiting.id),)]
         assert table(db, "SELECT length(payload) FROM rejections") == [(256 * 1024,)]
+
+
+# --- one writer -----------------------------------------------------------------------------
+
+
+def test_the_writer_lock_admits_one_holder_and_names_it(tmp_path: Path) -> None:
+    """flock locks belong to an open file, so a second acquire in this process is refused just
+    as another process's is (tests/worker/test_single_writer.py runs real workers)."""
+    db = tmp_path / "kvhandoff.db"
+    lock_file = tmp_path / "kvhandoff.db.lock"
+    alias = tmp_path / "alias"
+    alias.symlink_to(tmp_path, target_is_directory=True)
+    with WriterLock.acquire(db):
+        with pytest.raises(StoreLocked) as refused:
+            WriterLock.acquire(alias / "kvhandoff.db")  # the same log, spelled another way
+        assert re.fullmatch(
+            rf"event log {re.escape(str(alias))}/kvhandoff\.db is in use by another worker:"
+            rf" pid {os.getpid()} on host \S+, since \d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
+            rf" \(lock file {re.escape(str(lock_file))}\)",
+            str(refused.value),
+        )
+        assert stat.S_IMODE(lock_file.stat().st_mode) == 0o600
+        assert not db.exists()  # the lock is taken before the log is opened or created
+
+    with WriterLock.acquire(alias / "kvhandoff.db") as again:
+        assert again.path == lock_file

@@ -5,7 +5,7 @@ Deletes every handoff that completed (succeeded or canceled) more than AGE ago, 
 log, and every rejection (which keeps the refused input's whole payload) logged more than AGE
 ago, in one transaction, through the worker's own `EventLog.compact`. Open and quarantined
 handoffs, and the rejections of quarantined ones, are never touched. Safe while a worker runs
-on the same file: both wait for SQLite's write lock.
+on the same file: it does not take the worker's lock, and both wait for SQLite's write lock.
 """
 
 from __future__ import annotations
