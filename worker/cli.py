@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("replay", "the timeline of one handoff, step by step"),
     "verify": ("verify", "re-derive every logged action and compare"),
     "export": ("export", "write one handoff's log as self-contained JSONL"),
-    "compact": ("compact", "remove completed handoffs older than an age"),
+    "compact": ("compact", "remove completed handoffs and rejections older than an age"),
     "conformance": ("conformance", "run reference conformance vectors through the coordinator"),
     "schema": ("schema", "print the JSON Schema of the wire vocabulary"),
     "health": ("health", "exit 0 if the local worker answers its health endpoint"),

@@ -4,7 +4,8 @@ into these at exactly one seam per adapter, with `raise ... from exc`.
     WorkerError
     ├── ConfigError        invalid configuration, reported at start
     ├── StoreError         the SQLite event log failed (translated in worker.store)
-    │   └── StoreConflict  a second writer appended the same (handoff, sequence)
+    │   ├── StoreConflict  a second writer appended the same (handoff, sequence)
+    │   └── StoreLocked    another worker holds the log's writer lock
     ├── BusError           NATS / JetStream failed (translated in worker.bus)
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.testing)
@@ -27,6 +28,10 @@ class StoreError(WorkerError):
 
 class StoreConflict(StoreError):
     """An append collided with an existing (handoff, sequence): another writer is active."""
+
+
+class StoreLocked(StoreError):
+    """Another worker holds the event log's writer lock; the message names it."""
 
 
 class BusError(WorkerError):

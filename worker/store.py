@@ -8,16 +8,36 @@ acknowledged is in the log, and whatever was not will be redelivered.
 
 Appends are group-committed: the service gathers everything one fetched batch produced (new
 handoffs, events, rejections, outbox marks) into a `Batch` and commits it in one transaction.
-sqlite errors are translated to `StoreError` here and nowhere else.
+When a transaction fails, the error is SQLite's own ("database or disk is full"), never that of
+the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
+
+The file. A new log is built under a temporary name and linked into place once its layout is
+written, so a log at the path is never a half-made one: an empty file there is a log that was
+truncated or lost, and it is refused rather than adopted (adopting it would forget every open
+handoff). A new log is created 0600, because it holds raw payloads, and SQLite gives its -wal and
+-shm files the same mode. An existing file's mode is left as the operator set it.
+
+One writer. SQLite's locks serialise transactions, not workers: two workers on one file both
+commit, and they collide and duplicate. `WriterLock` is the worker's exclusive claim on a log for
+its lifetime, an `flock` on the `<db>.lock` file beside it, which the OS releases when the
+process dies however it dies, so a crash never blocks the restart. The offline tools and
+`compact` do not take it: their reads and their short transactions are safe beside a worker.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
+import os
+import socket
 import sqlite3
-from collections.abc import Collection, Iterable, Sequence
+import tempfile
+from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from uuid import UUID
 
 import aiosqlite
@@ -25,7 +45,7 @@ import aiosqlite
 from events.codec import decode_record, encode_record
 from events.errors import LogCorrupt
 from events.records import ActionRecord, InputRecord, LogRecord
-from worker.errors import StoreConflict, StoreError
+from worker.errors import StoreConflict, StoreError, StoreLocked
 from worker.schema import (
     DDL,
     HANDOFF_COLUMNS,
@@ -162,6 +182,135 @@ _QUARANTINE = (
 _INSERT_REJECTION = (
     "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, ?, ?, ?)"
 )
+# A quarantined handoff waits for an operator, with its rejections as the evidence: compaction
+# keeps both, however old.
+_DOOM_HANDOFFS = """
+INSERT INTO doomed SELECT handoff_id FROM handoffs
+WHERE state != 'open' AND state != 'quarantined' AND completed_at_ms < ?
+"""
+_DELETE_REJECTIONS = """
+DELETE FROM rejections WHERE at_ms < ? AND NOT EXISTS (
+    SELECT 1 FROM handoffs h WHERE h.handoff_id = rejections.handoff_id AND h.state = 'quarantined'
+)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Compacted:
+    """What one compaction deleted."""
+
+    handoffs: int
+    rejections: int
+
+
+class WriterLock:
+    """A worker's exclusive claim to write one event log, held for as long as the worker runs.
+
+    An `flock` on `<db>.lock` (created 0600) into which the holder writes who it is, for the
+    error that a second worker gets. The file stays when the lock is released: deleting a lock
+    file that another process has open would let two holders lock two different files.
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, db_path: Path) -> WriterLock:
+        """Take the lock of the log at `db_path`, or raise `StoreLocked` naming its holder."""
+        # Resolved, so that two spellings of one log (relative, through a symlink) share a lock.
+        resolved = db_path.resolve()
+        path = resolved.with_name(f"{resolved.name}.lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StoreError(f"cannot lock event log {db_path}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{_whoami()}\n".encode(), 0)
+        except BlockingIOError as exc:  # only flock blocks
+            holder = _holder(fd)
+            os.close(fd)
+            raise StoreLocked(
+                f"event log {db_path} is in use by another worker: {holder} (lock file {path})"
+            ) from exc
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError(f"cannot lock event log {db_path}: {exc}") from exc
+        return cls(fd, path)
+
+    def release(self) -> None:
+        """Give the lock up: another worker may take it at once."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _whoami() -> str:
+    started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"pid {os.getpid()} on host {socket.gethostname()}, since {started}"
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as it wrote itself into the lock file."""
+    try:
+        written = os.pread(fd, 512, 0).decode(errors="replace").strip()
+    except OSError:
+        written = ""
+    # Empty in the instant between the holder's flock and its write.
+    return written or "a process that has not yet written its name"
+
+
+def _prepare(path: Path) -> None:
+    """Refuse an empty file at `path`, and create the log if there is no file at all."""
+    try:
+        size: int | None = path.stat().st_size
+    except FileNotFoundError:
+        size = None
+    except OSError as exc:
+        raise StoreError(f"cannot open event log {path}: {exc}") from exc
+    if size == 0:
+        raise StoreError(
+            f"event log {path} is an empty file: most likely a log that was truncated or lost,"
+            " and starting on it would forget every open handoff; restore the log, or delete"
+            " the file to start a new one"
+        )
+    if size is None:
+        try:
+            _create(path)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot create event log {path}: {exc}") from exc
+
+
+def _create(path: Path) -> None:
+    """Build a new log beside `path` (0600, mkstemp's mode) and link it into place."""
+    fd, name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".new", dir=path.parent)
+    os.close(fd)
+    draft = Path(name)
+    try:
+        # No transaction needed: nobody sees the draft until it is complete.
+        with contextlib.closing(sqlite3.connect(draft, isolation_level=None)) as db:
+            db.executescript(DDL)
+            db.execute("INSERT INTO meta (key, value) VALUES ('layout', ?)", (LAYOUT_VERSION,))
+            db.execute("PRAGMA journal_mode=WAL")
+        # A link, unlike a rename, never replaces: if another process created the log
+        # meanwhile, its log is the one both open.
+        with contextlib.suppress(FileExistsError):
+            os.link(draft, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the new name must survive a power loss with the log
+        finally:
+            os.close(directory)
+    finally:
+        draft.unlink()
 
 
 def _handoff_row(values: Sequence[Any]) -> HandoffRow:
@@ -189,62 +338,63 @@ class EventLog:
 
     @classmethod
     async def open(cls, path: Path, synchronous: str = "FULL") -> EventLog:
-        """Open the log at `path`, creating it if absent; the file must have this layout."""
+        """Open the log at `path`, creating it if absent. An existing file must be a log of this
+        layout; an empty one is refused (see the module docstring). Takes no `WriterLock`."""
         if synchronous.upper() not in _SYNCHRONOUS:
             # SQLite silently reads an unknown level as NORMAL, which is not what was asked.
             raise StoreError(
                 f"cannot open event log {path}: synchronous={synchronous!r} is not one of"
                 f" {', '.join(_SYNCHRONOUS)}"
             )
+        await asyncio.to_thread(_prepare, path)
         try:
             db = await aiosqlite.connect(path, isolation_level=None)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open event log {path}: {exc}") from exc
         try:
-            await db.execute("PRAGMA journal_mode=WAL")
-            await db.execute(f"PRAGMA synchronous={synchronous}")
+            await cls._configure(db, path, synchronous)
+        except BaseException:
+            # An unclosed connection keeps its thread alive, and the process with it.
+            await db.close()
+            raise
+        return cls(db, path)
+
+    @staticmethod
+    async def _configure(db: aiosqlite.Connection, path: Path, synchronous: str) -> None:
+        try:
             # An offline `compact` may hold the write lock briefly; wait rather than fail.
             await db.execute("PRAGMA busy_timeout=5000")
+            # Checked before anything is written: another application's database, or a log of
+            # another layout, must be left as it is.
             tables = {
                 name
                 for (name,) in await db.execute_fetchall(
                     "SELECT name FROM sqlite_master WHERE type = 'table'"
                 )
             }
-            # Only an empty file is initialised: another application's database, or a log of
-            # another layout, must be refused before anything is written to it.
-            if not tables:
-                await db.executescript(DDL)
-                await db.execute(
-                    "INSERT INTO meta (key, value) VALUES ('layout', ?)", (LAYOUT_VERSION,)
-                )
             layout = None
-            if "meta" in tables or not tables:
+            if "meta" in tables:
                 rows = list(
                     await db.execute_fetchall("SELECT value FROM meta WHERE key = 'layout'")
                 )
                 layout = rows[0][0] if rows else None
+            if layout != LAYOUT_VERSION:
+                raise StoreError(
+                    f"event log {path} has layout {layout!r}, this build reads and writes layout"
+                    f" {LAYOUT_VERSION!r}"
+                )
+            await db.execute("PRAGMA journal_mode=WAL")
+            await db.execute(f"PRAGMA synchronous={synchronous}")
         except sqlite3.Error as exc:
-            # An unclosed connection keeps its thread alive, and the process with it.
-            await db.close()
             raise StoreError(f"cannot open event log {path}: {exc}") from exc
-        if layout != LAYOUT_VERSION:
-            await db.close()
-            raise StoreError(
-                f"event log {path} has layout {layout!r}, this build reads and writes layout"
-                f" {LAYOUT_VERSION!r}"
-            )
-        return cls(db, path)
 
     async def close(self) -> None:
         await self._db.close()
 
     async def commit(self, batch: Batch) -> None:
         """Write the batch in one transaction, or nothing at all."""
-        db = self._db
         try:
-            await db.execute("BEGIN IMMEDIATE")
-            try:
+            async with self._transaction() as db:
                 if batch.handoffs:
                     await db.executemany(
                         _UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()]
@@ -257,14 +407,10 @@ class EventLog:
                     await db.executemany(_INSERT_REJECTION, batch.rejections)
                 if batch.quarantined:
                     await db.executemany(_QUARANTINE, batch.quarantined)
-                await db.execute("COMMIT")
-            except BaseException:
-                await db.execute("ROLLBACK")
-                raise
         except sqlite3.IntegrityError as exc:
             raise StoreConflict(f"append collided with the log: {exc}") from exc
         except sqlite3.Error as exc:
-            raise StoreError(f"commit failed: {exc}") from exc
+            raise StoreError(f"commit to event log {self.path} failed: {exc}") from exc
 
     async def load(self, handoff_ids: Collection[UUID]) -> dict[UUID, Loaded]:
         """The logs of those handoffs that exist, keyed by id; unreadable ones as corrupt."""
@@ -328,37 +474,46 @@ class EventLog:
             for _, seq, _, at_ms, digest, published, record in rows
         ]
 
-    async def compact(self, completed_before_ms: int) -> int:
-        """Delete handoffs that completed before the given time, with their logs."""
-        db = self._db
+    async def compact(self, before_ms: int) -> Compacted:
+        """Delete the handoffs that completed before `before_ms`, with their logs, and the
+        rejections logged before it. Open and quarantined handoffs are kept."""
         try:
-            await db.execute("BEGIN IMMEDIATE")
-            try:
+            async with self._transaction() as db:
                 await db.execute(
                     "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_id TEXT PRIMARY KEY)"
                 )
                 await db.execute("DELETE FROM doomed")
-                await db.execute(
-                    "INSERT INTO doomed SELECT handoff_id FROM handoffs"
-                    " WHERE state != 'open' AND completed_at_ms < ?",
-                    (completed_before_ms,),
-                )
+                await db.execute(_DOOM_HANDOFFS, (before_ms,))
                 await db.execute(
                     "DELETE FROM events WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
                 )
-                cursor = await db.execute(
+                handoffs = await db.execute(
                     "DELETE FROM handoffs WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
                 )
-                removed = cursor.rowcount
-                await db.execute("COMMIT")
-            except BaseException:
-                # Only once BEGIN succeeded: a ROLLBACK with no transaction raises and would
-                # hide the error that matters behind an untranslated one.
-                await db.execute("ROLLBACK")
-                raise
+                rejections = await db.execute(_DELETE_REJECTIONS, (before_ms,))
         except sqlite3.Error as exc:
-            raise StoreError(f"compaction failed: {exc}") from exc
-        return removed
+            raise StoreError(f"compaction of event log {self.path} failed: {exc}") from exc
+        return Compacted(handoffs.rowcount, rejections.rowcount)
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+        """BEGIN IMMEDIATE, then COMMIT, or a rollback on any error. sqlite errors pass
+        through unchanged, for the caller to translate."""
+        db = self._db
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            await db.execute("COMMIT")
+        except BaseException as exc:
+            # SQLite itself rolls back on some errors (SQLITE_FULL, SQLITE_IOERR, ...), even on
+            # a failed COMMIT. A ROLLBACK then fails with "no transaction is active", and its
+            # error must never replace the one that says what went wrong.
+            if db.in_transaction:
+                try:
+                    await db.execute("ROLLBACK")
+                except sqlite3.Error as rollback_error:
+                    exc.add_note(f"the rollback failed too: {rollback_error}")
+            raise
 
     async def _fetch(self, sql: str, parameters: Iterable[object] = ()) -> list[sqlite3.Row]:
         try:

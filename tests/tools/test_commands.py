@@ -11,6 +11,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -449,17 +450,31 @@ def test_export_writes_the_golden_jsonl(kvhandoff: Run, tmp_path: Path) -> None:
 def test_compact_removes_completed_handoffs_older_than_the_age(
     kvhandoff: Run, writable_log: Path
 ) -> None:
+    minute = 60_000
+    midnight = 1_735_689_600_000  # 2025-01-01T00:00:00Z
+    with closing(sqlite3.connect(writable_log)) as db, db:
+        db.executemany(
+            "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, NULL, ?, ?)",
+            [
+                (midnight + 2 * minute, "undecodable input", b"{"),
+                (midnight + 3 * minute + 30_000, "not expected", b"[]"),
+            ],
+        )
     result = kvhandoff(
         "compact", writable_log, "--older-than", "1m", "--now", "2025-01-01T00:04:00Z"
     )
     assert result.code == 0
-    assert result.out == "removed 3 handoffs completed before 2025-01-01T00:03:00.000Z\n"
+    assert result.out == (
+        "removed 3 handoffs completed and 1 rejection logged before 2025-01-01T00:03:00.000Z\n"
+    )
+    with closing(sqlite3.connect(writable_log)) as db:
+        assert db.execute("SELECT reason FROM rejections").fetchall() == [("not expected",)]
     left = report(ListReport, kvhandoff("list", writable_log, "--json").out)
     assert [str(h.handoff.handoff_id) for h in left.handoffs] == list(IDS.values())[3:]
     assert kvhandoff("verify", writable_log).out == "verified 6 handoffs, 52 events: all match\n"
 
     everything = kvhandoff("compact", writable_log, "--older-than", "0", "--now", "2030-01-01")
-    assert everything.out.startswith("removed 3 handoffs")
+    assert everything.out.startswith("removed 3 handoffs completed and 1 rejection logged")
     left = report(ListReport, kvhandoff("list", writable_log, "--json").out)
     assert {h.handoff.state for h in left.handoffs} == {"open"}
 

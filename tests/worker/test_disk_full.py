@@ -5,7 +5,6 @@ its health red; once there is room again, every handoff completes and the log ve
 from __future__ import annotations
 
 import asyncio
-import errno
 import random
 import time
 from pathlib import Path
@@ -16,20 +15,8 @@ from events.replay import find_divergence
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 from tests.worker.test_faults import make_starts
-from tests.worker.tmpfs import small_filesystem
+from tests.worker.tmpfs import fill, small_filesystem
 from worker.natsserver import EmbeddedNats
-
-
-def fill(directory: Path) -> Path:
-    """Write a file until the filesystem has no room left; deleting it frees the room."""
-    filler = directory / "filler"
-    with filler.open("wb", buffering=0) as out:
-        try:
-            while True:
-                out.write(b"\0" * 4096)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
-    return filler
 
 
 def metric(text: str, name: str) -> float:
@@ -50,7 +37,8 @@ async def poll(condition: object, what: str, within: float = 30.0) -> None:
 async def test_a_full_disk_changes_nothing_until_there_is_room(
     nats_server: EmbeddedNats, engines: ScriptedEngines, tmp_path: Path
 ) -> None:
-    with small_filesystem(tmp_path, size_kib=4096) as disk:
+    # Room for SQLite's WAL to reach its checkpoint (1,000 pages) once the filler is gone.
+    with small_filesystem(tmp_path, size_kib=16384) as disk:
         worker = WorkerProcess(nats_server.url, disk / "kvhandoff.db")
         worker.start()
         try:
@@ -62,12 +50,20 @@ async def test_a_full_disk_changes_nothing_until_there_is_room(
             seen_before = len(engines.first)
 
             filler = fill(disk)
-            starts = make_starts(300, rng)
+            starts = make_starts(100, rng)
             for start in starts:
                 await engines.start_handoff(start)
             await poll(lambda: not worker.healthy(), "health to turn red")
             await poll(lambda: "database or disk is full" in worker.logs(), "the cause")
+            # It backs off rather than spinning (the issue saw ~13 failed commits a second):
+            # the pauses after four failures in a row add up to at least 0.2+0.4+0.8 s.
+            began = time.monotonic()
             failures = metric(worker.metrics(), "kvhandoff_commit_failures_total")
+            await poll(
+                lambda: metric(worker.metrics(), "kvhandoff_commit_failures_total") >= failures + 4,
+                "four more failed commits",
+            )
+            assert time.monotonic() - began >= 1.4
             # Nothing committed, so nothing may be published: not the new handoffs' actions,
             # and no republication of what was already out.
             assert len(engines.first) == seen_before
@@ -77,8 +73,6 @@ async def test_a_full_disk_changes_nothing_until_there_is_room(
             filler.unlink()
             await engines.wait_complete({s.handoff_id for s in starts}, within=120)
             await poll(worker.healthy, "health to turn green again")
-            # It backed off rather than spinning: a failure every few seconds at most.
-            assert metric(worker.metrics(), "kvhandoff_commit_failures_total") >= failures
             assert not engines.mismatched
             assert set(engines.effects.values()) == {1}
             for start in [*warm, *starts]:

@@ -5,8 +5,10 @@ read back. Records come from the real coordinator, written the way the service w
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sqlite3
+import stat
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -30,10 +32,12 @@ from events.messages import (
 )
 from events.records import ActionRecord, InputRecord
 from tests.worker.scripted_engine import Script, success_script
-from worker.errors import StoreConflict, StoreError
+from tests.worker.tmpfs import fill, small_filesystem
+from worker.errors import StoreConflict, StoreError, StoreLocked
 from worker.schema import HandoffState
 from worker.store import (
     Batch,
+    Compacted,
     CorruptHandoff,
     EventLog,
     HandoffRow,
@@ -41,6 +45,7 @@ from worker.store import (
     LoadedHandoff,
     LoggedEvent,
     UnpublishedAction,
+    WriterLock,
 )
 
 
@@ -373,7 +378,7 @@ async def test_compact_removes_only_closed_handoffs_completed_before_the_cutoff(
     old_open, e = started(0)
     await log.commit(merged(a, b, c, d, e))
 
-    assert await log.compact(3_000) == 2
+    assert await log.compact(3_000) == Compacted(handoffs=2, rejections=0)
 
     kept = readable(
         await log.load([h.id for h in (old, old_canceled, at_cutoff, recent, old_open)])
@@ -383,7 +388,31 @@ async def test_compact_removes_only_closed_handoffs_completed_before_the_cutoff(
         assert kept[handoff.id].events == handoff.events
     for handoff in (old, old_canceled):
         assert table(db, "SELECT * FROM events WHERE handoff_id = ?", str(handoff.id)) == []
-    assert await log.compact(3_000) == 0
+    assert await log.compact(3_000) == Compacted(handoffs=0, rejections=0)
+
+
+async def test_compact_removes_rejections_logged_before_the_cutoff(log: EventLog, db: Path) -> None:
+    """Rejections keep whole payloads; only those of a quarantined handoff are kept, however old:
+    they are the evidence an operator needs."""
+    old, a = completed(1_000)
+    quarantined, b = started(1_000)
+    b.upsert_handoff(dataclasses.replace(quarantined.row, state=HandoffState.QUARANTINED))
+    rejections = Batch()
+    rejections.reject(1_000, None, "undecodable input", b"{" * 1024)
+    rejections.reject(2_999, old.id, "not expected", b"[]")
+    rejections.reject(1_000, quarantined.id, "quarantined: replay diverged", b"")
+    rejections.reject(2_000, quarantined.id, "handoff quarantined", b"{}")
+    rejections.reject(3_000, None, "undecodable input", b"at the cutoff")
+    await log.commit(merged(a, b, rejections))
+
+    assert await log.compact(3_000) == Compacted(handoffs=1, rejections=2)
+
+    assert table(db, "SELECT at_ms, handoff_id, reason FROM rejections ORDER BY id") == [
+        (1_000, str(quarantined.id), "quarantined: replay diverged"),
+        (2_000, str(quarantined.id), "handoff quarantined"),
+        (3_000, None, "undecodable input"),
+    ]
+    assert set(await log.load([old.id, quarantined.id])) == {quarantined.id}
 
 
 @pytest.mark.parametrize(("synchronous", "level"), [("FULL", 2), ("NORMAL", 1), ("EXTRA", 3)])
@@ -482,7 +511,7 @@ async def test_a_locked_log_fails_with_store_errors_and_recovers(log: EventLog, 
 
     # Neither failure left a transaction open on the log's connection.
     await log.commit(batch)
-    assert await log.compact(10_000) == 1
+    assert await log.compact(10_000) == Compacted(handoffs=1, rejections=0)
 
 
 async def test_another_applications_database_is_left_untouched(tmp_path: Path) -> None:
@@ -496,3 +525,111 @@ async def test_another_applications_database_is_left_untouched(tmp_path: Path) -
     with closing(sqlite3.connect(foreign)) as connection:
         tables = {name for (name,) in connection.execute("SELECT name FROM sqlite_master")}
     assert tables == {"users"}
+
+
+# --- the file itself ------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("no_leaked_threads")
+async def test_an_empty_file_is_refused_as_a_lost_log(db: Path) -> None:
+    """A 0-byte file is what a truncated or lost log looks like; adopting it as a new log would
+    forget every open handoff."""
+    db.touch()  # noqa: ASYNC240  # a file in the test's own tmp_path
+
+    with pytest.raises(StoreError, match=rf"event log {re.escape(str(db))} is an empty file"):
+        await EventLog.open(db)
+    assert db.read_bytes() == b""  # noqa: ASYNC240
+    assert sorted(p.name for p in db.parent.iterdir()) == [db.name]
+
+
+@pytest.fixture
+def usual_umask() -> Iterator[None]:
+    """The umask most services run with, which leaves new files readable by everyone."""
+    before = os.umask(0o022)
+    yield
+    os.umask(before)
+
+
+@pytest.mark.usefixtures("usual_umask")
+async def test_a_new_log_its_wal_and_shm_are_readable_by_the_owner_only(
+    log: EventLog, db: Path
+) -> None:
+    """They hold raw payloads. SQLite gives the -wal and -shm files the database file's mode."""
+    _, batch = started(1_000)
+    await log.commit(batch)
+
+    files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in db.parent.iterdir()}
+    assert files == {db.name: 0o600, f"{db.name}-wal": 0o600, f"{db.name}-shm": 0o600}
+
+
+@pytest.mark.usefixtures("usual_umask")
+async def test_an_existing_logs_mode_is_left_as_it_is(db: Path) -> None:
+    await (await EventLog.open(db)).close()
+    db.chmod(0o640)  # noqa: ASYNC240  # an operator's choice, e.g. for a backup group
+
+    log = await EventLog.open(db)
+    try:
+        _, batch = started(1_000)
+        await log.commit(batch)
+    finally:
+        await log.close()
+    assert stat.S_IMODE(db.stat().st_mode) == 0o640  # noqa: ASYNC240
+
+
+async def test_a_full_disk_fails_with_its_cause_and_the_log_recovers(tmp_path: Path) -> None:
+    """When COMMIT fails for lack of space SQLite has already rolled back: the error must say
+    "database or disk is full", and the log must work again once there is space."""
+    with small_filesystem(tmp_path, 1024) as directory:
+        db = directory / "kvhandoff.db"
+        log = await EventLog.open(db)
+        try:
+            _, first = completed(1_000)
+            await log.commit(first)
+            waiting, second = started(2_000)
+            # Larger than anything written so far, so it cannot fit in space the WAL has.
+            second.reject(2_000, None, "undecodable input", b"x" * 256 * 1024)
+            filler = fill(directory)
+
+            with pytest.raises(StoreError, match="database or disk is full") as compact_error:
+                await log.compact(10_000)
+            with pytest.raises(StoreError, match="database or disk is full") as commit_error:
+                await log.commit(second)
+            for error in (compact_error, commit_error):
+                assert isinstance(error.value.__cause__, sqlite3.OperationalError)
+                assert "rollback" not in str(error.value)
+
+            filler.unlink()
+            await log.commit(second)
+            assert await log.compact(1_500) == Compacted(handoffs=1, rejections=0)
+        finally:
+            await log.close()
+
+        # The failed attempts left nothing behind; the retried commit is whole.
+        assert table(db, "SELECT handoff_id FROM handoffs") == [(str(waiting.id),)]
+        assert table(db, "SELECT length(payload) FROM rejections") == [(256 * 1024,)]
+
+
+# --- one writer -----------------------------------------------------------------------------
+
+
+def test_the_writer_lock_admits_one_holder_and_names_it(tmp_path: Path) -> None:
+    """flock locks belong to an open file, so a second acquire in this process is refused just
+    as another process's is (tests/worker/test_single_writer.py runs real workers)."""
+    db = tmp_path / "kvhandoff.db"
+    lock_file = tmp_path / "kvhandoff.db.lock"
+    alias = tmp_path / "alias"
+    alias.symlink_to(tmp_path, target_is_directory=True)
+    with WriterLock.acquire(db):
+        with pytest.raises(StoreLocked) as refused:
+            WriterLock.acquire(alias / "kvhandoff.db")  # the same log, spelled another way
+        assert re.fullmatch(
+            rf"event log {re.escape(str(alias))}/kvhandoff\.db is in use by another worker:"
+            rf" pid {os.getpid()} on host \S+, since \d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
+            rf" \(lock file {re.escape(str(lock_file))}\)",
+            str(refused.value),
+        )
+        assert stat.S_IMODE(lock_file.stat().st_mode) == 0o600
+        assert not db.exists()  # the lock is taken before the log is opened or created
+
+    with WriterLock.acquire(alias / "kvhandoff.db") as again:
+        assert again.path == lock_file

@@ -1,8 +1,11 @@
-"""`kvhandoff compact LOG --older-than AGE`: remove completed handoffs older than AGE.
+"""`kvhandoff compact LOG --older-than AGE`: remove completed handoffs and rejections older
+than AGE.
 
 Deletes every handoff that completed (succeeded or canceled) more than AGE ago, with its whole
-log, in one transaction, through the worker's own `EventLog.compact`. Open handoffs are never
-touched. Safe while a worker runs on the same file: both wait for SQLite's write lock.
+log, and every rejection (which keeps the refused input's whole payload) logged more than AGE
+ago, in one transaction, through the worker's own `EventLog.compact`. Open and quarantined
+handoffs, and the rejections of quarantined ones, are never touched. Safe while a worker runs
+on the same file: it does not take the worker's lock, and both wait for SQLite's write lock.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 from pathlib import Path
 
 from worker.commands import _offline, _text
-from worker.store import EventLog
+from worker.store import Compacted, EventLog
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +25,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="AGE",
         type=_offline.parse_duration_ms,
         required=True,
-        help="remove handoffs that completed more than AGE ago (30s, 5m, 7d, 1h30m)",
+        help="remove handoffs that completed, and rejections logged, more than AGE ago"
+        " (30s, 5m, 7d, 1h30m)",
     )
     _offline.add_now_argument(parser)
 
@@ -34,13 +38,16 @@ def execute(args: argparse.Namespace) -> int:
         return _offline.fail("compact", f"no event log at {args.log}")
     cutoff = _offline.resolve_now(args) - args.older_than
     removed = asyncio.run(_compact(args.log, cutoff))
-    print(f"removed {_text.count(removed, 'handoff')} completed before {_text.instant(cutoff)}")
+    print(
+        f"removed {_text.count(removed.handoffs, 'handoff')} completed and"
+        f" {_text.count(removed.rejections, 'rejection')} logged before {_text.instant(cutoff)}"
+    )
     return _offline.EXIT_OK
 
 
-async def _compact(path: Path, completed_before_ms: int) -> int:
+async def _compact(path: Path, before_ms: int) -> Compacted:
     log = await EventLog.open(path)
     try:
-        return await log.compact(completed_before_ms)
+        return await log.compact(before_ms)
     finally:
         await log.close()

@@ -1,4 +1,8 @@
-"""`kvhandoff run`: the worker, until SIGTERM or SIGINT, which drain it (exit 0)."""
+"""`kvhandoff run`: the worker, until SIGTERM or SIGINT, which drain it (exit 0).
+
+Exit 2 at once, before NATS or the log is touched, when the configuration cannot work or another
+worker holds the log's `WriterLock`; exit 1 when the log or the bus fails later.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,11 @@ import time
 from events.subjects import Subjects
 from worker.bus import Bus
 from worker.config import WorkerConfig, add_worker_arguments, worker_config
-from worker.errors import BusError, ConfigError, StoreError
+from worker.errors import BusError, ConfigError, StoreError, StoreLocked
 from worker.logs import configure_logging
 from worker.metrics import Metrics, MetricsServer
 from worker.service import Worker
-from worker.store import EventLog
+from worker.store import EventLog, WriterLock
 
 logger = logging.getLogger("worker.run")
 
@@ -34,12 +38,21 @@ def execute(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvhandoff run: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level, config.log_format)
     try:
-        return asyncio.run(serve(config))
-    except (StoreError, BusError) as exc:
-        logger.error("worker stopped: %s", exc)
-        return 1
+        lock = WriterLock.acquire(config.db_path)
+    except StoreError as exc:
+        print(f"kvhandoff run: {exc}", file=sys.stderr)
+        # A log in use is refused like a setting that cannot work; anything else is the log
+        # failing, as it would later.
+        return 2 if isinstance(exc, StoreLocked) else 1
+    configure_logging(config.log_level, config.log_format)
+    # Held until the process ends: the OS releases it if the process dies first.
+    with lock:
+        try:
+            return asyncio.run(serve(config))
+        except (StoreError, BusError) as exc:
+            logger.error("worker stopped: %s", exc)
+            return 1
 
 
 async def serve(config: WorkerConfig) -> int:
@@ -103,14 +116,19 @@ async def _connect(config: WorkerConfig, stop: asyncio.Event) -> Bus | None:
 
 
 async def _retain(config: WorkerConfig, log: EventLog, stop: asyncio.Event) -> None:
-    """Delete completed handoffs older than the retention, at start and then hourly."""
+    """Delete completed handoffs and rejections older than the retention, at start and then
+    hourly."""
     if config.retention_s is None:
         return
     while not stop.is_set():
         cutoff_ms = int((time.time() - config.retention_s) * 1000)
         try:
             removed = await log.compact(cutoff_ms)
-            logger.info("retention: removed %d completed handoffs", removed)
+            logger.info(
+                "retention: removed %d completed handoffs and %d rejections",
+                removed.handoffs,
+                removed.rejections,
+            )
         except StoreError as exc:
             logger.warning("retention: %s", exc)
         with contextlib.suppress(TimeoutError):
