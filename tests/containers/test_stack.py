@@ -77,7 +77,10 @@ def assert_log_holds_the_final_states(worker: KvhandoffWorkerContainer, report: 
 def test_handoffs_complete_end_to_end(
     worker: KvhandoffWorkerContainer, engines: MockEnginesContainer, loads: Loads
 ) -> None:
-    load = loads.start(HANDOFFS, *CONCURRENCY, *WAIT_TIMEOUT, "--cancel-share", "0.1")
+    # Cancels spread over a handoff's whole life (a few hundred ms here), so that some cross
+    # its success and reopen it: the race that a load report has to get right.
+    cancels = ("--cancel-share", "0.3", "--cancel-within-ms", "300")
+    load = loads.start(HANDOFFS, *CONCURRENCY, *WAIT_TIMEOUT, *cancels)
     report = loads.finish(load)
 
     assert_every_handoff_ended(report)
