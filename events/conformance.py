@@ -1,4 +1,4 @@
-"""Runs the reference conformance vectors (`shared/conformance/`) through the coordinator.
+"""Runs the reference conformance vectors (`tests/core/conformance/`) through the coordinator.
 
 Each case drives one coordinator through a list of ops and records, after every op, what the
 reference returned. We compare against `expect_atomic`: ok versus err, the issued actions (kind,

@@ -27,6 +27,10 @@ def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
     report = msgspec.json.decode(report_path.read_bytes(), type=LoadReport)
     assert report.handoffs == 3000
     assert report.completed + report.canceled == report.handoffs
+    # Every handoff is left succeeded or canceled; the summary shows those final states too.
+    assert report.final.succeeded + report.final.canceled == report.handoffs
+    row = next(line for line in done.stdout.splitlines() if "final: canceled" in line)
+    assert str(report.final.canceled) in row.split()
     assert report.canceled > 0  # the injected faults and frontend cancels did happen
     assert report.timed_out == 0
     assert report.rejected == 0

@@ -19,9 +19,20 @@ The model
   rejects its `StartHandoff`, and timed out if neither happens within `wait_timeout_s` (by
   default the worker's deadline plus 30 s). A frontend cancel whose handoff already ended is
   not sent.
+- A handoff whose frontend cancel went out ends only at its `Complete(canceled)`. A `Canceled`
+  fact always ends in one (events/coordinator.py): during the handoff it starts the cleanup;
+  after a success, which may have been on its way while the cancel was, it reopens the cleanup
+  and the handoff completes again as canceled; after a canceled completion it changes nothing,
+  and that completion was the last. Only if the worker rejects the cancel does the handoff end
+  at its success after all.
+- Each handoff's final state is the completion of the `Complete` with the highest action id
+  seen for it by the time of the report, which is the state the worker's log holds. It differs
+  from how the handoff ended when a `Complete` came after the end: a late engine fact that
+  reopened a success, or a `Complete` after the wait timed out. A handoff is *reopened* when a
+  success of it was followed by a canceled completion, whether its end waited for that or not.
 - Latency runs from just before the `StartHandoff` publish to the receipt of the `Complete`,
-  over successful handoffs (percentiles by nearest rank). Throughput is the handoffs that ended
-  with a `Complete` per second, from the first publish to the last end.
+  over handoffs that ended completed (percentiles by nearest rank). Throughput is the handoffs
+  that ended with a `Complete` per second, from the first publish to the last end.
 - Finally it gathers the engine processes' reports, retrying until the engines hold blocks only
   for decodes still running or `settle_timeout_s` passes, and counts their leaks.
 """
@@ -35,6 +46,7 @@ import math
 import random
 import statistics
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -147,7 +159,18 @@ class Latency(Struct, frozen=True):
     max: float | None
 
 
+class FinalStates(Struct, frozen=True):
+    """Handoffs by the state the worker's log holds for them (`succeeded`, `canceled`): the
+    completion of the last `Complete` seen for each. A handoff with none seen is in neither."""
+
+    succeeded: int = 0
+    canceled: int = 0
+
+
 class LoadReport(Struct, frozen=True):
+    """How each handoff ended (`completed`, `canceled`, `timed_out`, `rejected`), the state
+    each is left in (`final`, `reopened`), throughput, latency and the engines' leaks."""
+
     handoffs: int
     completed: int
     canceled: int
@@ -166,6 +189,11 @@ class LoadReport(Struct, frozen=True):
     engine_processes: int
     engines_settled: bool
     leak_details: list[Leak]
+    # Added after the fields above, with defaults, so that an older report still decodes.
+    final: FinalStates = msgspec.field(default_factory=FinalStates)
+    # Handoffs that succeeded and then completed again as canceled (a frontend cancel that
+    # crossed the success, or a late engine fact).
+    reopened: int = 0
 
     @property
     def ok(self) -> bool:
@@ -196,6 +224,28 @@ def latency_summary(latencies_ms: list[float]) -> Latency:
 class HandoffPlan:
     start: StartHandoff
     cancel_after_s: float | None
+
+
+@dataclass
+class _Handoff:
+    """What the load generator knows of one handoff it started."""
+
+    ended: asyncio.Future[tuple[Ending, float]]
+    # Set before the frontend cancel is published, so that a success that crosses it is not
+    # taken for the end: the cancel will reopen that success, and the end is the canceled
+    # completion.
+    cancel_sent: bool = False
+    succeeded_at: float | None = None  # when its first Complete(success) came
+    last_complete: Complete | None = None  # the highest action id: the state in the log
+
+    @property
+    def reopened(self) -> bool:
+        last = self.last_complete
+        return (
+            self.succeeded_at is not None
+            and last is not None
+            and last.completion is HandoffCompletion.CANCELED
+        )
 
 
 def plan_handoffs(config: LoadConfig) -> list[HandoffPlan]:
@@ -258,7 +308,7 @@ class _LoadRun:
         self._progress = progress
         self._plans = plan_handoffs(config)
         self._loop = asyncio.get_running_loop()
-        self._ends: dict[HandoffId, asyncio.Future[tuple[Ending, float]]] = {}
+        self._handoffs: dict[HandoffId, _Handoff] = {}
         self._counts = dict.fromkeys(Ending, 0)
         self._latencies_ms: list[float] = []
         self._started = 0
@@ -317,7 +367,7 @@ class _LoadRun:
     async def _one(self, plan: HandoffPlan) -> None:
         handoff_id = plan.start.handoff_id
         ended: asyncio.Future[tuple[Ending, float]] = self._loop.create_future()
-        self._ends[handoff_id] = ended
+        self._handoffs[handoff_id] = _Handoff(ended)
         sent_at = self._loop.time()
         await self._publish(plan.start)
         self._started += 1
@@ -340,9 +390,12 @@ class _LoadRun:
 
     async def _cancel_later(self, handoff_id: HandoffId, after_s: float) -> None:
         await asyncio.sleep(after_s)
-        if not self._ends[handoff_id].done():
-            await self._publish(Canceled(handoff_id))
-            self._cancels_sent += 1
+        handoff = self._handoffs[handoff_id]
+        if handoff.ended.done():
+            return
+        handoff.cancel_sent = True
+        await self._publish(Canceled(handoff_id))
+        self._cancels_sent += 1
 
     async def _publish(self, message: Input) -> None:
         subject = self._config.subjects.input(message.handoff_id)
@@ -358,16 +411,24 @@ class _LoadRun:
             return
         if not isinstance(action, Complete):
             return
-        ended = self._ends.get(action.handoff_id)
-        if ended is None:  # another frontend's handoff
+        handoff = self._handoffs.get(action.handoff_id)
+        if handoff is None:  # another frontend's handoff
             return
-        if ended.done():
+        now = self._loop.time()
+        # By action id, not arrival: a republished (recovered) Complete may come again later.
+        last = handoff.last_complete
+        if last is None or action.action_id > last.action_id:
+            handoff.last_complete = action
+        success = action.completion is HandoffCompletion.SUCCESS
+        if success and handoff.succeeded_at is None:
+            handoff.succeeded_at = now
+        if handoff.ended.done():
             self._extra_completions += 1
-            return
-        ending = (
-            Ending.COMPLETED if action.completion is HandoffCompletion.SUCCESS else Ending.CANCELED
-        )
-        ended.set_result((ending, self._loop.time()))
+        elif not success:
+            handoff.ended.set_result((Ending.CANCELED, now))
+        elif not handoff.cancel_sent:
+            handoff.ended.set_result((Ending.COMPLETED, now))
+        # Otherwise a success crossed the frontend's cancel, which reopens it: wait on.
 
     async def _on_rejected(self, msg: Msg) -> None:
         try:
@@ -375,16 +436,22 @@ class _LoadRun:
         except msgspec.DecodeError as exc:
             logger.warning("ignored an undecodable rejection on %s: %s", msg.subject, exc)
             return
-        if rejection.handoff_id is None or rejection.handoff_id not in self._ends:
+        if rejection.handoff_id is None or rejection.handoff_id not in self._handoffs:
             return
-        ended = self._ends[rejection.handoff_id]
+        handoff = self._handoffs[rejection.handoff_id]
         logger.warning(
             "handoff %s: the worker rejected an input: %s", rejection.handoff_id, rejection.reason
         )
-        if _rejects_start(rejection.payload) and not ended.done():
-            ended.set_result((Ending.REJECTED, self._loop.time()))
-        else:
-            self._input_rejections += 1
+        refused = _rejected_input(rejection.payload)
+        if isinstance(refused, StartHandoff) and not handoff.ended.done():
+            handoff.ended.set_result((Ending.REJECTED, self._loop.time()))
+            return
+        self._input_rejections += 1
+        if isinstance(refused, Canceled) and handoff.cancel_sent:
+            # The cancel will reopen nothing: the handoff ends at its success, had or to come.
+            handoff.cancel_sent = False
+            if handoff.succeeded_at is not None and not handoff.ended.done():
+                handoff.ended.set_result((Ending.COMPLETED, handoff.succeeded_at))
 
     async def _settle(self) -> tuple[list[EnginesReport], bool]:
         give_up_at = self._loop.time() + self._config.settle_timeout_s
@@ -410,6 +477,11 @@ class _LoadRun:
         duration_s = self._last_end - self._began
         ended_with_complete = self._counts[Ending.COMPLETED] + self._counts[Ending.CANCELED]
         leaks = [leak for report in reports for leak in report.leaks]
+        final = Counter(
+            handoff.last_complete.completion
+            for handoff in self._handoffs.values()
+            if handoff.last_complete is not None
+        )
         return LoadReport(
             handoffs=len(self._plans),
             completed=self._counts[Ending.COMPLETED],
@@ -426,15 +498,21 @@ class _LoadRun:
             engine_processes=len(reports),
             engines_settled=engines_settled,
             leak_details=leaks,
+            final=FinalStates(
+                succeeded=final[HandoffCompletion.SUCCESS],
+                canceled=final[HandoffCompletion.CANCELED],
+            ),
+            reopened=sum(handoff.reopened for handoff in self._handoffs.values()),
         )
 
 
-def _rejects_start(payload: str) -> bool:
-    """Whether a rejection's payload is a StartHandoff (as opposed to a later input)."""
+def _rejected_input(payload: str) -> Input | None:
+    """The input a rejection quotes, or None if that does not decode (an undecodable input, or
+    one the worker cut at its payload limit)."""
     try:
-        return isinstance(decode_input(payload), StartHandoff)
+        return decode_input(payload)
     except msgspec.DecodeError:
-        return False
+        return None
 
 
 async def _cancel_all(tasks: set[asyncio.Task[None]] | list[asyncio.Task[None]]) -> None:

@@ -1,4 +1,9 @@
-"""The reference conformance vectors (`shared/conformance/`), through the library and the CLI."""
+"""The reference conformance vectors, through the library and the CLI.
+
+The vectors are a copy, kept in the repository so that any clone can run them, of the
+reference implementation's published set; `conformance/README.md` beside them gives their
+format and the semantics each expectation encodes.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,7 @@ import pytest
 from events import conformance
 from worker.cli import main
 
-# CI clones the repository into some folder with `shared/` copied beside it.
-VECTORS = Path(__file__).resolve().parents[2].parent / "shared" / "conformance" / "vectors.jsonl.gz"
+VECTORS = Path(__file__).resolve().parent / "conformance" / "vectors.jsonl.gz"
 CASES = 1500
 
 

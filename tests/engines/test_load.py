@@ -3,6 +3,7 @@ real worker (`kvhandoff run` in a child process) and the mock engines."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from uuid import UUID
@@ -24,11 +25,15 @@ from tests.engines.conftest import StartEngines
 from tests.engines.harness import FAST
 from worker.config import NatsSettings
 from worker.engines import Faults, Roster
-from worker.loadgen import LoadConfig, LoadProgress, run_load
+from worker.loadgen import FinalStates, LoadConfig, LoadProgress, run_load
+from worker.logreader import open_log
 from worker.natsserver import EmbeddedNats
+from worker.schema import HandoffState
 
 ROSTER = Roster(sources=1, destinations=1)
 FATES = ("success", "canceled", "rejected", "silent", "success, then reopened")
+# What a worker does with a handoff once the frontend's cancel reaches it.
+CANCEL_FATES = ("success crossed the cancel", "cleaned up", "cancel refused after a success")
 
 
 def load_config(nats_server: EmbeddedNats, subjects: Subjects, **options: object) -> LoadConfig:
@@ -75,14 +80,67 @@ async def test_every_way_a_handoff_ends_is_counted(
     assert sorted(fates.values()) == sorted(FATES * 2)
     assert (report.completed, report.canceled, report.rejected, report.timed_out) == (4, 2, 2, 2)
     assert (report.extra_completions, report.input_rejections) == (2, 2)
+    # A reopened handoff ended at its success, but the log holds its canceled completion.
+    assert report.reopened == 2
+    assert report.final == FinalStates(succeeded=2, canceled=4)
     assert report.latency_ms.count == 4
     assert (report.engine_processes, report.leaks) == (0, 0)
     assert not report.ok
     assert [p.ended for p in progress] == list(range(1, 11))
 
 
+async def test_a_handoff_the_frontend_canceled_ends_at_its_canceled_completion(
+    nats_server: EmbeddedNats, subjects: Subjects
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await js.add_stream(name=f"IN_{subjects.prefix}", subjects=[subjects.inputs])
+    fates: dict[UUID, str] = {}
+
+    async def scripted_worker(msg: Msg) -> None:
+        # Nothing completes before the cancel is in, so every cancel is sent.
+        cancel = decode_input(msg.data)
+        if not isinstance(cancel, Canceled):
+            return
+        h = cancel.handoff_id
+        fate = fates[h] = CANCEL_FATES[len(fates) % len(CANCEL_FATES)]
+        done = subjects.done(h)
+        if fate == "cleaned up":
+            await nc.publish(done, encode(Complete(h, 3, HandoffCompletion.CANCELED)))
+            return
+        # The handoff succeeded while the cancel was on its way.
+        await nc.publish(done, encode(Complete(h, 5, HandoffCompletion.SUCCESS)))
+        if fate == "success crossed the cancel":
+            # The reference semantics: the cancel reopens the cleanup.
+            await nc.publish(done, encode(Complete(h, 7, HandoffCompletion.CANCELED)))
+        else:
+            refusal = Rejection(h, "handoff is quarantined", msg.data.decode())
+            await nc.publish(subjects.rejected(h), encode(refusal))
+
+    await nc.subscribe(subjects.inputs, cb=scripted_worker)
+    config = load_config(
+        nats_server, subjects, handoffs=6, concurrency=6, cancel_share=1.0,
+        cancel_within_ms=0.0, wait_timeout_s=5.0, settle_timeout_s=0.1,
+    )  # fmt: skip
+    report = await run_load(config)
+    await nc.close()
+
+    assert sorted(fates.values()) == sorted(CANCEL_FATES * 2)
+    assert report.cancels_sent == 6
+    # The crossed success is not the end: the canceled completion after it is.
+    assert (report.completed, report.canceled, report.timed_out) == (2, 4, 0)
+    assert (report.reopened, report.extra_completions, report.input_rejections) == (2, 0, 2)
+    assert report.final == FinalStates(succeeded=2, canceled=4)
+    assert report.latency_ms.count == 2
+    assert report.ok
+
+
 async def test_a_run_against_the_worker_and_the_engines_ends_every_handoff_without_leaks(
-    nats_server: EmbeddedNats, subjects: Subjects, worker: Path, start_engines: StartEngines
+    nats_server: EmbeddedNats,
+    subjects: Subjects,
+    worker: Path,
+    start_engines: StartEngines,
+    tmp_path: Path,
 ) -> None:
     await start_engines(roster=ROSTER, model=replace(FAST, longest_prompt=2000))
     config = load_config(
@@ -94,6 +152,16 @@ async def test_a_run_against_the_worker_and_the_engines_ends_every_handoff_witho
     assert report.completed + report.canceled == 60
     assert report.cancels_sent == 15
     assert report.canceled >= 1
+    # The worker logs each Complete before publishing it, and these engines inject no late
+    # facts: the log holds exactly the final states that the report gives.
+    with open_log(tmp_path / "kvhandoff.db") as log:
+        states = Counter(handoff.state for handoff in log.handoffs())
+    final = FinalStates(
+        succeeded=states.pop(HandoffState.SUCCEEDED, 0),
+        canceled=states.pop(HandoffState.CANCELED, 0),
+    )
+    assert (final, states) == (report.final, Counter())
+    assert report.final == FinalStates(succeeded=report.completed, canceled=report.canceled)
     assert report.latency_ms.count == report.completed
     assert report.latency_ms.p50 is not None and report.latency_ms.p99 is not None
     assert report.latency_ms.p50 <= report.latency_ms.p99

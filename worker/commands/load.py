@@ -167,6 +167,10 @@ def print_summary(report: LoadReport, console: Console) -> None:
         ("canceled", str(report.canceled)),
         ("timed out", str(report.timed_out)),
         ("rejected", str(report.rejected)),
+        # What the log holds, after any Complete that came after a handoff's end.
+        ("final: succeeded", str(report.final.succeeded)),
+        ("final: canceled", str(report.final.canceled)),
+        ("reopened (success, then canceled)", str(report.reopened)),
         ("leaks", str(report.leaks)),
         ("throughput", f"{report.throughput_per_s:.1f} /s"),
         ("latency p50", _ms(report.latency_ms.p50)),
