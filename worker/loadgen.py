@@ -58,7 +58,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from events.codec import decode_action, decode_input, decode_rejection, encode
-from events.ids import HandoffId
+from events.ids import MAX_TIMER_MS, HandoffId
 from events.messages import (
     Canceled,
     Complete,
@@ -112,8 +112,11 @@ class LoadConfig:
             raise ConfigError(f"cancel share must be within [0, 1], got {self.cancel_share}")
         if self.cancel_within_ms < 0:
             raise ConfigError(f"cancel delay must be >= 0, got {self.cancel_within_ms}")
-        if self.deadline_ms < 1:
-            raise ConfigError(f"deadline must be at least 1 ms, got {self.deadline_ms}")
+        if not 1 <= self.deadline_ms <= MAX_TIMER_MS:
+            raise ConfigError(
+                f"deadline must be 1 to {MAX_TIMER_MS} ms (the wire's bound),"
+                f" got {self.deadline_ms}"
+            )
         if self.wait_timeout_s is not None and not self.wait_timeout_s > 0:
             raise ConfigError(f"wait timeout must be positive, got {self.wait_timeout_s}")
 

@@ -112,7 +112,7 @@ whose = st.sampled_from(["own", "own", "own", "other"])
 def model_delay_ms(
     timing: HandoffTransferTiming, destination_tokens: int, fallback: float
 ) -> float:
-    """The transfer delay as `shared/conformance/README.md` specifies it."""
+    """The transfer delay as `tests/core/conformance/README.md` specifies it."""
     if timing.mode is KvTransferTimingMode.FULL_PROMPT:
         tokens = timing.full_prompt_tokens
     else:

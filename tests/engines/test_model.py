@@ -99,6 +99,8 @@ def test_load_config_refuses_nonsense() -> None:
         LoadConfig(nats=NatsSettings(), handoffs=0)
     with pytest.raises(ConfigError):
         LoadConfig(nats=NatsSettings(), handoffs=1, cancel_share=2.0)
+    with pytest.raises(ConfigError, match="wire's bound"):  # the worker would reject them all
+        LoadConfig(nats=NatsSettings(), handoffs=1, deadline_ms=2**31)
     assert LoadConfig(nats=NatsSettings(), handoffs=1, deadline_ms=5000).wait_timeout == 35.0
 
 
