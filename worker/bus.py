@@ -11,6 +11,13 @@ consumer on start and reads them again from the oldest, in stream order. Actions
 published with core NATS: the event log is their outbox, and an action with no outcome is
 published again, so a lost action costs a retry interval, never correctness.
 
+Start-up. nats-py's connect loop retries forever when told to reconnect forever (which a worker
+that outlives NATS restarts must be), even when the server refuses our credentials or TLS
+handshake, and it offers no way to tell those apart from a server that is not up yet. So
+`Bus.connect` watches the client's error callback while it connects: a refusal ends the attempt
+at once with `BusRefused`, naming the setting to check; a round of failures over every server
+retries with backoff. Cancelling `Bus.connect` gives up and leaves nothing open.
+
 nats-py errors are translated to `BusError` here and nowhere else.
 """
 
@@ -23,15 +30,20 @@ import logging
 import ssl
 from typing import Any
 
-import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StreamConfig,
+)
 
 from worker.config import NatsSettings
-from worker.errors import BusError
+from worker.errors import BusError, BusRefused
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +76,120 @@ def connect_options(settings: NatsSettings, name: str) -> dict[str, Any]:
             context.load_cert_chain(str(settings.tls_cert), str(settings.tls_key))
         options["tls"] = context
     return options
+
+
+_CONNECT_BACKOFF_FIRST_S = 0.25
+_CONNECT_BACKOFF_MAX_S = 5.0
+_CANCEL_AGAIN_S = 0.05
+# What nats-server answers, in nats-py's error text, when it refuses the credentials we sent
+# (or the absence of any); nats-py raises a plain `Error` for it while connecting.
+_AUTH_REFUSALS = ("authorization violation", "authentication expired", "authentication revoked")
+
+
+def _refusal(exc: BaseException, settings: NatsSettings) -> str | None:
+    """Why NATS refused us for good, naming the settings to check; None if a retry may help."""
+    if isinstance(exc, ssl.SSLError):  # certificate verification included
+        if settings.tls_cert is None and "certificate required" in str(exc).lower():
+            return (
+                f"the TLS handshake failed ({exc}): the server verifies clients; "
+                "set --tls-cert and --tls-key"
+            )
+        if not settings.uses_tls:
+            return (
+                f"the TLS handshake failed ({exc}): the server requires TLS; "
+                "set --tls-ca to the CA that signed its certificate"
+            )
+        return (
+            f"the TLS handshake failed ({exc}); check --tls-ca (the CA that signed the "
+            "server's certificate), --tls-cert/--tls-key (if the server verifies clients) and "
+            "the host name in --nats-url"
+        )
+    text = str(exc).lower()
+    if isinstance(exc, nats.errors.AuthorizationError) or any(
+        refusal in text for refusal in _AUTH_REFUSALS
+    ):
+        if settings.user is not None:
+            check = "--nats-user/--nats-password"
+        elif settings.token is not None:
+            check = "--nats-token"
+        elif settings.creds is not None:
+            check = "--nats-creds"
+        else:
+            return (
+                f"authentication refused ({exc}): the server requires credentials; set "
+                "--nats-user/--nats-password, --nats-token or --nats-creds"
+            )
+        return f"authentication refused ({exc}); check {check}"
+    return None
+
+
+async def _connect_once(settings: NatsSettings, name: str) -> Client:
+    """One client's first connection: the client once connected, `BusRefused` if NATS
+    refused us, `BusError` once every server in the pool failed in some other way."""
+    try:
+        options = connect_options(settings, name)
+    except (ssl.SSLError, OSError) as exc:
+        raise BusRefused(
+            f"cannot load the TLS files ({exc}); check --tls-ca, --tls-cert and --tls-key"
+        ) from exc
+    client = Client()
+    failed: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+    failures = 0
+    connected = False
+
+    async def on_error(exc: Exception) -> None:
+        nonlocal failures
+        if connected:
+            logger.warning("NATS: %s", exc)
+            return
+        failures += 1
+        refused = _refusal(exc, settings) is not None
+        if not failed.done() and (refused or failures >= len(options["servers"])):
+            failed.set_result(exc)
+
+    async def on_disconnect() -> None:
+        if connected and not client.is_closed:  # not when we close it ourselves
+            logger.warning("disconnected from NATS; reconnecting")
+
+    async def on_reconnect() -> None:
+        logger.info("reconnected to NATS at %s", client.connected_url)
+
+    connecting = asyncio.ensure_future(
+        client.connect(
+            **options,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+    )
+    try:
+        either: list[asyncio.Future[Any]] = [connecting, failed]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if connecting.done():
+            error = connecting.exception()
+            if error is None:
+                connected = True
+                return client
+        else:
+            error = failed.result()
+    finally:
+        if not connected:
+            # Abandoning the attempt (refused, unreachable, or cancelled by our caller).
+            while not connecting.done():
+                # Python 3.11's wait_for, which nats-py uses, drops a cancellation that
+                # coincides with what it waits for (a TCP connect that just succeeded), and
+                # nats-py would then carry on: cancel until it takes.
+                connecting.cancel()
+                await asyncio.wait([connecting], timeout=_CANCEL_AGAIN_S)
+            if not connecting.cancelled():
+                connecting.exception()  # retrieved: it is `error`, or the attempt was dropped
+            # A failure while closing a client that never connected changes nothing.
+            with contextlib.suppress(Exception):
+                await client.close()
+    reason = _refusal(error, settings)
+    if reason is not None:
+        raise BusRefused(f"NATS at {settings.url} refused the connection: {reason}") from error
+    raise BusError(f"cannot connect to NATS at {settings.url}: {error}") from error
 
 
 class Inbound:
@@ -111,27 +237,25 @@ class Bus:
 
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str) -> Bus:
-        async def on_disconnect() -> None:
-            logger.warning("disconnected from NATS; reconnecting")
+        """Connect, retrying with backoff while no server answers (NATS may start after us).
 
-        async def on_reconnect() -> None:
-            logger.info("reconnected to NATS at %s", client.connected_url)
-
-        async def on_error(exc: Exception) -> None:
-            logger.warning("NATS: %s", exc)
-
-        try:
-            client = await nats.connect(
-                **connect_options(settings, name),
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                error_cb=on_error,
-            )
-        except (TimeoutError, nats.errors.Error, OSError) as exc:
-            raise BusError(f"cannot connect to NATS at {settings.url}: {exc}") from exc
-        bus = cls(client)
-        await bus._start()
-        return bus
+        Raises `BusRefused` at once if NATS refuses our credentials or TLS, which no retry
+        can fix. Cancel the call to give up: the client of the attempt in flight is closed.
+        """
+        delay = _CONNECT_BACKOFF_FIRST_S
+        while True:
+            try:
+                client = await _connect_once(settings, name)
+            except BusRefused:
+                raise
+            except BusError as exc:
+                logger.warning("%s; retrying in %.2gs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _CONNECT_BACKOFF_MAX_S)
+                continue
+            bus = cls(client)
+            await bus._start()
+            return bus
 
     @property
     def is_connected(self) -> bool:
@@ -214,8 +338,11 @@ class Bus:
 
     async def close(self) -> None:
         """Flush what was published (actions, acks), then disconnect."""
-        try:
-            await self.flush()
-        except BusError as exc:
-            logger.warning("NATS flush on close failed: %s", exc)
+        # Without a connection the flush could only time out, and delay a stop for nothing:
+        # what it would flush is redelivered (inputs) or republished from the log (actions).
+        if self._nc.is_connected:
+            try:
+                await self.flush()
+            except BusError as exc:
+                logger.warning("NATS flush on close failed: %s", exc)
         await self._nc.close()

@@ -8,6 +8,7 @@ naming the setting, raised before anything connects.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import re
@@ -74,6 +75,10 @@ class NatsSettings:
         ]:
             if path is not None and not path.is_file():
                 raise ConfigError(f"{name}: no such file {path}")
+        # nats-py signs with the optional nkeys package only once it connects, and then fails
+        # with an ImportError deep in its connect loop.
+        if self.creds is not None and importlib.util.find_spec("nkeys") is None:
+            raise ConfigError("--nats-creds needs the nkeys package: pip install nkeys")
         if not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", self.subject_prefix):
             raise ConfigError(f"--subject-prefix: {self.subject_prefix!r} is not a subject prefix")
 

@@ -6,6 +6,7 @@ into these at exactly one seam per adapter, with `raise ... from exc`.
     ├── StoreError         the SQLite event log failed (translated in worker.store)
     │   └── StoreConflict  a second writer appended the same (handoff, sequence)
     ├── BusError           NATS / JetStream failed (translated in worker.bus)
+    │   └── BusRefused     NATS refused our credentials or TLS: retrying cannot help
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.testing)
 """
@@ -31,6 +32,11 @@ class StoreConflict(StoreError):
 
 class BusError(WorkerError):
     """The message bus could not be reached or refused an operation."""
+
+
+class BusRefused(BusError):
+    """NATS refused the connection for good (authentication or TLS); the message says which
+    setting to check."""
 
 
 class NatsServerError(WorkerError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,6 +210,14 @@ def test_each_invalid_setting_is_named(
 
     with pytest.raises(ConfigError, match=f"^{re.escape(case.error)}"):
         worker_config(args)
+
+
+def test_a_creds_file_needs_nkeys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "worker.creds").touch()
+    monkeypatch.setitem(sys.modules, "nkeys", None)  # as if it were not installed
+
+    with pytest.raises(ConfigError, match=r"^--nats-creds needs the nkeys package"):
+        worker_config(parse("--nats-creds", "worker.creds"))
 
 
 @pytest.mark.parametrize(
