@@ -18,6 +18,18 @@ handshake, and it offers no way to tell those apart from a server that is not up
 at once with `BusRefused`, naming the setting to check; a round of failures over every server
 retries with backoff. Cancelling `Bus.connect` gives up and leaves nothing open.
 
+One consumer per stream. Two workers on one consumer would split the stream between two logs,
+and re-creating the consumer at start would pull inputs from under a running worker. So before
+it touches the consumer a worker takes a lease in the JetStream KV bucket `KVHANDOFF_LEASES`:
+one key per stream and consumer, holding who the holder is (`LeaseHolder`). The bucket keeps one
+revision per key and drops it after `LEASE_TTL_S`; the holder refreshes it well within that by
+compare-and-set on the revision it wrote last, so a refresh that finds another revision knows
+it lost the lease (`LeaseHeld`). A starting worker that finds the lease held watches it: a
+refresh proves the holder alive, and the starting worker refuses (`LeaseHeld`); expiry proves
+it gone, and the lease is free. A lease whose holder names this host and this event log belongs
+to a dead predecessor, because a worker holds an exclusive lock on its log while it lives; it
+is taken over at once, by compare-and-set, instead of after the TTL.
+
 nats-py errors are translated to `BusError` here and nowhere else.
 """
 
@@ -27,9 +39,15 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import socket
 import ssl
+import time
+import uuid
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
@@ -38,12 +56,14 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    KeyValueConfig,
     RetentionPolicy,
     StreamConfig,
 )
+from nats.js.kv import KeyValue
 
 from worker.config import NatsSettings
-from worker.errors import BusError, BusRefused
+from worker.errors import BusError, BusRefused, LeaseHeld
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +212,133 @@ async def _connect_once(settings: NatsSettings, name: str) -> Client:
     raise BusError(f"cannot connect to NATS at {settings.url}: {error}") from error
 
 
+LEASE_BUCKET = "KVHANDOFF_LEASES"
+LEASE_TTL_S = 5.0  # a dead worker on another host blocks a successor this long
+_LEASE_POLL_S = 0.2  # while watching another worker's lease at start
+_LEASE_RETRY_S = 0.5  # after a refresh that failed because NATS did not answer
+_LEASE_RELEASE_TIMEOUT_S = 2.0
+
+
+class LeaseHolder(msgspec.Struct, frozen=True):
+    """Who holds a consumer lease: enough for an operator to find that worker, and for a
+    successor to recognise its own event log. The lease's value, as JSON."""
+
+    host: str
+    pid: int
+    db: str  # the event log, absolute
+    instance: str  # unique per start, so a worker recognises its own writes
+    since_ms: int
+
+    @classmethod
+    def this_process(cls, db_path: Path) -> LeaseHolder:
+        return cls(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            db=str(db_path.resolve()),
+            instance=uuid.uuid4().hex,
+            since_ms=time.time_ns() // 1_000_000,
+        )
+
+    def succeeds(self, other: LeaseHolder) -> bool:
+        """Whether `other` was a predecessor on this event log, and so is dead: a live worker
+        keeps its log locked, and we hold that lock."""
+        return other.host == self.host and other.db == self.db
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since_ms / 1000))
+        return f"pid {self.pid} on {self.host} with log {self.db}, since {since}"
+
+
+_LEASE_ENCODER = msgspec.json.Encoder()
+_LEASE_DECODER = msgspec.json.Decoder(LeaseHolder)
+
+
+def _lease_holder(value: bytes | None) -> LeaseHolder | None:
+    """The holder in a lease's value, or None if it is not one (something else wrote it)."""
+    try:
+        return _LEASE_DECODER.decode(value or b"")
+    except msgspec.DecodeError:
+        return None
+
+
+def _describe(holder: LeaseHolder | None, value: bytes | None) -> str:
+    if holder is None:
+        return f"an unreadable lease {(value or b'')[:200]!r}"
+    return holder.describe()
+
+
+class Lease:
+    """The right to consume one stream through one consumer, until it is released or lost."""
+
+    def __init__(
+        self,
+        client: Client,
+        kv: KeyValue,
+        key: str,
+        holder: LeaseHolder,
+        *,
+        revision: int | None,
+        ttl_s: float,
+    ) -> None:
+        self._nc = client
+        self._kv = kv
+        self._key = key
+        self._holder = holder
+        self._value = _LEASE_ENCODER.encode(holder)
+        self._revision = revision
+        self.ttl_s = ttl_s
+
+    async def keep(self) -> None:
+        """Refresh the lease every third of its TTL, until cancelled.
+
+        Raises `LeaseHeld` as soon as a refresh finds that another worker holds it. A refresh
+        that NATS does not answer is retried; if the lease expired meanwhile, and nobody took
+        it, it is created again.
+        """
+        wait = self.ttl_s / 3
+        while True:
+            await asyncio.sleep(wait)
+            try:
+                await self._refresh()
+                wait = self.ttl_s / 3
+            except (TimeoutError, nats.errors.Error) as exc:
+                logger.warning("lease %s: refresh failed, retrying: %s", self._key, exc)
+                wait = _LEASE_RETRY_S
+
+    async def _refresh(self) -> None:
+        with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+            self._revision = await self._kv.update(self._key, self._value, last=self._revision)
+            return
+        try:
+            entry = await self._kv.get(self._key)
+        except nats.js.errors.KeyNotFoundError:
+            # It expired while NATS was out of our reach, and nobody took it. If somebody
+            # creates it first, this fails and the next refresh finds them.
+            self._revision = await self._kv.create(self._key, self._value)
+            logger.warning("lease %s had expired; took it again", self._key)
+            return
+        current = _lease_holder(entry.value)
+        if current is not None and current.instance == self._holder.instance:
+            self._revision = entry.revision  # our last refresh landed; its answer was lost
+            return
+        raise LeaseHeld(f"lost the lease {self._key} to {_describe(current, entry.value)}")
+
+    async def release(self) -> None:
+        """Give the lease up, if it is still ours, so a successor need not wait for the TTL."""
+        problem = "no connection"  # then waiting for NATS would only delay a stop
+        if self._nc.is_connected:
+            try:
+                await asyncio.wait_for(
+                    self._kv.delete(self._key, last=self._revision), _LEASE_RELEASE_TIMEOUT_S
+                )
+                return
+            except (TimeoutError, nats.errors.Error) as exc:
+                problem = str(exc)
+        logger.warning(
+            "lease %s not released (%s); it expires in %.0fs", self._key, problem, self.ttl_s
+        )
+
+
 class Inbound:
     """One input message from the stream, with the three ways to settle it."""
 
@@ -261,10 +408,90 @@ class Bus:
     def is_connected(self) -> bool:
         return bool(self._nc.is_connected)
 
+    async def acquire_lease(self, stream: str, consumer: str, holder: LeaseHolder) -> Lease:
+        """Take the lease on `consumer` of `stream` for `holder`, creating the bucket if absent.
+
+        A lease left by a dead predecessor with this host and this event log is taken over at
+        once. Another holder's lease is watched: if it expires (the holder is gone), it is
+        taken; if it is refreshed, `LeaseHeld` names the holder, which is alive.
+        """
+        key = f"{stream}.{consumer}"
+        value = _LEASE_ENCODER.encode(holder)
+        try:
+            kv = await self._lease_bucket()
+            ttl_s = (await kv.status()).ttl
+            if not ttl_s:
+                raise BusError(
+                    f"lease bucket {LEASE_BUCKET} has no TTL, so a dead worker's lease would "
+                    "never expire; delete the bucket and let the worker create it"
+                )
+            clock = asyncio.get_running_loop().time
+            # A lease that is neither refreshed nor expired after two TTLs is held by no one
+            # we can tell apart from a live worker.
+            give_up = clock() + 2 * ttl_s
+            first_seen: int | None = None
+            held_by = "nobody"
+            while clock() < give_up:
+                with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+                    revision = await kv.create(key, value)
+                    return Lease(self._nc, kv, key, holder, revision=revision, ttl_s=ttl_s)
+                try:
+                    entry = await kv.get(key)
+                except nats.js.errors.KeyNotFoundError:
+                    continue  # it expired or was released between our two requests
+                current = _lease_holder(entry.value)
+                held_by = _describe(current, entry.value)
+                if current is not None and holder.succeeds(current):
+                    with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+                        revision = await kv.update(key, value, last=entry.revision)
+                        logger.warning(
+                            "took over the lease on %s / %s from %s, which is gone: this "
+                            "worker holds its event log now",
+                            stream, consumer, held_by,
+                        )  # fmt: skip
+                        return Lease(self._nc, kv, key, holder, revision=revision, ttl_s=ttl_s)
+                elif first_seen is None:
+                    first_seen = entry.revision
+                    logger.info(
+                        "the lease on %s / %s is held by %s; waiting up to %.0fs to see "
+                        "whether it expires (the holder is gone) or is refreshed (it is not)",
+                        stream, consumer, held_by, ttl_s,
+                    )  # fmt: skip
+                elif entry.revision != first_seen:
+                    raise LeaseHeld(
+                        f"stream {stream} / consumer {consumer} is consumed by another worker: "
+                        f"{held_by}, which keeps its lease alive; one worker per stream"
+                    )
+                await asyncio.sleep(_LEASE_POLL_S)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot take the lease on {stream} / {consumer}: {exc}") from exc
+        raise LeaseHeld(
+            f"stream {stream} / consumer {consumer}: the lease held by {held_by} neither "
+            f"expired nor was refreshed in {2 * ttl_s:.0f}s; is the bucket {LEASE_BUCKET} right?"
+        )
+
+    async def _lease_bucket(self) -> KeyValue:
+        try:
+            return await self._js.key_value(LEASE_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            # Workers racing to create it send the same configuration, which JetStream accepts.
+            return await self._js.create_key_value(
+                KeyValueConfig(
+                    bucket=LEASE_BUCKET,
+                    description="kvhandoff: which worker consumes each input stream",
+                    history=1,
+                    ttl=LEASE_TTL_S,
+                )
+            )
+
     async def open_inbox(
         self, stream: str, subjects: str, consumer: str, ack_wait_s: float, max_pending: int
     ) -> None:
-        """Create the input stream and the durable consumer if absent, and bind to them."""
+        """Create the input stream if absent, re-create the durable consumer, and bind to them.
+
+        Re-creating the consumer takes every unacknowledged input from whoever consumes it, so
+        call this only while holding the consumer's lease (`acquire_lease`).
+        """
         try:
             try:
                 await self._js.stream_info(stream)

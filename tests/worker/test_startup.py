@@ -5,27 +5,43 @@
 - NATS that is not up yet is retried with backoff, and SIGTERM ends the worker promptly with
   exit 0 wherever start-up is: between retries, while the server does not answer, while
   JetStream does not answer, while reconnecting.
+- One worker per stream and consumer: a second one exits 2 naming the first and leaves the
+  consumer alone; a worker restarted on its own log after SIGKILL takes its lease over at once;
+  another log may take it once it expired; a worker that lost it stops and exits 1.
+
+Tests that wait for a lease to expire create the lease bucket themselves with a short TTL; the
+worker uses whatever TTL the bucket has.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+import nats
+import nats.js.errors
 import pytest
 
+from events.messages import EngineType, StartHandoff
 from tests.worker.conftest import WorkerProcess
+from tests.worker.scripted_engine import ScriptedEngines
+from worker.bus import LEASE_BUCKET, LEASE_TTL_S, LeaseHolder
 from worker.health import answers_ok, worker_healthz
 from worker.natsserver import EmbeddedNats, free_port
 
+LEASE_KEY = "KVHANDOFF_IN.kvhandoff-worker"
 PROMPTLY_S = 3.0  # well under nats-py's 5 s connect and JetStream request timeouts
+SHORT_TTL_S = 2.0
 
 
 # --- Helpers ------------------------------------------------------------------------------
@@ -183,6 +199,44 @@ USER_PASSWORD = "authorization { user: worker, password: secret }"
 TOKEN = "authorization { token: s3cret }"
 
 
+async def lease_holder(nats_url: str) -> LeaseHolder | None:
+    """Who holds the default stream's consumer lease, as NATS has it, or None."""
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(LEASE_BUCKET)
+        try:
+            entry = await kv.get(LEASE_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return msgspec.json.decode(entry.value or b"", type=LeaseHolder)
+    finally:
+        await nc.close()
+
+
+async def create_lease_bucket(nats_url: str, ttl_s: float | None) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.jetstream().create_key_value(bucket=LEASE_BUCKET, history=1, ttl=ttl_s)
+    finally:
+        await nc.close()
+
+
+async def consumer_created(nats_url: str) -> object:
+    nc = await nats.connect(nats_url)
+    try:
+        info = await nc.jetstream().consumer_info("KVHANDOFF_IN", "kvhandoff-worker")
+        return info.created
+    finally:
+        await nc.close()
+
+
+async def handled(engines: ScriptedEngines) -> None:
+    """A handoff goes all the way through whichever worker consumes the stream."""
+    start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+    await engines.start_handoff(start)
+    await engines.wait_complete({start.handoff_id}, within=30)
+
+
 # --- Refused at start ---------------------------------------------------------------------
 
 
@@ -335,8 +389,8 @@ def test_sigterm_while_the_server_does_not_answer_exits_0_promptly(
 def test_sigterm_while_jetstream_does_not_answer_exits_0_promptly(
     servers: Callable[[str], EmbeddedNats], launch: Callable[..., Launched], tmp_path: Path
 ) -> None:
-    # The server drops this user's JetStream requests (the stream, the consumer), so each
-    # waits out its timeout; core NATS works.
+    # The server drops this user's JetStream requests (the lease, the stream), so each waits
+    # out its timeout; core NATS works.
     server = servers(
         "authorization { users = [ { user: worker, password: secret,"
         ' permissions: { publish: { deny: "$JS.API.>" } } } ] }'
@@ -361,3 +415,162 @@ def test_sigterm_while_reconnecting_exits_0_promptly(
     assert worker.process is not None
     launched = Launched(worker.process, worker.log_path)
     assert launched.terminate_within(PROMPTLY_S) == 0
+
+
+# --- One worker per stream and consumer -----------------------------------------------------
+
+
+async def test_a_second_worker_exits_2_naming_the_first_and_leaves_its_consumer_alone(
+    nats_server: EmbeddedNats, worker: WorkerProcess, engines: ScriptedEngines, tmp_path: Path
+) -> None:
+    created = await consumer_created(nats_server.url)
+    assert worker.process is not None
+
+    second = await asyncio.to_thread(run_to_exit, nats_server.url, tmp_path / "second.db")
+
+    assert second.returncode == 2, second.stderr
+    [line] = error_lines(second.stderr)
+    assert "cannot start: stream KVHANDOFF_IN / consumer kvhandoff-worker is consumed by" in line
+    assert f"pid {worker.process.pid} on {socket.gethostname()}" in line
+    assert f"with log {worker.db.resolve()}" in line
+    # The first worker keeps its consumer, and keeps consuming.
+    assert await consumer_created(nats_server.url) == created
+    await handled(engines)
+    holder = await lease_holder(nats_server.url)
+    assert holder is not None
+    assert holder.pid == worker.process.pid
+    # A worker that creates the bucket gives it the default TTL.
+    nc = await nats.connect(nats_server.url)
+    try:
+        status = await (await nc.jetstream().key_value(LEASE_BUCKET)).status()
+        assert status.ttl == LEASE_TTL_S
+    finally:
+        await nc.close()
+
+
+async def test_a_worker_restarted_after_sigkill_takes_its_lease_over_at_once(
+    nats_server: EmbeddedNats, tmp_path: Path, engines: ScriptedEngines
+) -> None:
+    # A TTL far longer than the test: only a takeover lets the restarted worker start.
+    await create_lease_bucket(nats_server.url, ttl_s=300)
+    worker = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db")
+    try:
+        await asyncio.to_thread(worker.start)
+        assert worker.process is not None
+        first_pid = worker.process.pid
+        worker.kill()
+
+        await asyncio.to_thread(worker.start)
+
+        assert worker.process.pid != first_pid
+        assert f"took over the lease on KVHANDOFF_IN / kvhandoff-worker from pid {first_pid}" in (
+            worker.logs()
+        )
+        holder = await lease_holder(nats_server.url)
+        assert holder is not None
+        assert holder.pid == worker.process.pid
+        await handled(engines)
+    finally:
+        worker.stop()
+
+
+async def test_a_worker_on_another_log_takes_the_lease_once_the_dead_holders_expired(
+    nats_server: EmbeddedNats, tmp_path: Path, engines: ScriptedEngines
+) -> None:
+    await create_lease_bucket(nats_server.url, ttl_s=SHORT_TTL_S)
+    first = WorkerProcess(nats_server.url, tmp_path / "first.db")
+    second = WorkerProcess(nats_server.url, tmp_path / "second.db")
+    try:
+        await asyncio.to_thread(first.start)
+        assert first.process is not None
+        first.kill()
+        holder = await lease_holder(nats_server.url)
+        assert holder is not None
+        assert holder.pid == first.process.pid  # dead, but its lease lives on for the TTL
+
+        await asyncio.to_thread(second.start)  # as a new container would, on another host
+
+        assert second.process is not None
+        assert (
+            f"the lease on KVHANDOFF_IN / kvhandoff-worker is held by pid {first.process.pid}"
+            in (second.logs())
+        )
+        holder = await lease_holder(nats_server.url)
+        assert holder is not None
+        assert holder.pid == second.process.pid
+        await handled(engines)
+    finally:
+        second.stop()
+
+
+async def test_a_worker_that_lost_its_lease_stops_and_exits_1(
+    nats_server: EmbeddedNats, tmp_path: Path, engines: ScriptedEngines
+) -> None:
+    await create_lease_bucket(nats_server.url, ttl_s=SHORT_TTL_S)
+    zombie = WorkerProcess(nats_server.url, tmp_path / "zombie.db")
+    successor = WorkerProcess(nats_server.url, tmp_path / "successor.db")
+    try:
+        await asyncio.to_thread(zombie.start)
+        assert zombie.process is not None
+        zombie.process.send_signal(signal.SIGSTOP)
+        await asyncio.to_thread(successor.start)  # once the zombie's lease expired
+        assert successor.process is not None
+
+        zombie.process.send_signal(signal.SIGCONT)
+
+        code = await asyncio.to_thread(zombie.process.wait, 20)
+        assert code == 1, zombie.logs()
+        [line] = error_lines(zombie.logs())
+        assert "stopped consuming KVHANDOFF_IN: lost the lease" in line
+        assert f"pid {successor.process.pid}" in line
+        assert successor.healthy()
+        await handled(engines)
+    finally:
+        zombie.stop()
+        successor.stop()
+
+
+async def test_a_worker_that_stops_releases_its_lease(
+    nats_server: EmbeddedNats, worker: WorkerProcess
+) -> None:
+    assert await lease_holder(nats_server.url) is not None
+
+    assert await asyncio.to_thread(worker.terminate) == 0
+
+    assert await lease_holder(nats_server.url) is None  # released, not left to expire
+
+
+async def test_a_lease_that_expired_while_nats_was_away_is_taken_again(
+    nats_server: EmbeddedNats, tmp_path: Path, engines: ScriptedEngines
+) -> None:
+    await create_lease_bucket(nats_server.url, ttl_s=SHORT_TTL_S)
+    worker = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db")
+    try:
+        await asyncio.to_thread(worker.start)
+        assert worker.process is not None
+        nats_server.stop()
+        # Time must pass for the lease to outlive its TTL; there is nothing to wait on.
+        await asyncio.sleep(SHORT_TTL_S + 1)
+        nats_server.start()
+
+        deadline = time.monotonic() + 20
+        while "had expired; took it again" not in worker.logs():
+            assert worker.process.poll() is None, worker.logs()
+            assert time.monotonic() < deadline, worker.logs()
+            await asyncio.sleep(0.1)  # polling the worker's log
+        holder = await lease_holder(nats_server.url)
+        assert holder is not None
+        assert holder.pid == worker.process.pid
+        await handled(engines)
+    finally:
+        worker.stop()
+
+
+def test_a_lease_bucket_without_a_ttl_is_refused(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    asyncio.run(create_lease_bucket(nats_server.url, ttl_s=None))
+
+    result = run_to_exit(nats_server.url, tmp_path / "kvhandoff.db")
+
+    assert result.returncode == 1, result.stderr
+    [line] = error_lines(result.stderr)
+    assert f"lease bucket {LEASE_BUCKET} has no TTL" in line

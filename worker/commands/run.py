@@ -1,8 +1,11 @@
 """`kvhandoff run`: the worker, until SIGTERM or SIGINT, which drain it (exit 0).
 
-Start-up goes: open the event log, connect to NATS (retried until it answers), (re)create the
-consumer, recover, consume. A signal at any of these steps stops the worker promptly with exit
-0. Exit 2 when NATS refuses our credentials or TLS. Exit 1 when it stops on an error.
+Start-up goes: open the event log, connect to NATS (retried until it answers), take the lease on
+the input stream's consumer, (re)create the consumer, recover, consume. A signal at any of these
+steps stops the worker promptly with exit 0. Exit 2 when it cannot start as configured: NATS
+refuses our credentials or TLS, or another worker holds the lease. Exit 1 when it stops on an
+error, which includes losing the lease while running: it stops fetching at once, finishes the
+batch in hand and exits, because another worker now consumes the stream.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from events.subjects import Subjects
-from worker.bus import Bus
+from worker.bus import Bus, Lease, LeaseHolder
 from worker.config import WorkerConfig, add_worker_arguments, worker_config
-from worker.errors import BusError, BusRefused, ConfigError, StoreError
+from worker.errors import BusError, BusRefused, ConfigError, LeaseHeld, StoreError
 from worker.logs import configure_logging
 from worker.metrics import Metrics, MetricsServer
 from worker.service import Worker
@@ -47,7 +50,7 @@ def execute(args: argparse.Namespace) -> int:
     configure_logging(config.log_level, config.log_format)
     try:
         return asyncio.run(serve(config))
-    except BusRefused as exc:
+    except (BusRefused, LeaseHeld) as exc:
         logger.error("cannot start: %s", exc)
         return 2
     except (StoreError, BusError) as exc:
@@ -67,16 +70,26 @@ async def serve(config: WorkerConfig) -> int:
         if bus is None:
             return 0
         try:
-            await _consume(config, log, bus, stop)
+            holder = LeaseHolder.this_process(config.db_path)
+            lease = await _unless_stopped(
+                stop, bus.acquire_lease(config.stream, config.consumer, holder)
+            )
+            if lease is None:
+                return 0
+            return await _consume(config, log, bus, lease, stop)
         finally:
             await bus.close()
     finally:
         await log.close()
-    return 0
 
 
-async def _consume(config: WorkerConfig, log: EventLog, bus: Bus, stop: asyncio.Event) -> None:
-    """Set up the consumer, then run the worker until stopped."""
+async def _consume(
+    config: WorkerConfig, log: EventLog, bus: Bus, lease: Lease, stop: asyncio.Event
+) -> int:
+    """Hold the lease while the worker runs; 1 if it was lost, 0 once stopped."""
+    keeper = asyncio.create_task(lease.keep(), name="kvhandoff-lease")
+    # The keeper ends only when the lease is lost: stop fetching at once.
+    keeper.add_done_callback(lambda _: stop.set())
     metrics = Metrics()
     worker = Worker(config, log, bus, metrics)
     server = None
@@ -86,6 +99,7 @@ async def _consume(config: WorkerConfig, log: EventLog, bus: Bus, stop: asyncio.
         )
     retention = asyncio.create_task(_retain(config, log, stop))
     try:
+        # Only now, with the stream to ourselves, may the consumer be re-created.
         await _unless_stopped(
             stop,
             bus.open_inbox(
@@ -105,6 +119,16 @@ async def _consume(config: WorkerConfig, log: EventLog, bus: Bus, stop: asyncio.
             await retention
         if server is not None:
             server.close()
+        lost = keeper.exception() if keeper.done() else None
+        if lost is None:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            await lease.release()
+    if lost is not None:
+        logger.error("stopped consuming %s: %s", config.stream, lost)
+        return 1
+    return 0
 
 
 async def _unless_stopped(stop: asyncio.Event, step: Coroutine[Any, Any, T]) -> T | None:
@@ -120,8 +144,8 @@ async def _unless_stopped(stop: asyncio.Event, step: Coroutine[Any, Any, T]) -> 
             # cancellation that coincides with the answer: cancel until it takes.
             task.cancel()
             await asyncio.wait([task], timeout=_CANCEL_AGAIN_S)
-    # A step that finished anyway hands over what it made (a connection), so that it is
-    # closed like any other.
+    # A step that finished anyway hands over what it made (a connection, a lease), so that it
+    # is closed or released like any other.
     return None if task.cancelled() else task.result()
 
 
