@@ -98,7 +98,9 @@ class WorkerConfig:
     ack_wait_s: float = 30.0
     synchronous: str = "FULL"
     retention_s: float | None = None
-    metrics_host: str = "0.0.0.0"
+    # Loopback unless told otherwise: the endpoint has no authentication. The container image
+    # sets KVHANDOFF_METRICS_HOST=0.0.0.0, because there the port is reached from outside.
+    metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     log_format: str = "text"
     log_level: str = "INFO"
@@ -228,7 +230,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=env.get("KVHANDOFF_RETENTION"),
         help="delete completed handoffs older than this, hourly (env KVHANDOFF_RETENTION)",
     )
-    group.add_argument("--metrics-host", default=defaults.metrics_host)
+    group.add_argument(
+        "--metrics-host",
+        default=env.get("KVHANDOFF_METRICS_HOST", defaults.metrics_host),
+        help="address for /metrics and /healthz; 0.0.0.0 for all interfaces "
+        "(env KVHANDOFF_METRICS_HOST; default %(default)s)",
+    )
     group.add_argument(
         "--metrics-port",
         type=int,
