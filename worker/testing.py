@@ -310,6 +310,8 @@ class KvhandoffWorkerContainer(_KvhandoffContainer):
         self._own_data_dir: Path | None = None
         self.with_command(["run", "--nats-url", nats.internal_url, "--db", DB_IN_CONTAINER, *args])
         self.with_exposed_ports(METRICS_PORT)
+        # The worker listens on loopback unless told otherwise; the host must reach it.
+        self.with_env("KVHANDOFF_METRICS_HOST", "0.0.0.0")
         if user is None and os.geteuid() != 0:
             user = f"{os.getuid()}:{os.getgid()}"
         self._chown = user is None  # as root: keep the image's user and hand it the directory

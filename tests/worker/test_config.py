@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,7 +80,7 @@ def test_defaults() -> None:
         ack_wait_s=30.0,
         synchronous="FULL",
         retention_s=None,
-        metrics_host="0.0.0.0",
+        metrics_host="127.0.0.1",  # the endpoint has no authentication
         metrics_port=9464,
         log_format="text",
         log_level="INFO",
@@ -105,6 +106,7 @@ def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         "KVHANDOFF_RETRY_INTERVAL": "250ms",
         "KVHANDOFF_SYNCHRONOUS": "normal",
         "KVHANDOFF_RETENTION": "7d",
+        "KVHANDOFF_METRICS_HOST": "0.0.0.0",
         "KVHANDOFF_METRICS_PORT": "0",
         "KVHANDOFF_LOG_FORMAT": "json",
         "KVHANDOFF_LOG_LEVEL": "debug",
@@ -127,7 +129,7 @@ def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert config.retry_interval_s == pytest.approx(0.25)
     assert config.synchronous == "NORMAL"
     assert config.retention_s == 7 * 86_400
-    assert config.metrics_port == 0
+    assert (config.metrics_host, config.metrics_port) == ("0.0.0.0", 0)
     assert (config.log_format, config.log_level) == ("json", "DEBUG")
 
 
@@ -135,6 +137,7 @@ def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("NATS_URL", "nats://from-env:4222")
     monkeypatch.setenv("KVHANDOFF_RETRY_INTERVAL", "1m")
     monkeypatch.setenv("KVHANDOFF_SYNCHRONOUS", "NORMAL")
+    monkeypatch.setenv("KVHANDOFF_METRICS_HOST", "0.0.0.0")
 
     config = worker_config(
         parse(
@@ -144,12 +147,15 @@ def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
             "2s",
             "--synchronous",
             "extra",
+            "--metrics-host",
+            "10.0.0.7",
         )
     )
 
     assert config.nats.url == "nats://from-flag:4222"
     assert config.retry_interval_s == 2.0
     assert config.synchronous == "EXTRA"
+    assert config.metrics_host == "10.0.0.7"
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,14 @@ def test_each_invalid_setting_is_named(
 
     with pytest.raises(ConfigError, match=f"^{re.escape(case.error)}"):
         worker_config(args)
+
+
+def test_a_creds_file_needs_nkeys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "worker.creds").touch()
+    monkeypatch.setitem(sys.modules, "nkeys", None)  # as if it were not installed
+
+    with pytest.raises(ConfigError, match=r"^--nats-creds needs the nkeys package"):
+        worker_config(parse("--nats-creds", "worker.creds"))
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,13 @@
 """`kvhandoff run`: the worker, until SIGTERM or SIGINT, which drain it (exit 0).
 
-Exit 2 at once, before NATS or the log is touched, when the configuration cannot work or another
-worker holds the log's `WriterLock`; exit 1 when the log or the bus fails later.
+Start-up goes: take the log's `WriterLock` (exit 2 at once if another worker holds it), open the
+event log, connect to NATS (retried until it answers), take the lease on the input stream's
+consumer, (re)create the consumer, recover, consume. A signal at any of these steps stops the
+worker promptly with exit 0. Exit 2 when it cannot start as configured: the configuration cannot
+work, another worker holds the log, NATS refuses our credentials or TLS, or another worker holds
+the lease. Exit 1 when it stops on an error, which includes losing the lease while running: it
+stops fetching at once, finishes the batch in hand and exits, because another worker now
+consumes the stream.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from events.subjects import Subjects
-from worker.bus import Bus
+from worker.bus import Bus, Lease, LeaseHolder
 from worker.config import WorkerConfig, add_worker_arguments, worker_config
-from worker.errors import BusError, ConfigError, StoreError, StoreLocked
+from worker.errors import BusError, BusRefused, ConfigError, LeaseHeld, StoreError, StoreLocked
 from worker.logs import configure_logging
 from worker.metrics import Metrics, MetricsServer
 from worker.service import Worker
@@ -26,6 +34,9 @@ from worker.store import EventLog, WriterLock
 logger = logging.getLogger("worker.run")
 
 _COMPACT_EVERY_S = 3600.0
+_CANCEL_AGAIN_S = 0.05
+
+T = TypeVar("T")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +61,9 @@ def execute(args: argparse.Namespace) -> int:
     with lock:
         try:
             return asyncio.run(serve(config))
+        except (BusRefused, LeaseHeld) as exc:
+            logger.error("cannot start: %s", exc)
+            return 2
         except (StoreError, BusError) as exc:
             logger.error("worker stopped: %s", exc)
             return 1
@@ -63,56 +77,95 @@ async def serve(config: WorkerConfig) -> int:
 
     log = await EventLog.open(config.db_path, config.synchronous)
     try:
-        bus = await _connect(config, stop)
+        bus = await _unless_stopped(stop, Bus.connect(config.nats, name="kvhandoff-worker"))
         if bus is None:
             return 0
-        metrics = Metrics()
-        worker = Worker(config, log, bus, metrics)
-        server = None
-        if config.metrics_port:
-            server = MetricsServer(
-                metrics, lambda: worker.healthy, config.metrics_host, config.metrics_port
-            )
-        retention = asyncio.create_task(_retain(config, log, stop))
         try:
-            await bus.open_inbox(
+            holder = LeaseHolder.this_process(config.db_path)
+            lease = await _unless_stopped(
+                stop, bus.acquire_lease(config.stream, config.consumer, holder)
+            )
+            if lease is None:
+                return 0
+            return await _consume(config, log, bus, lease, stop)
+        finally:
+            await bus.close()
+    finally:
+        await log.close()
+
+
+async def _consume(
+    config: WorkerConfig, log: EventLog, bus: Bus, lease: Lease, stop: asyncio.Event
+) -> int:
+    """Hold the lease while the worker runs; 1 if it was lost, 0 once stopped."""
+    keeper = asyncio.create_task(lease.keep(), name="kvhandoff-lease")
+    # The keeper ends only when the lease is lost: stop fetching at once.
+    keeper.add_done_callback(lambda _: stop.set())
+    metrics = Metrics()
+    worker = Worker(config, log, bus, metrics)
+    server = None
+    if config.metrics_port:
+        server = MetricsServer(
+            metrics, lambda: worker.healthy, config.metrics_host, config.metrics_port
+        )
+    retention = asyncio.create_task(_retain(config, log, stop))
+    try:
+        # Only now, with the stream to ourselves, may the consumer be re-created.
+        await _unless_stopped(
+            stop,
+            bus.open_inbox(
                 config.stream,
                 Subjects(config.nats.subject_prefix).inputs,
                 config.consumer,
                 config.ack_wait_s,
                 max_pending=max(4 * config.batch_size, 1024),
-            )
-            await bus.open_completions(
+            ),
+        )
+        await _unless_stopped(
+            stop,
+            bus.open_completions(
                 config.done_stream,
                 Subjects(config.nats.subject_prefix).completions,
                 config.completion_ttl_s,
-            )
+            ),
+        )
+        if not stop.is_set():
             logger.info("consuming %s as %s; log %s", config.stream, config.consumer, log.path)
             await worker.run(stop)
-        finally:
-            retention.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await retention
-            if server is not None:
-                server.close()
-            await bus.close()
     finally:
-        await log.close()
+        retention.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await retention
+        if server is not None:
+            server.close()
+        lost = keeper.exception() if keeper.done() else None
+        if lost is None:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            await lease.release()
+    if lost is not None:
+        logger.error("stopped consuming %s: %s", config.stream, lost)
+        return 1
     return 0
 
 
-async def _connect(config: WorkerConfig, stop: asyncio.Event) -> Bus | None:
-    """Connect, retrying until NATS answers (it may start after us), or None if stopped."""
-    delay = 0.25
-    while not stop.is_set():
-        try:
-            return await Bus.connect(config.nats, name="kvhandoff-worker")
-        except BusError as exc:
-            logger.warning("%s; retrying in %.1fs", exc, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-            delay = min(delay * 2, 5.0)
-    return None
+async def _unless_stopped(stop: asyncio.Event, step: Coroutine[Any, Any, T]) -> T | None:
+    """The result of `step`, or None if `stop` is set first: then `step` is cancelled."""
+    task = asyncio.ensure_future(step)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        while not task.done():
+            # Python 3.11's wait_for (nats-py waits on every request with it) drops a
+            # cancellation that coincides with the answer: cancel until it takes.
+            task.cancel()
+            await asyncio.wait([task], timeout=_CANCEL_AGAIN_S)
+    # A step that finished anyway hands over what it made (a connection, a lease), so that it
+    # is closed or released like any other.
+    return None if task.cancelled() else task.result()
 
 
 async def _retain(config: WorkerConfig, log: EventLog, stop: asyncio.Event) -> None:
