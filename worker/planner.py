@@ -1,0 +1,346 @@
+"""The worker's batch step without IO: fetched inputs and the handoffs in memory in, a plan out.
+
+Theory of operation
+-------------------
+The worker handles its input stream a batch at a time. This module decides what one batch does;
+`worker.service` carries the decision out (commit, publish, settle, timers) and owns every wait.
+A batch is planned in two calls, with the one read the plan may need between them:
+
+    decoded = planner.decode(deliveries)     # bytes -> inputs; rejects what cannot be read
+    loaded  = await log.load(planner.missing(decoded))   # handoffs not in memory (the executor)
+    plan    = planner.plan(decoded, loaded, now_ms, now_s)
+
+`plan` applies every accepted input to its handoff's coordinator in stream order, so the
+handoffs in memory are left as they will be once the plan's batch commits. The plan holds:
+
+- `batch`: the rows of one group commit (inputs, the actions they issued, handoff rows,
+  rejections, quarantines);
+- `publish`: the actions to publish once that commit returned;
+- `acks`, `terms` (with the rejection to publish), `naks` (early inputs, with their delay);
+- the timers to change: deadlines of new handoffs, retries an outcome answered, deadlines of
+  handoffs that left memory;
+- the tallies for the metrics.
+
+Invariants
+----------
+- Only accepted inputs reach `batch`, each with the actions it issued, at the handoff's next
+  sequence numbers: planning a run of deliveries in one batch or one at a time gives the same
+  rows (the property test in tests/worker/test_planner.py).
+- An input is acknowledged, terminated or returned exactly once per plan; no delivery is left
+  unsettled.
+- Nothing an input carries can raise out of `plan`: a failure while applying one input rejects
+  it and quarantines its handoff (its coordinator may be half changed), and the rest of the
+  batch goes on.
+- Early inputs (a fact before the input it depends on, or for a handoff not started yet) wait
+  for a redelivery, but at most `defer_budget` at once and for at most `DEFER_LIMIT` deliveries:
+  each one holds an unacknowledged slot of the consumer while it waits.
+- If the plan's commit fails, memory is ahead of the log: the executor must rebuild the
+  handoffs from the log (`adopt`) before it plans again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+from uuid import UUID
+
+import msgspec
+
+from events.codec import decode_input, input_digest
+from events.coordinator import HandoffCoordinator
+from events.errors import HandoffError, InputRejected
+from events.messages import (
+    Action,
+    ActionOutcome,
+    HandoffCompletion,
+    Input,
+    Rejection,
+    StartHandoff,
+)
+from events.records import ActionRecord, InputRecord
+from events.replay import rebuild
+from events.subjects import Subjects
+from worker.schema import HandoffState
+from worker.store import Batch, CorruptHandoff, HandoffRow, Loaded
+
+logger = logging.getLogger(__name__)
+
+DEFER_LIMIT = 12  # deliveries before an early input is rejected: well past twice the ack wait
+REJECTED_PAYLOAD_LIMIT = 2048  # bytes of a refused input quoted in its published rejection
+
+
+class Delivery(Protocol):
+    """What the planner reads of a fetched input (`worker.bus.Inbound` is one)."""
+
+    @property
+    def data(self) -> bytes: ...
+    @property
+    def subject(self) -> str: ...
+    @property
+    def deliveries(self) -> int: ...
+    @property
+    def stream_seq(self) -> int: ...
+
+
+@dataclass(slots=True)
+class OpenHandoff:
+    """A handoff in memory: its coordinator and what the log knows of it."""
+
+    start: StartHandoff
+    coordinator: HandoffCoordinator
+    row: HandoffRow
+    digests: set[bytes]
+
+
+@dataclass(slots=True)
+class Decoded:
+    """A batch after decoding: the inputs to apply, by delivery index, and what was refused."""
+
+    inputs: list[tuple[int, Input]] = field(default_factory=list)
+    refused: list[tuple[int, UUID | None, str, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Plan:
+    batch: Batch = field(default_factory=Batch)
+    publish: list[tuple[HandoffRow, int, Action]] = field(default_factory=list)
+    acks: list[int] = field(default_factory=list)
+    terms: list[tuple[int, Rejection]] = field(default_factory=list)
+    naks: list[tuple[int, float]] = field(default_factory=list)
+    new_deadlines: list[tuple[UUID, float]] = field(default_factory=list)  # handoff, due (s)
+    answered: list[tuple[UUID, int]] = field(default_factory=list)
+    left_memory: list[UUID] = field(default_factory=list)
+    inputs: Counter[str] = field(default_factory=Counter)
+    issued: Counter[str] = field(default_factory=Counter)
+    reasons: Counter[str] = field(default_factory=Counter)
+    duplicates: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Round:
+    """One call of `Planner.plan`: the plan it builds and what every input in it shares."""
+
+    plan: Plan
+    deliveries: Sequence[Delivery]
+    now_ms: int
+    now_s: float
+
+
+class Planner:
+    """The handoffs in memory and the rules that apply a batch of inputs to them."""
+
+    def __init__(self, subjects: Subjects, defer_budget: int, ack_wait_s: float) -> None:
+        self.subjects = subjects
+        self.defer_budget = defer_budget
+        self.ack_wait_s = ack_wait_s
+        self.open: dict[UUID, OpenHandoff] = {}
+        self.quarantined: set[UUID] = set()
+        # Early inputs waiting for their redelivery: stream sequence -> when it is due back.
+        self.deferred: dict[int, float] = {}
+
+    # --- The two steps --------------------------------------------------------------------
+
+    def decode(self, deliveries: Sequence[Delivery]) -> Decoded:
+        decoded = Decoded()
+        for index, delivery in enumerate(deliveries):
+            self.deferred.pop(delivery.stream_seq, None)  # it came back
+            try:
+                message = decode_input(delivery.data)
+            except msgspec.DecodeError as exc:
+                named = self.subjects.input_handoff(delivery.subject)
+                decoded.refused.append((index, named, f"undecodable input: {exc}", "undecodable"))
+                continue
+            # The canonical subject, not just the same id: a partitioned stream maps every
+            # input of a handoff to one place by its subject, so each handoff has exactly one.
+            if delivery.subject != self.subjects.input(message.handoff_id):
+                named = self.subjects.input_handoff(delivery.subject)
+                reason = f"input for handoff {message.handoff_id} sent to {delivery.subject}"
+                decoded.refused.append((index, named, reason, "subject"))
+                continue
+            decoded.inputs.append((index, message))
+        return decoded
+
+    def missing(self, decoded: Decoded) -> list[UUID]:
+        """Handoffs the batch names that are in neither memory nor quarantine: load these."""
+        named = {message.handoff_id for _, message in decoded.inputs}
+        return [h for h in named if h not in self.open and h not in self.quarantined]
+
+    def plan(
+        self,
+        deliveries: Sequence[Delivery],
+        decoded: Decoded,
+        loaded: Mapping[UUID, Loaded],
+        now_ms: int,
+        now_s: float,
+    ) -> Plan:
+        r = _Round(Plan(), deliveries, now_ms, now_s)
+        for index, handoff_id, reason, label in decoded.refused:
+            self._reject(r, index, handoff_id, reason, label=label)
+        # Handoffs loaded only to check an input against their log leave memory again.
+        visiting = self.adopt(loaded.values(), r.plan.batch, now_ms)
+        touched: dict[UUID, OpenHandoff] = {}
+        for index, message in decoded.inputs:
+            handoff = self._apply(r, index, message)
+            if handoff is not None:
+                touched[message.handoff_id] = handoff
+        for handoff in [*touched.values(), *visiting]:
+            if handoff.coordinator.is_complete:
+                handoff_id = handoff.start.handoff_id
+                if self.open.pop(handoff_id, None) is not None:
+                    r.plan.left_memory.append(handoff_id)
+        return r.plan
+
+    # --- Handoffs in and out of memory ----------------------------------------------------
+
+    def adopt(self, loaded: Iterable[Loaded], batch: Batch, now_ms: int) -> list[OpenHandoff]:
+        """Bring logged handoffs into memory, quarantining (in `batch`) those that cannot be
+        rebuilt from their log; the adopted ones are returned."""
+        adopted = []
+        for logged in loaded:
+            if isinstance(logged, CorruptHandoff):
+                self.quarantine(batch, now_ms, logged.handoff_id, logged.reason)
+                continue
+            handoff_id = logged.row.handoff_id
+            try:
+                start, coordinator = rebuild(event.record for event in logged.events)
+            except HandoffError as exc:
+                self.quarantine(batch, now_ms, handoff_id, f"cannot rebuild it from its log: {exc}")
+                continue
+            digests = {e.digest for e in logged.events if e.digest is not None}
+            handoff = OpenHandoff(start, coordinator, logged.row, digests)
+            self.open[handoff_id] = handoff
+            adopted.append(handoff)
+        return adopted
+
+    def quarantine(self, batch: Batch, now_ms: int, handoff_id: UUID, reason: str) -> None:
+        logger.error("handoff %s: quarantined: %s", handoff_id, reason)
+        self.open.pop(handoff_id, None)
+        self.quarantined.add(handoff_id)
+        batch.quarantine(now_ms, handoff_id, reason)
+
+    # --- One input ------------------------------------------------------------------------
+
+    def _apply(self, r: _Round, index: int, message: Input) -> OpenHandoff | None:
+        """Apply one input; the handoff if the input was accepted (and so logged)."""
+        plan, handoff_id = r.plan, message.handoff_id
+        if handoff_id in self.quarantined:
+            self._reject(r, index, handoff_id, "handoff is quarantined", label="quarantined")
+            return None
+        handoff = self.open.get(handoff_id)
+        if handoff is None:
+            if not isinstance(message, StartHandoff):
+                reason = "no such handoff (not started)"
+                self._early(r, index, handoff_id, reason, label="unknown")
+                return None
+            handoff = self._open_new(plan, message, r.now_ms)
+        try:
+            digest = input_digest(message)
+            if digest in handoff.digests:
+                plan.duplicates += 1
+                plan.acks.append(index)
+                return None
+            if isinstance(message, StartHandoff) and handoff.row.last_seq >= 0:
+                reason = "handoff already started differently"
+                self._reject(r, index, handoff_id, reason, label="restart")
+                return None
+            try:
+                actions = handoff.coordinator.handle(message)
+            except InputRejected as exc:
+                if exc.premature:
+                    self._early(r, index, handoff_id, str(exc), label="premature")
+                else:
+                    self._reject(r, index, handoff_id, str(exc), label="coordinator")
+                return None
+            handoff.digests.add(digest)
+            seq = handoff.row.last_seq + 1
+            plan.batch.append_input(seq, InputRecord(r.now_ms, message), digest)
+            for action in actions:
+                seq += 1
+                plan.batch.append_action(seq, ActionRecord(r.now_ms, action))
+                plan.publish.append((handoff.row, seq, action))
+                plan.issued[str(action.__struct_config__.tag)] += 1
+        except Exception as exc:
+            # A bug must cost one handoff, not the worker. The coordinator may be half
+            # changed, so the handoff is set aside rather than trusted again.
+            logger.exception("handoff %s: failed to apply an input", handoff_id)
+            self.quarantine(plan.batch, r.now_ms, handoff_id, f"internal error: {exc!r}")
+            self._reject(r, index, handoff_id, f"internal error: {exc!r}", label="internal")
+            return None
+        if isinstance(message, ActionOutcome):
+            plan.answered.append((handoff_id, message.action_id))
+        plan.inputs[str(message.__struct_config__.tag)] += 1
+        _project(handoff, seq, r.now_ms)
+        plan.batch.upsert_handoff(handoff.row)
+        plan.acks.append(index)
+        return handoff
+
+    def _open_new(self, plan: Plan, start: StartHandoff, now_ms: int) -> OpenHandoff:
+        row = HandoffRow(
+            handoff_id=start.handoff_id,
+            engine_type=start.engine_type.value,
+            source=start.source,
+            destination=start.destination,
+            started_at_ms=now_ms,
+            deadline_at_ms=now_ms + start.deadline_ms,
+            state=HandoffState.OPEN,
+            completed_at_ms=None,
+            last_seq=-1,  # nothing logged yet
+            updated_at_ms=now_ms,
+        )
+        handoff = OpenHandoff(start, HandoffCoordinator.for_start(start), row, set())
+        self.open[start.handoff_id] = handoff
+        plan.new_deadlines.append((start.handoff_id, row.deadline_at_ms / 1000))
+        return handoff
+
+    def _reject(
+        self, r: _Round, index: int, handoff_id: UUID | None, reason: str, *, label: str
+    ) -> None:
+        logger.warning("handoff %s: rejected input: %s", handoff_id, reason)
+        data = r.deliveries[index].data
+        r.plan.batch.reject(r.now_ms, handoff_id, reason, data)
+        payload = data[:REJECTED_PAYLOAD_LIMIT].decode(errors="replace")
+        r.plan.terms.append((index, Rejection(handoff_id, reason, payload)))
+        r.plan.reasons[label] += 1
+
+    def _early(self, r: _Round, index: int, handoff_id: UUID, reason: str, *, label: str) -> None:
+        """An input that may be accepted once the one it depends on is: wait, within bounds."""
+        delivery = r.deliveries[index]
+        if delivery.deliveries >= DEFER_LIMIT:
+            reason = f"{reason} (still, after redeliveries)"
+            self._reject(r, index, handoff_id, reason, label=label)
+        elif not self._may_defer(r.now_s):
+            reason = f"{reason} (and too many early inputs wait)"
+            self._reject(r, index, handoff_id, reason, label=label)
+        else:
+            logger.info("handoff %s: deferring an early input: %s", handoff_id, reason)
+            delay_s = min(0.05 * 2**delivery.deliveries, self.ack_wait_s / 2)
+            self.deferred[delivery.stream_seq] = r.now_s + delay_s + self.ack_wait_s
+            r.plan.naks.append((index, delay_s))
+
+    def _may_defer(self, now_s: float) -> bool:
+        if len(self.deferred) < self.defer_budget:
+            return True
+        # Forget inputs that never came back (their delay and an ack wait are long past).
+        for seq in [seq for seq, due in self.deferred.items() if due < now_s]:
+            del self.deferred[seq]
+        return len(self.deferred) < self.defer_budget
+
+
+def _project(handoff: OpenHandoff, last_seq: int, now_ms: int) -> None:
+    """Bring the handoff's row up to date after an accepted input."""
+    row = handoff.row
+    row.last_seq = last_seq
+    row.updated_at_ms = now_ms
+    completion = handoff.coordinator.completion
+    if not handoff.coordinator.is_complete:
+        row.state, row.completed_at_ms = HandoffState.OPEN, None  # may reopen for cleanup
+    elif row.state is HandoffState.OPEN:
+        row.state = (
+            HandoffState.SUCCEEDED
+            if completion is HandoffCompletion.SUCCESS
+            else HandoffState.CANCELED
+        )
+        row.completed_at_ms = now_ms
