@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from uuid import UUID
@@ -230,39 +231,35 @@ def rejection_subject_matches(rejected: Rejected) -> bool:
 
 def corrupt_record(db: Path, handoff_id: UUID, seq: int) -> None:
     """Overwrite one logged record with bytes no msgpack decoder accepts (0xc1 is never used)."""
-    with sqlite3.connect(db, timeout=30) as connection:
+    with closing(sqlite3.connect(db, timeout=30)) as connection, connection:
         changed = connection.execute(
             "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = ?",
             (b"\xc1 not a log record \xff", str(handoff_id), seq),
         ).rowcount
-    connection.close()
     assert changed == 1, f"no event {seq} of {handoff_id} to corrupt"
 
 
 def handoff_state(db: Path, handoff_id: UUID) -> str | None:
-    with sqlite3.connect(db, timeout=30) as connection:
+    with closing(sqlite3.connect(db, timeout=30)) as connection:
         row = connection.execute(
             "SELECT state FROM handoffs WHERE handoff_id = ?", (str(handoff_id),)
         ).fetchone()
-    connection.close()
     return None if row is None else str(row[0])
 
 
 def logged_rejections(db: Path, handoff_id: UUID) -> list[str]:
     """The reasons the rejections table holds for one handoff, oldest first."""
-    with sqlite3.connect(db, timeout=30) as connection:
+    with closing(sqlite3.connect(db, timeout=30)) as connection:
         rows = connection.execute(
             "SELECT reason FROM rejections WHERE handoff_id = ? ORDER BY id", (str(handoff_id),)
         ).fetchall()
-    connection.close()
     return [str(reason) for (reason,) in rows]
 
 
 def rejected_ids(db: Path) -> set[UUID | None]:
     """The handoff ids of every row in the rejections table."""
-    with sqlite3.connect(db, timeout=30) as connection:
+    with closing(sqlite3.connect(db, timeout=30)) as connection:
         rows = connection.execute("SELECT DISTINCT handoff_id FROM rejections").fetchall()
-    connection.close()
     return {None if h is None else UUID(h) for (h,) in rows}
 
 
