@@ -8,7 +8,8 @@ nothing else:
 - `msgspec.ValidationError` (a subclass) when the JSON is well-formed but not a message: a wrong
   shape, an unknown tag, a negative count, a malformed id, or any value outside its bound in
   `events.ids`. It names the path.
-- a plain `msgspec.DecodeError` when the bytes are not JSON, including JSON nested so deeply that
+- a plain `msgspec.DecodeError` when the bytes are not JSON, including bytes that are not UTF-8
+  anywhere (even inside a field that is ignored), and JSON nested so deeply that
   decoding it would recurse past Python's limit (msgspec recurses even through a field that it
   ignores, and raises `RecursionError` there; we translate it).
 
@@ -49,32 +50,46 @@ encode = _json_encoder.encode
 encode_record = _record_encoder.encode
 
 
-def _too_deep(exc: RecursionError) -> msgspec.DecodeError:
-    return msgspec.DecodeError(f"JSON is malformed: nested too deeply ({exc})")
+def _malformed(what: str, exc: Exception) -> msgspec.DecodeError:
+    return msgspec.DecodeError(f"JSON is malformed: {what} ({exc})")
+
+
+def _checked(data: bytes | str) -> bytes | str:
+    # msgspec skips an unknown field's bytes without checking them, but JSON is UTF-8 throughout
+    # and a message that is not must not be half-read; `isascii` keeps the usual case cheap.
+    if isinstance(data, bytes) and not data.isascii():
+        data.decode()
+    return data
 
 
 def decode_input(data: bytes | str) -> Input:
     """An input from its JSON; any other bytes raise `msgspec.DecodeError` (see above)."""
     try:
-        return _input_decoder.decode(data)
+        return _input_decoder.decode(_checked(data))
     except RecursionError as exc:
-        raise _too_deep(exc) from exc
+        raise _malformed("nested too deeply", exc) from exc
+    except UnicodeDecodeError as exc:
+        raise _malformed("not UTF-8", exc) from exc
 
 
 def decode_action(data: bytes | str) -> Action:
     """An action from its JSON; any other bytes raise `msgspec.DecodeError` (see above)."""
     try:
-        return _action_decoder.decode(data)
+        return _action_decoder.decode(_checked(data))
     except RecursionError as exc:
-        raise _too_deep(exc) from exc
+        raise _malformed("nested too deeply", exc) from exc
+    except UnicodeDecodeError as exc:
+        raise _malformed("not UTF-8", exc) from exc
 
 
 def decode_rejection(data: bytes | str) -> Rejection:
     """A rejection from its JSON; any other bytes raise `msgspec.DecodeError` (see above)."""
     try:
-        return _rejection_decoder.decode(data)
+        return _rejection_decoder.decode(_checked(data))
     except RecursionError as exc:
-        raise _too_deep(exc) from exc
+        raise _malformed("nested too deeply", exc) from exc
+    except UnicodeDecodeError as exc:
+        raise _malformed("not UTF-8", exc) from exc
 
 
 def decode_record(blob: bytes) -> LogRecord:

@@ -157,7 +157,10 @@ class Planner:
             # input of a handoff to one place by its subject, so each handoff has exactly one.
             if delivery.subject != self.subjects.input(message.handoff_id):
                 named = self.subjects.input_handoff(delivery.subject)
-                reason = f"input for handoff {message.handoff_id} sent to {delivery.subject}"
+                reason = (
+                    f"the subject {delivery.subject} is not the input subject of handoff"
+                    f" {message.handoff_id}, which the input names"
+                )
                 decoded.refused.append((index, named, reason, "subject"))
                 continue
             decoded.inputs.append((index, message))

@@ -251,7 +251,9 @@ class Worker:
         self._retries = TimerQueue()
         self._attempts.clear()
         retry_at = time.time() + self._config.retry_interval_s
-        for handoff in planner.adopt(loaded.values(), batch or Batch(), _now_ms()):
+        # Not `batch or Batch()`: a Batch is falsy until it holds rows.
+        into = Batch() if batch is None else batch
+        for handoff in planner.adopt(loaded.values(), into, _now_ms()):
             handoff_id = handoff.start.handoff_id
             self._deadlines.schedule(handoff_id, handoff.row.deadline_at_ms / 1000)
             for action in handoff.coordinator.outstanding():

@@ -26,7 +26,15 @@ from hypothesis import strategies as st
 from events import codec
 from events.errors import LogCorrupt
 from events.ids import MAX_BANDWIDTH_GB_S, MAX_EXACT_INT, MAX_TIMER_MS
-from events.messages import Action, Failed, HandoffTransferTiming, Input, Outcome, Rejection
+from events.messages import (
+    Action,
+    Canceled,
+    Failed,
+    HandoffTransferTiming,
+    Input,
+    Outcome,
+    Rejection,
+)
 from events.records import ActionRecord, InputRecord
 
 H = UUID("6f1c2b9e-8a4d-4c3e-9f70-1d2e3f405162")
@@ -365,3 +373,19 @@ def test_nesting_is_never_a_recursion_error_even_from_deep_in_the_stack() -> Non
 def test_a_deeply_nested_record_is_log_corrupt(where: bytes, depth: int) -> None:
     with pytest.raises(LogCorrupt):
         codec.decode_record(where + b"\x91" * depth + b"\xc0")  # a list of a list of ... nil
+
+
+@pytest.mark.parametrize(
+    "decode", [codec.decode_input, codec.decode_action, codec.decode_rejection]
+)
+def test_bytes_that_are_not_utf8_are_a_decode_error_even_where_ignored(
+    decode: Callable[[bytes], object],
+) -> None:
+    """msgspec would skip an unknown field's bytes unread; JSON is UTF-8 throughout."""
+    handoff = b'"handoff_id":"6f1b3c1e-53f5-4a8e-9d59-0f3f0c5f2d11"'
+    message = b'{"type":"canceled",' + handoff + b',"note":"\xff\xfe"}'
+    with pytest.raises(msgspec.DecodeError, match="not UTF-8"):
+        decode(message)
+    assert codec.decode_input(message.replace(b"\xff\xfe", "é".encode())) == Canceled(
+        UUID("6f1b3c1e-53f5-4a8e-9d59-0f3f0c5f2d11")
+    )
