@@ -95,12 +95,24 @@ class OpenHandoff:
     digests: set[bytes]
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A delivery that is not an input the planner can apply: why, and whose it seems to be."""
+
+    handoff_id: UUID | None
+    reason: str
+    label: str
+
+
 @dataclass(slots=True)
 class Decoded:
-    """A batch after decoding: the inputs to apply, by delivery index, and what was refused."""
+    """A batch after decoding, in delivery order: each delivery's input, or why it has none."""
 
-    inputs: list[tuple[int, Input]] = field(default_factory=list)
-    refused: list[tuple[int, UUID | None, str, str]] = field(default_factory=list)
+    items: list[Input | Refusal] = field(default_factory=list)
+
+    @property
+    def inputs(self) -> Iterable[Input]:
+        return (item for item in self.items if not isinstance(item, Refusal))
 
 
 @dataclass(slots=True)
@@ -145,13 +157,13 @@ class Planner:
 
     def decode(self, deliveries: Sequence[Delivery]) -> Decoded:
         decoded = Decoded()
-        for index, delivery in enumerate(deliveries):
+        for delivery in deliveries:
             self.deferred.pop(delivery.stream_seq, None)  # it came back
             try:
                 message = decode_input(delivery.data)
             except msgspec.DecodeError as exc:
                 named = self.subjects.input_handoff(delivery.subject)
-                decoded.refused.append((index, named, f"undecodable input: {exc}", "undecodable"))
+                decoded.items.append(Refusal(named, f"undecodable input: {exc}", "undecodable"))
                 continue
             # The canonical subject, not just the same id: a partitioned stream maps every
             # input of a handoff to one place by its subject, so each handoff has exactly one.
@@ -161,14 +173,14 @@ class Planner:
                     f"the subject {delivery.subject} is not the input subject of handoff"
                     f" {message.handoff_id}, which the input names"
                 )
-                decoded.refused.append((index, named, reason, "subject"))
+                decoded.items.append(Refusal(named, reason, "subject"))
                 continue
-            decoded.inputs.append((index, message))
+            decoded.items.append(message)
         return decoded
 
     def missing(self, decoded: Decoded) -> list[UUID]:
         """Handoffs the batch names that are in neither memory nor quarantine: load these."""
-        named = {message.handoff_id for _, message in decoded.inputs}
+        named = {message.handoff_id for message in decoded.inputs}
         return [h for h in named if h not in self.open and h not in self.quarantined]
 
     def plan(
@@ -180,15 +192,14 @@ class Planner:
         now_s: float,
     ) -> Plan:
         r = _Round(Plan(), deliveries, now_ms, now_s)
-        for index, handoff_id, reason, label in decoded.refused:
-            self._reject(r, index, handoff_id, reason, label=label)
         # Handoffs loaded only to check an input against their log leave memory again.
         visiting = self.adopt(loaded.values(), r.plan.batch, now_ms)
         touched: dict[UUID, OpenHandoff] = {}
-        for index, message in decoded.inputs:
-            handoff = self._apply(r, index, message)
-            if handoff is not None:
-                touched[message.handoff_id] = handoff
+        for index, item in enumerate(decoded.items):
+            if isinstance(item, Refusal):
+                self._reject(r, index, item.handoff_id, item.reason, label=item.label)
+            elif (handoff := self._apply(r, index, item)) is not None:
+                touched[item.handoff_id] = handoff
         for handoff in [*touched.values(), *visiting]:
             if handoff.coordinator.is_complete:
                 handoff_id = handoff.start.handoff_id

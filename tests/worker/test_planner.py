@@ -1,0 +1,175 @@
+"""The batch planner without NATS or SQLite: however a run of deliveries is cut into batches,
+the log it writes and the way it settles each delivery are those of applying them one by one.
+
+The deliveries are the success paths of a few handoffs (some canceled part-way), interleaved,
+with exact duplicates, early inputs (a later input moved before an earlier one), inputs refused
+by the coordinator, and bytes that are not an input at all. The log is an in-memory twin that
+keeps what each plan's batch commits and loads it back the way `EventLog.load` does, so a
+handoff that completes and leaves memory is checked against its log when an input for it comes
+again: in one-by-one order that happens after every input, in batches only between batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from uuid import UUID
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.codec import decode_record, encode
+from events.coordinator import HandoffCoordinator
+from events.messages import Canceled, EngineType, Input, StartHandoff
+from events.subjects import Subjects
+from tests.worker.scripted_engine import success_script
+from worker.planner import Planner
+from worker.store import Batch, HandoffRow, Loaded, LoadedHandoff, LoggedEvent
+
+SUBJECTS = Subjects()
+NOW_MS = 1_700_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    data: bytes
+    subject: str
+    deliveries: int
+    stream_seq: int
+
+
+@dataclass
+class MemoryLog:
+    """What the commits wrote: handoff rows, events per handoff, rejections, in order."""
+
+    rows: dict[UUID, HandoffRow] = field(default_factory=dict)
+    events: dict[UUID, list[LoggedEvent]] = field(default_factory=dict)
+    rejections: list[tuple[str | None, str]] = field(default_factory=list)
+
+    def commit(self, batch: Batch) -> None:
+        for hid, seq, _, _, at_ms, digest, record in batch.events:
+            logged = self.events.setdefault(UUID(hid), [])
+            assert seq == len(logged), "sequence numbers must follow the log without gaps"
+            logged.append(LoggedEvent(seq, at_ms, decode_record(record), digest, None))
+        for handoff_id, row in batch.handoffs.items():
+            self.rows[handoff_id] = dataclasses.replace(row)  # memory keeps changing it
+        self.rejections += [(hid, reason) for _, hid, reason, _ in batch.rejections]
+        assert not batch.quarantined
+
+    def load(self, handoff_ids: Collection[UUID]) -> dict[UUID, Loaded]:
+        return {
+            h: LoadedHandoff(dataclasses.replace(self.rows[h]), list(self.events[h]))
+            for h in handoff_ids
+            if h in self.rows
+        }
+
+
+def success_inputs(start: StartHandoff, cancel_at: int | None) -> list[Input]:
+    """A handoff's inputs as healthy engines send them, answering each action in turn."""
+    coordinator = HandoffCoordinator.for_start(start)
+    pending: deque[Input] = deque([start])
+    sent: list[Input] = []
+    while pending:
+        message = pending.popleft()
+        if len(sent) == cancel_at:
+            pending.appendleft(message)
+            message = Canceled(start.handoff_id)
+        sent.append(message)
+        for action in coordinator.handle(message):
+            pending.extend(success_script(action))
+    return sent
+
+
+@st.composite
+def deliveries(draw: st.DrawFn) -> list[Delivery]:
+    runs = []
+    for _ in range(draw(st.integers(1, 3))):
+        start = StartHandoff(
+            UUID(int=draw(st.integers(0, 2**64)), version=4),
+            draw(st.sampled_from(list(EngineType))),
+            "prefill-0",
+            "decode-0",
+            deadline_ms=60_000,
+        )
+        cancel_at = draw(st.none() | st.integers(1, 12))
+        runs.append(deque(success_inputs(start, cancel_at)))
+    stream: list[tuple[str, bytes]] = []
+    while any(runs):
+        run = draw(st.sampled_from([r for r in runs if r]))
+        message = run.popleft()
+        stream.append((SUBJECTS.input(message.handoff_id), encode(message)))
+    for _ in range(draw(st.integers(0, 4))):  # exact duplicates, later in the stream
+        i = draw(st.integers(0, len(stream) - 1))
+        stream.insert(draw(st.integers(i, len(stream))), stream[i])
+    for _ in range(draw(st.integers(0, 3))):  # early inputs: one moved ahead of its elders
+        i = draw(st.integers(1, len(stream) - 1))
+        stream.insert(draw(st.integers(0, i - 1)), stream.pop(i))
+    for _ in range(draw(st.integers(0, 2))):  # not inputs at all, or on the wrong subject
+        subject, data = draw(st.sampled_from(stream))
+        wrong = draw(
+            st.sampled_from(
+                [(subject, b"{"), (SUBJECTS.input(uuid.uuid4()), data), (subject, data[:-1])]
+            )
+        )
+        stream.insert(draw(st.integers(0, len(stream))), wrong)
+    return [Delivery(data, subject, 1, seq) for seq, (subject, data) in enumerate(stream)]
+
+
+def run(stream: list[Delivery], cuts: list[int]) -> tuple[MemoryLog, list[str]]:
+    """Plan the stream in batches ending at `cuts`; the log and how each delivery was settled."""
+    planner = Planner(SUBJECTS, defer_budget=4, ack_wait_s=30.0)
+    log = MemoryLog()
+    settled: dict[int, str] = {}
+    begin = 0
+    for end in [*sorted(set(cuts)), len(stream)]:
+        batch = stream[begin:end]
+        begin = end
+        if not batch:
+            continue
+        decoded = planner.decode(batch)
+        plan = planner.plan(batch, decoded, log.load(planner.missing(decoded)), NOW_MS, 0.0)
+        log.commit(plan.batch)
+        for i in plan.acks:
+            settled[batch[i].stream_seq] = "ack"
+        for i, rejection in plan.terms:
+            settled[batch[i].stream_seq] = f"term: {rejection.reason}"
+        for i, _ in plan.naks:
+            settled[batch[i].stream_seq] = "nak"
+    assert sorted(settled) == [d.stream_seq for d in stream], "every delivery settled once"
+    return log, [settled[d.stream_seq] for d in stream]
+
+
+@settings(max_examples=300, deadline=None)
+@given(deliveries(), st.data())
+def test_any_cut_into_batches_plans_what_one_by_one_does(
+    stream: list[Delivery], data: st.DataObject
+) -> None:
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=6))
+    one_by_one, settled_singly = run(stream, list(range(len(stream))))
+    batched, settled_batched = run(stream, cuts)
+    assert batched.events == one_by_one.events
+    assert batched.rows == one_by_one.rows
+    assert batched.rejections == one_by_one.rejections
+    assert settled_batched == settled_singly
+
+
+def test_the_generated_traffic_exercises_every_kind_of_settlement() -> None:
+    """Guards the property against passing vacuously on traffic that is all accepted."""
+    start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+    inputs = success_inputs(start, cancel_at=None)
+    subject = SUBJECTS.input(start.handoff_id)
+    stream = [
+        Delivery(encode(m), subject, 1, i)
+        for i, m in enumerate([inputs[1], *inputs, inputs[0], Canceled(start.handoff_id)])
+    ]
+    stream.append(Delivery(b"{", subject, 1, len(stream)))
+    log, settled = run(stream, [])
+    assert settled[0] == "nak"  # an outcome before its handoff started
+    assert settled[1 : len(inputs) + 1] == ["ack"] * len(inputs)
+    assert settled[len(inputs) + 1] == "ack"  # the duplicate start
+    assert settled[-2] == "ack"  # a cancel after success reopens cleanup
+    assert settled[-1].startswith("term: undecodable")
+    assert log.rows[start.handoff_id].state == "open"  # cleaning up after the reopen
