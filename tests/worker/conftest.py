@@ -26,7 +26,8 @@ from worker.natsserver import EmbeddedNats, free_port
 class WorkerProcess:
     """`kvhandoff run` in a child process, restartable on the same database."""
 
-    def __init__(self, nats_url: str, db: Path, *extra: str) -> None:
+    def __init__(self, nats_url: str, db: Path, *extra: str, module: str = "worker.cli") -> None:
+        self.module = module  # another entry point that runs the same CLI (a crashing one)
         self.nats_url = nats_url
         self.db = db
         self.extra = extra
@@ -35,15 +36,9 @@ class WorkerProcess:
         self.port = 0
 
     def start(self, timeout: float = 30.0) -> None:
-        self.port = free_port()
-        command = [
-            sys.executable, "-m", "worker.cli", "run",
-            "--nats-url", self.nats_url, "--db", str(self.db),
-            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.port),
-            "--retry-interval", "1s", "--ack-wait", "2s", *self.extra,
-        ]  # fmt: skip
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        """Launch the worker and wait until it is healthy (recovered and connected)."""
+        self.launch()
+        assert self.process is not None
         deadline = time.monotonic() + timeout
         while not self.healthy():
             if self.process.poll() is not None:
@@ -51,6 +46,18 @@ class WorkerProcess:
             if time.monotonic() > deadline:
                 raise AssertionError(f"worker not healthy in {timeout}s: {self.logs()}")
             time.sleep(0.05)  # readiness poll of a child process
+
+    def launch(self) -> None:
+        """Launch the worker without waiting for it."""
+        self.port = free_port()
+        command = [
+            sys.executable, "-m", self.module, "run",
+            "--nats-url", self.nats_url, "--db", str(self.db),
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.port),
+            "--retry-interval", "1s", "--ack-wait", "2s", *self.extra,
+        ]  # fmt: skip
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
     def healthy(self) -> bool:
         return answers_ok(worker_healthz(self.port), timeout_s=1)

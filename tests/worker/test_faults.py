@@ -151,3 +151,33 @@ async def test_actions_committed_but_never_published_are_published_on_start(
         assert unpublished == 0
     finally:
         worker.stop()
+
+
+async def test_a_crash_after_a_commit_while_the_next_batch_is_planned_loses_nothing(
+    nats_server: EmbeddedNats, engines: ScriptedEngines, tmp_path: Path
+) -> None:
+    """Killed after batch k committed, before its publishes and acks, with k+1 planned on top
+    of it: k's actions come from the log (the outbox), its inputs come back as duplicates, and
+    k+1, never written, is applied after the restart."""
+    db = tmp_path / "kvhandoff.db"
+    worker = WorkerProcess(nats_server.url, db)
+    worker.start()  # creates the stream; stopped again so the inputs queue up in full batches
+    assert worker.terminate() == 0
+    starts = make_starts(400, random.Random(3))
+    for start in starts:
+        await engines.start_handoff(start)
+    crashing = WorkerProcess(
+        nats_server.url, db, "--batch-size", "64", module="tests.worker.crashing_worker"
+    )
+    crashing.launch()
+    assert crashing.process is not None
+    assert crashing.process.wait(timeout=60) == 137, crashing.logs()
+    assert "crashing: commit" in crashing.logs()
+
+    worker.start()
+    try:
+        await engines.wait_complete({s.handoff_id for s in starts}, within=120)
+        assert_consistent(db, engines, starts)
+        assert worker.terminate() == 0
+    finally:
+        worker.stop()

@@ -1,0 +1,47 @@
+"""`kvhandoff run` that dies, as a SIGKILL would, at the pipeline's most delicate point: right
+after batch k committed, before k's actions are published or its inputs acknowledged, while
+batch k+1 is already fetched and planned (its effects in memory, nothing of it written).
+
+Run as `python -m tests.worker.crashing_worker run ...`; it crashes at the first commit after
+KVHANDOFF_CRASH_AFTER_COMMITS commits at which a later batch is in flight, and prints
+`crashing: commit N with batch M planned` first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from worker import service
+from worker.bus import Inbound
+from worker.cli import main
+from worker.planner import Plan
+from worker.store import Batch
+
+_AFTER = int(os.environ.get("KVHANDOFF_CRASH_AFTER_COMMITS", "3"))
+_seen = {"plans": 0, "commits": 0}
+_plan = service.Worker._plan
+_commit = service.Worker._commit
+
+
+async def _counting_plan(self: service.Worker, deliveries: list[Inbound]) -> Plan:
+    plan = await _plan(self, deliveries)
+    _seen["plans"] += 1
+    return plan
+
+
+async def _crashing_commit(self: service.Worker, batch: Batch) -> None:
+    await _commit(self, batch)
+    if batch.events:
+        _seen["commits"] += 1
+        if _seen["commits"] >= _AFTER and _seen["plans"] > _seen["commits"]:
+            print(f"crashing: commit {_seen['commits']} with batch {_seen['plans']} planned")
+            sys.stdout.flush()
+            os._exit(137)
+
+
+service.Worker._plan = _counting_plan  # type: ignore[method-assign]
+service.Worker._commit = _crashing_commit  # type: ignore[method-assign]
+
+if __name__ == "__main__":
+    sys.exit(main())
