@@ -332,14 +332,16 @@ class Bench:
         try:
             await bus.open_inbox(config.stream, _SUBJECTS.inputs, config.consumer,
                                  config.ack_wait_s, _max_pending(config.batch_size))  # fmt: skip
+            await bus.open_completions(config.done_stream, _SUBJECTS.completions, 60.0)
             await self._preload(config.stream)
             gc.collect()
             yield bus, log
         finally:
             await bus.close()
             await log.close()
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self._nc.jetstream().delete_stream(config.stream)
+            for stream in (config.stream, config.done_stream):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await self._nc.jetstream().delete_stream(stream)
             await asyncio.to_thread(_remove_db, config.db_path)
 
     async def worker(self, profile: cProfile.Profile | None = None) -> Run:
