@@ -1,0 +1,113 @@
+"""`export -o` neither overwrites a file unasked nor, ever, the log it reads, and a failed export
+leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.tools.conftest import Run
+from tests.tools.test_commands import EXPORT, LOG
+from worker.commands import export
+
+
+def test_export_will_not_overwrite_a_file_unless_forced(kvhandoff: Run, tmp_path: Path) -> None:
+    target = tmp_path / "bug.jsonl"
+    target.write_text("notes I wanted to keep\n")
+    refused = kvhandoff("export", LOG, "5aff", "-o", target)
+    assert refused.code == 2 and refused.out == ""
+    assert refused.err == f"kvhandoff export: {target} exists (--force replaces it)\n"
+    assert target.read_text() == "notes I wanted to keep\n"
+
+    forced = kvhandoff("export", LOG, "5aff", "-o", target, "--force")
+    assert forced.code == 0 and target.read_bytes() == EXPORT.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bug.jsonl"]  # no temporary left
+
+
+def test_export_replaces_a_symlink_rather_than_writing_through_it(
+    kvhandoff: Run, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("not mine to change\n")
+    link, dangling = tmp_path / "link.jsonl", tmp_path / "dangling.jsonl"
+    link.symlink_to(elsewhere)
+    dangling.symlink_to(tmp_path / "nowhere")
+    for path in (link, dangling):
+        assert kvhandoff("export", LOG, "5aff", "-o", path).code == 2
+        assert kvhandoff("export", LOG, "5aff", "-o", path, "--force").code == 0
+        assert not path.is_symlink() and path.read_bytes() == EXPORT.read_bytes()
+    assert elsewhere.read_text() == "not mine to change\n"
+    assert not (tmp_path / "nowhere").exists()
+
+
+def _log_with_siblings(tmp_path: Path) -> Path:
+    log = tmp_path / "db" / "log.sqlite3"
+    log.parent.mkdir()
+    log.write_bytes(LOG.read_bytes())
+    for suffix in ("-wal", "-shm", "-journal"):
+        Path(f"{log}{suffix}").write_bytes(b"")
+    return log
+
+
+@pytest.mark.parametrize(
+    "spell",
+    [
+        lambda log, tmp: log,
+        lambda log, tmp: log.parent / ".." / "db" / log.name,
+        lambda log, tmp: Path(f"{log}-wal"),
+        lambda log, tmp: Path(f"{log}-shm"),
+        lambda log, tmp: Path(f"{log}-journal"),
+        lambda log, tmp: _linked(tmp / "link.jsonl", log, symbolic=True),
+        lambda log, tmp: _linked(tmp / "wal-link.jsonl", Path(f"{log}-wal"), symbolic=True),
+        lambda log, tmp: _linked(tmp / "hard.jsonl", log, symbolic=False),
+    ],
+    ids=["itself", "another spelling", "wal", "shm", "journal", "symlink", "symlink to wal",
+         "hard link"],
+)  # fmt: skip
+def test_export_never_writes_over_the_log_it_reads(
+    kvhandoff: Run, tmp_path: Path, spell: Callable[[Path, Path], Path]
+) -> None:
+    log = _log_with_siblings(tmp_path)
+    before = {p: p.read_bytes() for p in log.parent.iterdir()}
+    target = spell(log, tmp_path)
+    result = kvhandoff("export", log, "5aff", "-o", target, "--force")
+    assert result.code == 2
+    assert "refusing to write over the log" in result.err
+    assert {p: p.read_bytes() for p in log.parent.iterdir()} == before
+
+
+def _linked(link: Path, target: Path, *, symbolic: bool) -> Path:
+    if symbolic:
+        link.symlink_to(target)
+    else:
+        os.link(target, link)
+    return link
+
+
+def test_export_of_an_export_onto_itself_is_refused(kvhandoff: Run, tmp_path: Path) -> None:
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(EXPORT.read_bytes())
+    result = kvhandoff("export", copy, "5aff", "-o", copy, "--force")
+    assert result.code == 2 and copy.read_bytes() == EXPORT.read_bytes()
+
+
+def test_a_failed_export_leaves_the_old_file_whole_and_nothing_else(
+    kvhandoff: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "bug.jsonl"
+    target.write_text("the previous export\n")
+
+    def fail_halfway(log: object, out: object) -> None:
+        out.write(b'{"format":"kvhandoff-handoff-log"')  # type: ignore[attr-defined]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "write_jsonl", fail_halfway)
+    result = kvhandoff("export", LOG, "5aff", "-o", target, "--force")
+    assert result.code == 2
+    assert result.err == f"kvhandoff export: cannot write {target}: No space left on device\n"
+    assert target.read_text() == "the previous export\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bug.jsonl"]
