@@ -87,7 +87,12 @@ def _stuck(log: HandoffLog, now: int) -> StuckHandoff | None:
     engines = {Role.SOURCE: start.source, Role.DESTINATION: start.destination}
 
     def waiting_for(w: Waiting) -> WaitingFor:
-        since = last_input.at_ms if w.action is None else logged_at[w.action.action_id]
+        # An action the log does not hold (it diverges: `verify` says how) waits since the input.
+        since = (
+            last_input.at_ms
+            if w.action is None
+            else logged_at.get(w.action.action_id, last_input.at_ms)
+        )
         engine = engines.get(w.role, w.role.value)
         return WaitingFor(w.role, engine, w.fact, w.action, since, now - since)
 
