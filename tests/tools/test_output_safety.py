@@ -1,18 +1,108 @@
-"""`export -o` neither overwrites a file unasked nor, ever, the log it reads, and a failed export
-leaves nothing half-written.
+"""What the offline tools write, and where: a reader that stops reading (`| head`) meets no
+traceback and no failing status, and `export -o` neither overwrites a file unasked nor, ever,
+the log it reads.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from uuid import UUID
 
+import msgspec
 import pytest
 
-from tests.tools.conftest import Run
+from events.messages import SourceHeld
+from events.records import ActionRecord, InputRecord, LogRecord
+from tests.tools import logedit
+from tests.tools.conftest import IDS, V1, Run
 from tests.tools.test_commands import EXPORT, LOG
 from worker.commands import export
+from worker.logreader import SqliteLog
+
+
+def renumbered(record: LogRecord) -> LogRecord:
+    assert isinstance(record, ActionRecord)
+    return msgspec.structs.replace(
+        record, action=msgspec.structs.replace(record.action, action_id=9)
+    )
+
+
+# --- a reader that stops reading ----------------------------------------------------------------
+
+COPIES = 3000  # enough that every output below is far larger than a pipe's buffer
+
+
+@pytest.fixture(scope="module")
+def big_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The golden log with 3000 copies of just-started, each with its action renumbered (so that
+    `verify` finds each diverges), and one handoff with 3000 more steps."""
+    path = tmp_path_factory.mktemp("big") / "log.sqlite3"
+    path.write_bytes((V1 / "log.sqlite3").read_bytes())
+    logedit.copy_handoff(
+        path,
+        IDS["just-started"],
+        COPIES,
+        lambda r: renumbered(r) if isinstance(r, ActionRecord) else r,
+    )
+    # stuck-on-reserve's SourceHeld (seq 3) again and again, each time with another bandwidth:
+    # a repeated fact, accepted, that issues nothing.
+    reserve = IDS["stuck-on-reserve"]
+    with SqliteLog(path) as log:
+        held = log.load(UUID(reserve)).events[3].record
+    assert isinstance(held, InputRecord) and isinstance(held.input, SourceHeld)
+    timing = held.input.timing
+    again = [
+        msgspec.structs.replace(
+            held,
+            input=msgspec.structs.replace(
+                held.input, timing=msgspec.structs.replace(timing, bandwidth_gb_s=1000.0 + i)
+            ),
+        )
+        for i in range(COPIES)
+    ]
+    logedit.append_inputs(path, reserve, again)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "status"),
+    [
+        (["list", "{log}"], 0),
+        (["stuck", "{log}"], 0),
+        (["replay", "{log}", IDS["stuck-on-reserve"]], 0),
+        (["export", "{log}", IDS["stuck-on-reserve"]], 0),
+        (["verify", "{log}"], 1),  # the status still says what verify found
+        (["verify", "{log}", "--json"], 1),
+        (["list", "{log}", "--json"], 0),
+    ],
+    ids=["list", "stuck", "replay", "export", "verify", "verify json", "list json"],
+)
+def test_a_reader_that_stops_reading_is_not_a_failure(
+    big_log: Path, args: list[str], status: int
+) -> None:
+    argv = [sys.executable, "-m", "worker.cli", *(a.format(log=big_log) for a in args)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline()  # `| head -1`
+        proc.stdout.close()
+        err = proc.stderr.read()
+        code = proc.wait(timeout=120)
+    assert (code, err.decode()) == (status, "")
+
+
+def test_schema_stops_quietly_too() -> None:
+    argv = [sys.executable, "-m", "worker.cli", "schema", "--indent", "100"]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read()
+        code = proc.wait(timeout=120)
+    assert (code, err.decode()) == (0, "")
 
 
 def test_export_will_not_overwrite_a_file_unless_forced(kvhandoff: Run, tmp_path: Path) -> None:

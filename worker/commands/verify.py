@@ -32,11 +32,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace) -> int:
     with open_log(args.log) as log:
         report = verify_log(log, args.handoffs)
-    if args.json:
-        _offline.print_json(report)
-    else:
-        _print(report)
-    return _offline.EXIT_FAILED if report.diverged else _offline.EXIT_OK
+    code = _offline.EXIT_FAILED if report.diverged else _offline.EXIT_OK
+    with _offline.printing():
+        if args.json:
+            _offline.print_json(report)
+        else:
+            _print(report)
+    return code
 
 
 def verify_log(log: LogSource, handoffs: list[str] | None = None) -> VerifyReport:
