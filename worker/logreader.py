@@ -4,9 +4,12 @@
 A log comes in two forms, read through one interface (`LogSource`):
 
 - the worker's SQLite file (`SqliteLog`), opened read-only (`file:...?mode=ro`) with the
-  standard library's sqlite3, so a running worker can keep writing while a tool reads;
+  standard library's sqlite3, so a running worker can keep writing while a tool reads. Every
+  read of one `SqliteLog` sees the same snapshot of the file (one read transaction), so what
+  one query says agrees with the next;
 - one handoff exported as self-contained JSONL (`JsonlLog`), for bug reports: a header line,
-  then one line per event with the record as JSON. `write_jsonl` writes it.
+  then one line per event with the record as JSON. `write_jsonl` writes it. An export keeps no
+  input digests.
 
 `open_log` tells them apart by content (SQLite's magic header), not by extension. Records are
 decoded by `events.codec.decode_record`, the one place that upcasts older schema versions,
@@ -15,8 +18,10 @@ whichever form they were read from. sqlite errors are translated to `StoreError`
 
 from __future__ import annotations
 
+import collections
+import itertools
 import sqlite3
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol, Self
@@ -32,11 +37,13 @@ from events.replay import LoggedRecord, StoredRecord
 from worker.errors import StoreError
 from worker.schema import (
     LAYOUT_VERSION,
+    SCAN_OWNERS,
     SCAN_RECORDS,
     SELECT_EVENTS,
     SELECT_HANDOFF,
     SELECT_HANDOFF_IDS_BETWEEN,
     SELECT_HANDOFFS,
+    SELECT_STORED,
     HandoffState,
 )
 
@@ -86,6 +93,8 @@ class LogSource(Protocol):
     """What the offline tools read, from either form of the log."""
 
     path: Path
+    #: Whether the log keeps each input's digest (the SQLite log does, an export does not).
+    keeps_digests: bool
 
     def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
         """Every handoff (in one of `states`, if given), oldest start first."""
@@ -97,8 +106,22 @@ class LogSource(Protocol):
 
     def load(self, handoff_id: UUID) -> HandoffLog: ...
 
+    def stored(self, handoff_id: UUID) -> list[StoredRecord]:
+        """One handoff's log as stored (encoded, with input digests), in sequence order."""
+        ...
+
     def scan(self) -> Iterator[list[StoredRecord]]:
-        """Every handoff's log, records as stored (encoded), in one pass in handoff id order."""
+        """Every record as stored, in one pass in (handoff id, seq) order, in runs of rising seq.
+
+        A handoff's log is one run, and a run is one handoff's log unless the log is damaged
+        (a handoff that lost its first events can run on from the one before): check each run,
+        and ask `owners` whose rows are in one that fails.
+        """
+        ...
+
+    def owners(self, spans: Sequence[tuple[int, int]]) -> list[list[UUID]]:
+        """The handoff of each row in the given spans of `scan`'s order: (first row, rows),
+        ascending and disjoint. One more pass, for the runs whose check failed."""
         ...
 
     def close(self) -> None: ...
@@ -144,6 +167,8 @@ class _Closing:
 class SqliteLog(_Closing):
     """The worker's SQLite event log, read-only."""
 
+    keeps_digests = True
+
     def __init__(self, path: Path) -> None:
         self.path = path
         uri = f"{path.resolve().as_uri()}?mode=ro"
@@ -152,6 +177,9 @@ class SqliteLog(_Closing):
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open event log {path}: {exc}") from exc
         try:
+            # One read transaction for the reader's life: every query sees the same snapshot,
+            # however a live worker writes meanwhile (`verify` relies on it to find rows again).
+            self._db.execute("BEGIN")
             found = self._db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
         except sqlite3.Error as exc:
             self._db.close()
@@ -194,21 +222,40 @@ class SqliteLog(_Closing):
         )
         return HandoffLog(_summary(rows[0]), events)
 
+    def stored(self, handoff_id: UUID) -> list[StoredRecord]:
+        return self._fetch(SELECT_STORED, (str(handoff_id),))
+
     def scan(self) -> Iterator[list[StoredRecord]]:
-        # `verify`'s read of a whole log, kept lean: a handoff begins where seq is 0 (every log
-        # begins with its start, and seq counts from 0 without gaps), so neither the handoff id
-        # nor a new tuple is made per row; the replay names the handoff from its records.
+        # `verify`'s read of a whole log, kept lean: within a handoff seq only grows, so a run
+        # ends where it does not, and neither the handoff id nor a new tuple is made per row.
         rows: list[StoredRecord] = []
+        last = -1
         try:
             for row in self._db.execute(SCAN_RECORDS):
-                if row[0] == 0 and rows:
+                if row[0] <= last:
                     yield rows
                     rows = []
                 rows.append(row)
+                last = row[0]
         except sqlite3.Error as exc:
             raise StoreError(f"reading {self.path} failed: {exc}") from exc
         if rows:
             yield rows
+
+    def owners(self, spans: Sequence[tuple[int, int]]) -> list[list[UUID]]:
+        found: list[list[UUID]] = []
+        position = 0
+        try:
+            cursor = self._db.execute(SCAN_OWNERS)
+            for first, length in spans:
+                collections.deque(itertools.islice(cursor, first - position), maxlen=0)
+                found.append([_uuid(hid) for (hid,) in itertools.islice(cursor, length)])
+                position = first + length
+        except sqlite3.Error as exc:
+            raise StoreError(f"reading {self.path} failed: {exc}") from exc
+        if [len(ids) for ids in found] != [length for _, length in spans]:
+            raise StoreError(f"{self.path} has fewer events than a moment ago")
+        return found
 
     def _fetch(self, sql: str, params: Collection[object] = ()) -> list[Any]:
         try:
@@ -219,6 +266,8 @@ class SqliteLog(_Closing):
 
 class JsonlLog(_Closing):
     """One handoff's log, as `kvhandoff export` wrote it."""
+
+    keeps_digests = False
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -245,8 +294,14 @@ class JsonlLog(_Closing):
             raise StoreError(f"{self.path} holds handoff {self.log.handoff.handoff_id} only")
         return self.log
 
+    def stored(self, handoff_id: UUID) -> list[StoredRecord]:
+        return [(e.seq, None, encode_record(e.record)) for e in self.load(handoff_id).events]
+
     def scan(self) -> Iterator[list[StoredRecord]]:
-        yield [(e.seq, encode_record(e.record)) for e in self.log.events]
+        yield self.stored(self.log.handoff.handoff_id)
+
+    def owners(self, spans: Sequence[tuple[int, int]]) -> list[list[UUID]]:
+        return [[self.log.handoff.handoff_id] * length for _, length in spans]
 
 
 # --- The JSONL export -----------------------------------------------------------------------
@@ -319,3 +374,10 @@ def _summary(row: Collection[object]) -> HandoffSummary:
     # sqlite3 gives untyped rows; convert validates every column against the Struct.
     fields = HandoffSummary.__struct_fields__
     return msgspec.convert(dict(zip(fields, row, strict=True)), HandoffSummary)
+
+
+def _uuid(text: str) -> UUID:
+    try:
+        return UUID(text)
+    except ValueError:
+        raise LogCorrupt(f"events row with handoff id {text!r}, which is not a UUID") from None

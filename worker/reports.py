@@ -10,7 +10,9 @@ Evolution follows the wire types' rules: new fields get defaults, a field's type
 
 from __future__ import annotations
 
+import enum
 from typing import Any
+from uuid import UUID
 
 import msgspec
 from msgspec import Struct
@@ -90,12 +92,47 @@ class ReplayReport(Struct, frozen=True):
     timeline: Timeline
 
 
+class FindingKind(enum.StrEnum):
+    """What is wrong with a handoff's log."""
+
+    #: This build's coordinator derives other actions from the logged inputs (or rejects one).
+    DIVERGENCE = "divergence"
+    #: An input's stored digest is not its own: the input or the digest changed after logging.
+    DIGEST_MISMATCH = "digest_mismatch"
+    #: A record that does not decode, or has a schema version this build cannot upcast.
+    CORRUPT_RECORD = "corrupt_record"
+    #: The log skips or repeats a seq, does not begin at 0 with the handoff's start, or is empty.
+    SEQUENCE = "sequence"
+
+
+class Finding(Struct, frozen=True):
+    """One thing wrong with one handoff. `seq` is the event it concerns (a divergence's or a
+    digest mismatch's step), or null when it concerns the handoff as a whole."""
+
+    handoff_id: UUID
+    kind: FindingKind
+    seq: int | None
+    detail: str
+
+
 class VerifyReport(Struct, frozen=True):
-    """What `kvhandoff verify` checked; `diverged` holds each handoff's first divergence."""
+    """What `kvhandoff verify` checked and found.
+
+    `findings` lists everything wrong, by handoff id and seq, every bad handoff of the log;
+    `diverged` holds each diverging handoff's first divergence in full (each is a finding too).
+    `digests_checked` is false for a log that keeps no input digests (a JSONL export).
+    """
 
     handoffs: int
     events: int
     diverged: list[Divergence]
+    findings: list[Finding] = []
+    digests_checked: bool = True
+
+    @property
+    def bad(self) -> int:
+        """How many handoffs have a finding."""
+        return len({f.handoff_id for f in self.findings})
 
 
 REPORTS: dict[str, type[Struct]] = {

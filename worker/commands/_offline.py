@@ -3,9 +3,9 @@ command line: the log argument, times and ages as arguments, `--json`/`--print-s
 turning the errors they expect into a one-line message and exit status 2, and printing to a
 reader that may stop reading.
 
-Exit status: 0 success, 1 the check failed (`verify` found a divergence), 2 the command could
-not do its job (no such file or handoff, an unreadable log, a bad argument). A reader that
-stops reading (`kvhandoff list LOG | head`) is not a failure: the rest of the output is
+Exit status: 0 success, 1 the check failed (`verify` found something wrong), 2 the command
+could not do its job (no such file or handoff, an unreadable log, a bad argument). A reader
+that stops reading (`kvhandoff list LOG | head`) is not a failure: the rest of the output is
 dropped, silently, and the status is what the command's work made it.
 """
 
