@@ -76,6 +76,7 @@ def _rekeyed(log: HandoffLog, handoff_id: uuid.UUID, shift_ms: int, batch: Batch
             action = replace(record.action, handoff_id=handoff_id)
             batch.append_action(e.seq, ActionRecord(at_ms, action))
     row = log.handoff
+    assert row.state is not None  # the golden handoffs' states are all known
     completed = row.completed_at_ms
     batch.upsert_handoff(
         HandoffRow(

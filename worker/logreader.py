@@ -11,6 +11,10 @@ A log comes in two forms, read through one interface (`LogSource`):
   then one line per event with the record as JSON. `write_jsonl` writes it. An export keeps no
   input digests.
 
+A `handoffs` row whose state this build does not know (a newer worker's, or a damaged row) is
+read, not refused: its `HandoffSummary.state` is None and `unknown_state` holds what the row
+says, so that each command can say which handoff it is.
+
 `open_log` tells them apart by content (SQLite's magic header), not by extension. Records are
 decoded by `events.codec.decode_record`, the one place that upcasts older schema versions,
 whichever form they were read from. sqlite errors are translated to `StoreError` here.
@@ -43,6 +47,7 @@ from worker.schema import (
     SELECT_HANDOFF,
     SELECT_HANDOFF_IDS_BETWEEN,
     SELECT_HANDOFFS,
+    SELECT_QUARANTINE,
     SELECT_STORED,
     HandoffState,
 )
@@ -54,8 +59,22 @@ EXPORT_FORMAT = "kvhandoff-handoff-log"
 EXPORT_VERSION = 1
 
 
-class HandoffSummary(Struct, frozen=True):
-    """A handoff's row in the `handoffs` projection."""
+_KNOWN_STATES = frozenset(s.value for s in HandoffState)
+
+
+class Quarantine(Struct, frozen=True):
+    """Why the worker set a handoff aside, and when: its first "quarantined:" rejection."""
+
+    at_ms: int
+    reason: str
+
+
+class HandoffSummary(Struct, frozen=True, omit_defaults=True):
+    """A handoff's row in the `handoffs` projection, and why it was quarantined, if it was.
+
+    `state` is None when the row holds a state this build does not know; `unknown_state` then
+    holds it as written. Both extra fields are left out of JSON when they are None.
+    """
 
     handoff_id: UUID
     engine_type: str
@@ -63,10 +82,19 @@ class HandoffSummary(Struct, frozen=True):
     destination: str
     started_at_ms: int
     deadline_at_ms: int
-    state: HandoffState
+    state: HandoffState | None
     completed_at_ms: int | None
     last_seq: int
     updated_at_ms: int
+    unknown_state: str | None = None
+    quarantine: Quarantine | None = None
+
+    @property
+    def state_name(self) -> str:
+        """The state as the log spells it, known to this build or not."""
+        if self.state is not None:
+            return self.state.value
+        return "unknown" if self.unknown_state is None else self.unknown_state
 
 
 class LoggedEvent(Struct, frozen=True):
@@ -96,15 +124,22 @@ class LogSource(Protocol):
     #: Whether the log keeps each input's digest (the SQLite log does, an export does not).
     keeps_digests: bool
 
-    def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
-        """Every handoff (in one of `states`, if given), oldest start first."""
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
+        """Every handoff (in one of `states`, if given; None stands for any state this build
+        does not know), oldest start first."""
         ...
 
     def resolve(self, text: str) -> UUID:
         """The handoff whose id is `text` or begins with it (unique prefix, as git does)."""
         ...
 
-    def load(self, handoff_id: UUID) -> HandoffLog: ...
+    def summary(self, handoff_id: UUID) -> HandoffSummary:
+        """One handoff's row."""
+        ...
+
+    def load(self, handoff_id: UUID) -> HandoffLog:
+        """One handoff's row and its decoded log."""
+        ...
 
     def stored(self, handoff_id: UUID) -> list[StoredRecord]:
         """One handoff's log as stored (encoded, with input digests), in sequence order."""
@@ -194,12 +229,16 @@ class SqliteLog(_Closing):
     def close(self) -> None:
         self._db.close()
 
-    def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
-        sql, params = SELECT_HANDOFFS, [s.value for s in states]
-        if params:
-            sql += f" WHERE state IN ({','.join('?' * len(params))})"
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
+        sql, params = SELECT_HANDOFFS, [s.value for s in states if s is not None]
+        if states:
+            where = [f"state IN ({','.join('?' * len(params))})"] if params else []
+            if None in states:
+                where.append(f"state NOT IN ({','.join('?' * len(_KNOWN_STATES))})")
+                params += sorted(_KNOWN_STATES)
+            sql += " WHERE " + " OR ".join(where)
         rows = self._fetch(sql + " ORDER BY started_at_ms, handoff_id", params)
-        return [_summary(row) for row in rows]
+        return [self._quarantined(_summary(row)) for row in rows]
 
     def resolve(self, text: str) -> UUID:
         prefix = text.strip().lower()
@@ -211,16 +250,21 @@ class SqliteLog(_Closing):
             raise StoreError(f"handoff id prefix {text!r} is ambiguous in {self.path}")
         return UUID(found[0][0])
 
-    def load(self, handoff_id: UUID) -> HandoffLog:
-        key = (str(handoff_id),)
-        rows = self._fetch(SELECT_HANDOFF, key)
+    def summary(self, handoff_id: UUID) -> HandoffSummary:
+        rows = self._fetch(SELECT_HANDOFF, (str(handoff_id),))
         if not rows:
             raise StoreError(f"no handoff {handoff_id} in {self.path}")
+        return self._quarantined(_summary(rows[0]))
+
+    def load(self, handoff_id: UUID) -> HandoffLog:
+        summary = self.summary(handoff_id)
         events = tuple(
             LoggedEvent(seq, at_ms, _decode(handoff_id, seq, record), published)
-            for _, seq, _, at_ms, _, published, record in self._fetch(SELECT_EVENTS, key)
+            for _, seq, _, at_ms, _, published, record in self._fetch(
+                SELECT_EVENTS, (str(handoff_id),)
+            )
         )
-        return HandoffLog(_summary(rows[0]), events)
+        return HandoffLog(summary, events)
 
     def stored(self, handoff_id: UUID) -> list[StoredRecord]:
         return self._fetch(SELECT_STORED, (str(handoff_id),))
@@ -257,6 +301,15 @@ class SqliteLog(_Closing):
             raise StoreError(f"{self.path} has fewer events than a moment ago")
         return found
 
+    def _quarantined(self, handoff: HandoffSummary) -> HandoffSummary:
+        if handoff.state is not HandoffState.QUARANTINED:
+            return handoff
+        found = self._fetch(SELECT_QUARANTINE, (str(handoff.handoff_id),))
+        if not found:
+            return handoff
+        at_ms, reason = found[0]
+        return msgspec.structs.replace(handoff, quarantine=Quarantine(at_ms, str(reason)))
+
     def _fetch(self, sql: str, params: Collection[object] = ()) -> list[Any]:
         try:
             return self._db.execute(sql, tuple(params)).fetchall()
@@ -279,7 +332,7 @@ class JsonlLog(_Closing):
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise LogCorrupt(f"{path} is not a kvhandoff handoff export: {exc}") from exc
 
-    def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
         handoff = self.log.handoff
         return [handoff] if not states or handoff.state in states else []
 
@@ -288,6 +341,9 @@ class JsonlLog(_Closing):
         if not str(handoff_id).startswith(text.strip().lower()):
             raise StoreError(f"{self.path} holds handoff {handoff_id}, not {text!r}")
         return handoff_id
+
+    def summary(self, handoff_id: UUID) -> HandoffSummary:
+        return self.load(handoff_id).handoff
 
     def load(self, handoff_id: UUID) -> HandoffLog:
         if handoff_id != self.log.handoff.handoff_id:
@@ -316,6 +372,15 @@ class ExportHeader(Struct, frozen=True, tag=EXPORT_FORMAT, tag_field="format"):
     handoff: HandoffSummary
 
 
+class _ReadHeader(Struct, frozen=True, tag=EXPORT_FORMAT, tag_field="format"):
+    # `ExportHeader` as read: the row is checked by `_summary_of`, which reads a state this
+    # build does not know instead of refusing the whole export.
+    version: int
+    handoff_id: UUID
+    schema_version: int
+    handoff: dict[str, Any]
+
+
 class ExportedEvent(Struct, frozen=True):
     """Every further line: one event, its record as the JSON form of a `LogRecord`."""
 
@@ -325,7 +390,7 @@ class ExportedEvent(Struct, frozen=True):
     record: msgspec.Raw
 
 
-_header_decoder = msgspec.json.Decoder(ExportHeader)
+_header_decoder = msgspec.json.Decoder(_ReadHeader)
 _event_decoder = msgspec.json.Decoder(ExportedEvent)
 _json_encoder = msgspec.json.Encoder()
 
@@ -351,6 +416,7 @@ def read_jsonl(lines: Iterator[bytes] | IO[bytes]) -> HandoffLog:
     header = _header_decoder.decode(first)
     if header.version > EXPORT_VERSION:
         raise LogCorrupt(f"export format version {header.version}, this build reads 1")
+    handoff = _summary_of(header.handoff)
     events = []
     for line in lines:
         event = _event_decoder.decode(line)
@@ -358,7 +424,7 @@ def read_jsonl(lines: Iterator[bytes] | IO[bytes]) -> HandoffLog:
         blob = msgspec.msgpack.encode(msgspec.json.decode(event.record))
         record = _decode(header.handoff_id, event.seq, blob)
         events.append(LoggedEvent(event.seq, event.at_ms, record, event.published_at_ms))
-    return HandoffLog(header.handoff, tuple(events))
+    return HandoffLog(handoff, tuple(events))
 
 
 def _decode(handoff_id: object, seq: object, blob: object) -> LogRecord:
@@ -370,10 +436,20 @@ def _decode(handoff_id: object, seq: object, blob: object) -> LogRecord:
         raise LogCorrupt(f"handoff {handoff_id} seq {seq}: {exc}") from exc
 
 
-def _summary(row: Collection[object]) -> HandoffSummary:
+def _summary(row: Sequence[object]) -> HandoffSummary:
     # sqlite3 gives untyped rows; convert validates every column against the Struct.
-    fields = HandoffSummary.__struct_fields__
-    return msgspec.convert(dict(zip(fields, row, strict=True)), HandoffSummary)
+    fields = HandoffSummary.__struct_fields__[: len(row)]
+    return _summary_of(dict(zip(fields, row, strict=True)))
+
+
+def _summary_of(fields: dict[str, Any]) -> HandoffSummary:
+    state = fields.get("state")
+    if state is not None and state not in _KNOWN_STATES:
+        fields = {**fields, "state": None, "unknown_state": state}
+    try:
+        return msgspec.convert(fields, HandoffSummary)
+    except msgspec.ValidationError as exc:
+        raise LogCorrupt(f"handoff {fields.get('handoff_id')!r}: bad handoffs row: {exc}") from exc
 
 
 def _uuid(text: str) -> UUID:

@@ -61,10 +61,12 @@ class WaitingFor(Struct, frozen=True):
 
 
 class StuckHandoff(Struct, frozen=True):
-    """An open handoff that waits; `idle_ms` is the time since its last logged event.
+    """A handoff that waits; `idle_ms` is the time since its last logged event.
 
-    `state` is the rebuilt coordinator's short description, or "cannot replay: ..." (with no
-    waits) when this build's coordinator rejects the handoff's logged inputs.
+    `state` is the rebuilt coordinator's short description; or, with no waits, the reason a
+    quarantined handoff was set aside ("quarantined: ..."), "cannot replay: ..." when this
+    build's coordinator rejects the handoff's logged inputs, or "cannot read its log: ..." when
+    a record does not decode (`last_input` is then null).
     """
 
     handoff: HandoffSummary
@@ -73,15 +75,21 @@ class StuckHandoff(Struct, frozen=True):
     idle_ms: int
     overdue: bool
     waiting: list[WaitingFor]
-    last_input: LoggedInput
+    last_input: LoggedInput | None
     outstanding: list[int]
 
 
 class StuckReport(Struct, frozen=True):
+    """`open` counts the open handoffs looked at, `quarantined` the quarantined ones (always
+    listed: they never progress on their own), `unknown_state` those in a state this build does
+    not know (looked at like open ones)."""
+
     now_ms: int
     older_than_ms: int
     open: int
     handoffs: list[StuckHandoff]
+    quarantined: int = 0
+    unknown_state: int = 0
 
 
 class ReplayReport(Struct, frozen=True):
@@ -103,6 +111,8 @@ class FindingKind(enum.StrEnum):
     CORRUPT_RECORD = "corrupt_record"
     #: The log skips or repeats a seq, does not begin at 0 with the handoff's start, or is empty.
     SEQUENCE = "sequence"
+    #: The handoff's row holds a state this build does not know.
+    UNKNOWN_STATE = "unknown_state"
 
 
 class Finding(Struct, frozen=True):

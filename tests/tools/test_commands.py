@@ -160,6 +160,7 @@ def test_stuck_names_what_each_idle_handoff_waits_for_and_since_when(kvhandoff: 
     assert waits.since_ms == START["stuck-on-reserve"] + 170  # when the action was logged
     assert waits.waited_ms == now - waits.since_ms
     assert reserve.outstanding == [1]
+    assert reserve.last_input is not None
     assert (reserve.last_input.seq, reserve.last_input.input.__struct_config__.tag) == (
         3, "source_held"
     )  # fmt: skip
@@ -171,6 +172,7 @@ def test_stuck_names_what_each_idle_handoff_waits_for_and_since_when(kvhandoff: 
     assert (waits.role, waits.engine, waits.fact, waits.action) == (
         "source", "sglang-prefill-0", "transfer_completed", None
     )  # fmt: skip
+    assert transfer.last_input is not None
     assert waits.since_ms == transfer.last_input.at_ms == START["stuck-on-transfer"] + 162
     assert transfer.outstanding == []
 
@@ -207,7 +209,7 @@ def test_stuck_shows_a_handoff_this_build_cannot_replay(kvhandoff: Run, writable
     handoffs = {str(h.handoff.handoff_id): h for h in report(StuckReport, result.out).handoffs}
     broken = handoffs[stuck_id]
     assert broken.state.startswith("cannot replay: ") and "unknown handoff action 7" in broken.state
-    assert broken.waiting == [] and broken.last_input.seq == 3
+    assert broken.waiting == [] and broken.last_input is not None and broken.last_input.seq == 3
     assert handoffs[IDS["stuck-on-transfer"]].waiting  # the others are still reported
 
 

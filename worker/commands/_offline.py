@@ -168,6 +168,11 @@ def offline_command(
     return wrap
 
 
+def warn(name: str, message: str) -> None:
+    """A line on stderr that does not stop the command."""
+    print(f"kvhandoff {name}: warning: {message}", file=sys.stderr)
+
+
 def fail(name: str, message: str) -> int:
     print(f"kvhandoff {name}: {message}", file=sys.stderr)
     return EXIT_ERROR

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from events.messages import Action, ActionOutcome
 from events.replay import Change
+from worker.logreader import HandoffSummary
 
 
 def console() -> Console:
@@ -46,6 +47,13 @@ def print_fields(pairs: Sequence[tuple[str, str]], indent: int = 2) -> None:
     width = max(len(label) for label, _ in pairs)
     for label, value in pairs:
         print(f"{' ' * indent}{label.ljust(width)}  {value}")
+
+
+def state(handoff: HandoffSummary) -> str:
+    """A handoff's state; one this build does not know as written, marked `(unknown)`."""
+    if handoff.state is not None:
+        return handoff.state.value
+    return f"{handoff.state_name}(unknown)"
 
 
 def count(n: int, noun: str) -> str:

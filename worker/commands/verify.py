@@ -9,8 +9,8 @@ could act differently from what the engines were told.
 
 The log itself is checked too: a record that does not decode, a sequence that skips, repeats or
 does not begin with the handoff's start, an input whose stored digest is not its own (the
-SQLite log keeps one per input; an export keeps none). Every bad handoff is reported, each
-under its own id, not just the first.
+SQLite log keeps one per input; an export keeps none), and a `handoffs` row whose state this
+build does not know. Every bad handoff is reported, each under its own id, not just the first.
 
 Without HANDOFF ids the whole log is checked in one ordered pass that does not read handoff
 ids (`LogSource.scan`); only when a run of rows fails its check are their ids read, in one
@@ -29,8 +29,9 @@ from events.codec import decode_record, input_digest
 from events.records import InputRecord
 from events.replay import Divergence, StoredCheck, StoredRecord, check_stored
 from worker.commands import _offline, _text
-from worker.logreader import LogSource, open_log
+from worker.logreader import HandoffSummary, LogSource, open_log
 from worker.reports import Finding, FindingKind, VerifyReport
+from worker.schema import HandoffState
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +58,7 @@ def verify_log(log: LogSource, handoffs: list[str] | None = None) -> VerifyRepor
     found = _Found(log.keeps_digests)
     if handoffs:
         for handoff_id in dict.fromkeys(map(log.resolve, handoffs)):
+            found.state(log.summary(handoff_id))
             rows = log.stored(handoff_id)
             found.handoff(handoff_id, rows, check_stored(rows, digests=log.keeps_digests))
     else:
@@ -84,6 +86,8 @@ def _verify_all(log: LogSource, found: _Found) -> None:
                     found.handoff(handoff_id, run, check_stored(run, digests=log.keeps_digests))
                 else:
                     found.handoff(handoff_id, run, check)
+    for row in log.handoffs([None]):
+        found.state(row)
 
 
 def _runs(
@@ -125,6 +129,12 @@ class _Found:
         if (d := check.divergence) is not None:
             self.diverged.append(d)
             add(FindingKind.DIVERGENCE, d.step, d.detail)
+
+    def state(self, row: HandoffSummary) -> None:
+        if row.state is None:
+            known = ", ".join(HandoffState)
+            detail = f"state {row.state_name!r} is not one this build knows ({known})"
+            self.findings.append(Finding(row.handoff_id, FindingKind.UNKNOWN_STATE, None, detail))
 
     def report(self) -> VerifyReport:
         self.findings.sort(key=lambda f: (str(f.handoff_id), -1 if f.seq is None else f.seq))
