@@ -1,11 +1,12 @@
-"""What the offline tools write, and where: a reader that stops reading (`| head`) meets no
-traceback and no failing status, and `export -o` neither overwrites a file unasked nor, ever,
-the log it reads.
+"""What the offline tools write, and where: text that a log cannot use to drive the terminal, a
+reader that stops reading (`| head`) without a traceback or a failing status, and `export -o`
+that neither overwrites a file unasked nor, ever, the log it reads.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,14 +15,49 @@ from uuid import UUID
 
 import msgspec
 import pytest
+from rich.console import Console
 
-from events.messages import SourceHeld
+from events.messages import ActionFailed, ActionOutcome, SourceHeld, StartHandoff
 from events.records import ActionRecord, InputRecord, LogRecord
 from tests.tools import logedit
 from tests.tools.conftest import IDS, V1, Run
-from tests.tools.test_commands import EXPORT, LOG
-from worker.commands import export
+from tests.tools.test_commands import EXPORT, LOG, report
+from worker.commands import _text, export
 from worker.logreader import SqliteLog
+from worker.reports import ListReport, ReplayReport
+
+# C0 but the newline that ends each line, DEL, C1.
+CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+#: Set the window title, clear the screen, a CSI in its C1 form, NUL, DEL: no whitespace, so
+#: that an engine id may hold it (ids may not hold whitespace); then a tab for free text.
+HOSTILE_ID = "x\x1b]0;pwned\x07\x1b[2J\x9b31m\x00\x7fy"
+ESCAPED_ID = r"x\x1b]0;pwned\x07\x1b[2J\x9b31m\x00\x7fy"
+HOSTILE = f"{HOSTILE_ID}\tz"
+ESCAPED = rf"{ESCAPED_ID}\x09z"
+NOW = "2025-01-01T00:15:20Z"
+
+
+def assert_printable(text: str) -> None:
+    assert not CONTROL.search(text), CONTROL.findall(text)
+
+
+# --- control characters -----------------------------------------------------------------------
+
+
+def hostile_engines(record: LogRecord) -> LogRecord:
+    assert isinstance(record, InputRecord) and isinstance(record.input, StartHandoff)
+    start = msgspec.structs.replace(
+        record.input, source=f"src{HOSTILE_ID}", destination=f"dst{HOSTILE_ID}"
+    )
+    return msgspec.structs.replace(record, input=start)
+
+
+def hostile_reason(record: LogRecord) -> LogRecord:
+    assert isinstance(record, InputRecord) and isinstance(record.input, ActionOutcome)
+    outcome = ActionFailed(f"reason{HOSTILE}")
+    return msgspec.structs.replace(
+        record, input=msgspec.structs.replace(record.input, outcome=outcome)
+    )
 
 
 def renumbered(record: LogRecord) -> LogRecord:
@@ -29,6 +65,93 @@ def renumbered(record: LogRecord) -> LogRecord:
     return msgspec.structs.replace(
         record, action=msgspec.structs.replace(record.action, action_id=9)
     )
+
+
+@pytest.fixture
+def hostile(writable_log: Path) -> Path:
+    """Control characters in every kind of string a log holds: engine ids in a start record
+    and in the row, a failed outcome's reason, a state, a quarantine reason."""
+    reserve, failed = IDS["stuck-on-reserve"], IDS["failed-outcome"]
+    logedit.rewrite(writable_log, reserve, 0, hostile_engines)
+    logedit.execute(
+        writable_log,
+        "UPDATE handoffs SET source = ?, destination = ?, engine_type = ? WHERE handoff_id = ?",
+        f"src{HOSTILE}",
+        f"dst{HOSTILE}",
+        f"vllm{HOSTILE}",
+        reserve,
+    )
+    logedit.rewrite(writable_log, failed, 2, hostile_reason)
+    logedit.rewrite(writable_log, failed, 3, renumbered)  # so that verify prints the input
+    logedit.set_state(writable_log, IDS["just-started"], f"odd{HOSTILE}")
+    logedit.quarantine(writable_log, IDS["stuck-on-transfer"], 1, f"quarantined: {HOSTILE}")
+    return writable_log
+
+
+def test_list_escapes_control_characters_from_the_log(kvhandoff: Run, hostile: Path) -> None:
+    result = kvhandoff("list", hostile)
+    assert result.code == 0
+    assert_printable(result.out)
+    assert_printable(result.err)
+    row = next(line for line in result.out.splitlines() if line.startswith(IDS["stuck-on-reserve"]))
+    assert f"vllm{ESCAPED}" in row and f"src{ESCAPED}" in row and f"dst{ESCAPED}" in row
+    assert f"odd{ESCAPED}(unknown)" in result.out
+    # JSON is data: the strings come back exactly as logged.
+    listed = report(ListReport, kvhandoff("list", hostile, "--json").out).handoffs
+    assert {h.handoff.source for h in listed} >= {f"src{HOSTILE}"}
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (["stuck", "--now", NOW], [f"quarantined: {ESCAPED}", f"destination dst{ESCAPED_ID}"]),
+        (["replay", IDS["stuck-on-reserve"]], [f"src{ESCAPED_ID} -> dst{ESCAPED_ID}"]),
+        (
+            ["replay", "033d", "--format", "mermaid"],
+            [f"participant S as source src{ESCAPED_ID.replace(';', ',')}"],
+        ),
+        (["replay", IDS["failed-outcome"]], [f"failed reason=reason{ESCAPED}"]),
+        (["replay", IDS["failed-outcome"], "--at", "2"], [f"reason=reason{ESCAPED}"]),
+        (["replay", IDS["just-started"]], [f"odd{ESCAPED}(unknown)"]),
+        (["verify"], [f"failed reason=reason{ESCAPED}"]),
+    ],
+    ids=["stuck", "replay", "mermaid", "outcome", "at", "state", "verify"],
+)
+def test_text_outputs_escape_control_characters_from_the_log(
+    kvhandoff: Run, hostile: Path, args: list[str], shown: list[str]
+) -> None:
+    result = kvhandoff(args[0], hostile, *args[1:])
+    assert result.code in (0, 1)
+    assert_printable(result.out)
+    assert_printable(result.err)
+    for text in shown:
+        assert text in result.out
+
+
+def test_the_replay_table_on_a_terminal_escapes_them_too(
+    kvhandoff: Run, hostile: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        _text,
+        "console",
+        lambda: Console(file=sys.stdout, force_terminal=True, color_system=None, width=400),
+    )
+    for args in (["replay", IDS["failed-outcome"]], ["list"], ["stuck", "--now", NOW]):
+        out = kvhandoff(args[0], hostile, *args[1:]).out
+        assert_printable(out)
+
+
+def test_error_messages_escape_control_characters(kvhandoff: Run, tmp_path: Path) -> None:
+    # An argument cannot hold NUL (argv strings end at one); everything else it can.
+    result = kvhandoff("list", tmp_path / f"missing{HOSTILE.replace(chr(0), '')}.sqlite3")
+    assert result.code == 2
+    assert_printable(result.err)
+    assert ESCAPED.replace(r"\x00", "") in result.err
+
+
+def test_json_keeps_the_strings_exactly(kvhandoff: Run, hostile: Path) -> None:
+    replay = report(ReplayReport, kvhandoff("replay", hostile, "033d", "--format", "json").out)
+    assert replay.timeline.start.source == f"src{HOSTILE_ID}"
 
 
 # --- a reader that stops reading ----------------------------------------------------------------
@@ -103,6 +226,9 @@ def test_schema_stops_quietly_too() -> None:
         err = proc.stderr.read()
         code = proc.wait(timeout=120)
     assert (code, err.decode()) == (0, "")
+
+
+# --- export -o ------------------------------------------------------------------------------------
 
 
 def test_export_will_not_overwrite_a_file_unless_forced(kvhandoff: Run, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 
 from events.errors import HandoffError
+from worker.commands import _text
 from worker.errors import WorkerError
 from worker.reports import json_schema
 
@@ -170,9 +171,9 @@ def offline_command(
 
 def warn(name: str, message: str) -> None:
     """A line on stderr that does not stop the command."""
-    print(f"kvhandoff {name}: warning: {message}", file=sys.stderr)
+    print(f"kvhandoff {name}: warning: {_text.printable(message)}", file=sys.stderr)
 
 
 def fail(name: str, message: str) -> int:
-    print(f"kvhandoff {name}: {message}", file=sys.stderr)
+    print(f"kvhandoff {name}: {_text.printable(message)}", file=sys.stderr)
     return EXIT_ERROR

@@ -130,10 +130,10 @@ def _print(report: ListReport) -> None:
         [
             str(h.handoff.handoff_id),
             _text.state(h.handoff),
-            h.handoff.engine_type,
+            _text.printable(h.handoff.engine_type),
             "-" if h.order is None else h.order.value,
-            h.handoff.source,
-            h.handoff.destination,
+            _text.printable(h.handoff.source),
+            _text.printable(h.handoff.destination),
             _text.instant(h.handoff.started_at_ms),
             _text.duration(h.age_ms),
             "-" if h.duration_ms is None else f"after {_text.duration(h.duration_ms)}",

@@ -90,7 +90,7 @@ def _print(report: ReplayReport) -> None:
     start = tl.start
     print(
         f"handoff {row.handoff_id}  {start.engine_type.value} ({start.engine_type.order.value})"
-        f"  {start.source} -> {start.destination}"
+        f"  {_text.printable(start.source)} -> {_text.printable(start.destination)}"
         f"  {_text.state(row)}"
     )
     print(
@@ -143,7 +143,8 @@ def _print(report: ReplayReport) -> None:
 def _actions(s: Step) -> str:
     text = _text.actions(s.actions)
     if s.rejection is not None:
-        return f"REJECTED by this build: {s.rejection}; logged: {_text.actions(s.logged)}"
+        rejection = _text.printable(s.rejection)
+        return f"REJECTED by this build: {rejection}; logged: {_text.actions(s.logged)}"
     if s.actions != s.logged:
         return f"{text}; DIVERGES, logged: {_text.actions(s.logged)}"
     return text
@@ -161,9 +162,9 @@ def mermaid(report: ReplayReport) -> str:
     lines = [
         "sequenceDiagram",
         "    participant F as frontend",
-        f"    participant S as source {start.source}",
+        f"    participant S as source {_safe(start.source)}",
         f"    participant C as coordinator ({start.engine_type.value})",
-        f"    participant D as destination {start.destination}",
+        f"    participant D as destination {_safe(start.destination)}",
     ]
     executors: dict[int, str] = {}
     for s in tl.steps:
@@ -202,4 +203,4 @@ def mermaid(report: ReplayReport) -> str:
 
 
 def _safe(text: str) -> str:
-    return text.replace("#", " ").replace(";", ",").replace('"', "'")
+    return _text.printable(text).replace("#", " ").replace(";", ",").replace('"', "'")

@@ -155,12 +155,12 @@ def _print(report: StuckReport) -> None:
         if h.handoff.state is HandoffState.QUARANTINED:
             q = h.handoff.quarantine
             since = "-" if q is None else _text.instant(q.at_ms)
-            rows.append([*first, h.state, "an operator", since, *tail])
+            rows.append([*first, _text.printable(h.state), "an operator", since, *tail])
         elif not h.waiting:
-            rows.append([*first, f"nothing ({h.state})", "-", "-", *tail])
+            rows.append([*first, f"nothing ({_text.printable(h.state)})", "-", "-", *tail])
         for i, w in enumerate(h.waiting):
             what = f"fact {w.fact}" if w.action is None else f"outcome of {_text.action(w.action)}"
-            cells = [what, f"{w.role.value} {w.engine}", _text.instant(w.since_ms)]
+            cells = [what, f"{w.role.value} {_text.printable(w.engine)}", _text.instant(w.since_ms)]
             rows.append([*first, *cells, *tail] if i == 0 else ["", "", *cells, "", ""])
     _text.print_table(columns, rows)
     waiting = sum(h.handoff.state is not HandoffState.QUARANTINED for h in report.handoffs)

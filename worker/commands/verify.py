@@ -166,13 +166,13 @@ def _print(report: VerifyReport) -> None:
                     ("input", _text.message(d.input)),
                     ("logged", _text.actions(d.logged)),
                     ("re-derived", _text.actions(d.rederived)),
-                    ("difference", d.detail),
+                    ("difference", _text.printable(d.detail)),
                 ]
             )
             continue
         where = "" if f.seq is None else f" at seq {f.seq}"
         what = f.kind.value.replace("_", " ")
-        print(f"handoff {f.handoff_id}: {what}{where}: {f.detail}")
+        print(f"handoff {f.handoff_id}: {what}{where}: {_text.printable(f.detail)}")
     handoffs, events = _text.count(report.handoffs, "handoff"), _text.count(report.events, "event")
     checked = "" if report.digests_checked else " (no input digests in an export)"
     if not report.findings:
