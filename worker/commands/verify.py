@@ -74,7 +74,7 @@ def _verify_all(log: LogSource, found: _Found) -> None:
     for rows in log.scan():
         check = check_stored(rows, digests=log.keeps_digests)
         if check.ok:
-            found.passed(len(rows))
+            found.checked(len(rows))
         else:
             failed.append((position, rows, check))
         position += len(rows)
@@ -110,11 +110,12 @@ class _Found:
         self.findings: list[Finding] = []
         self.diverged: list[Divergence] = []
 
-    def passed(self, events: int) -> None:
+    def checked(self, events: int) -> None:
+        """Count one handoff of that many events as checked."""
         self.handoffs, self.events = self.handoffs + 1, self.events + events
 
     def handoff(self, handoff_id: UUID, rows: list[StoredRecord], check: StoredCheck) -> None:
-        self.passed(len(rows))
+        self.checked(len(rows))
 
         def add(kind: FindingKind, seq: int | None, detail: str) -> None:
             self.findings.append(Finding(handoff_id, kind, seq, detail))
