@@ -17,10 +17,11 @@ What is measured
   every row into a `LogRecord`, with a decoder built for the purpose: the floor any replay of
   this table pays, in the same process, on the same file, in the same run.
 - ``verify``: `worker.commands.verify.verify_log` over the whole log, the exact work of
-  `kvhandoff verify LOG` minus printing: one ordered scan (`SELECT seq, record ...`) grouped by
-  handoff, a fresh coordinator per handoff, every input decoded through the codec's upcasting
-  `decode_record` and re-applied, and every logged action compared with the re-derived one
-  (by its stored bytes, decoding only on a difference: `events.replay.find_divergence_stored`).
+  `kvhandoff verify LOG` minus printing: one ordered scan (`SELECT seq, digest, record ...`)
+  grouped by handoff, a fresh coordinator per handoff, every input decoded through the codec's
+  upcasting `decode_record`, its digest recomputed and compared with the stored one, and
+  re-applied, and every logged action compared with the re-derived one (by its stored bytes,
+  decoding only on a difference: `events.replay.check_stored`).
 - ``timeline``: `events.replay.timeline` (the `replay` command's data, with a state snapshot
   and diff per step) over the first `--timeline` handoffs, for scale; it is not on the hot path.
 
@@ -75,6 +76,7 @@ def _rekeyed(log: HandoffLog, handoff_id: uuid.UUID, shift_ms: int, batch: Batch
             action = replace(record.action, handoff_id=handoff_id)
             batch.append_action(e.seq, ActionRecord(at_ms, action))
     row = log.handoff
+    assert row.state is not None  # the golden handoffs' states are all known
     completed = row.completed_at_ms
     batch.upsert_handoff(
         HandoffRow(

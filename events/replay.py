@@ -4,7 +4,7 @@ Only accepted inputs are logged, and an accepted input does the same thing every
 applied to the same state, so feeding a handoff's `InputRecord`s, in sequence order, to a fresh
 coordinator rebuilds exactly the coordinator that logged them. The first input of every
 handoff's log is its `StartHandoff`, and the `ActionRecord`s that follow an input, up to the
-next input, are the actions that input issued. Three entry points read a log that way:
+next input, are the actions that input issued. Four entry points read a log that way:
 
 - `rebuild`: the coordinator after every logged input (what the worker's recovery uses).
 - `timeline`: one `Step` per logged input, as data: the input, which fields of the
@@ -13,14 +13,18 @@ next input, are the actions that input issued. Three entry points read a log tha
 - `find_divergence` / `verify`: re-derive every action and compare it with the logged one
   (kind, action id, every field, order). The first step where they differ is a `Divergence`,
   returned as data or raised as `ReplayDivergence`. This is the check that makes a coordinator
-  change safe to deploy against existing logs. `find_divergence_stored` does the same from the
-  stored (encoded) records: it is `kvhandoff verify`'s hot loop, takes no snapshots and decodes
-  no logged action that is byte for byte the re-derived one.
+  change safe to deploy against existing logs.
+- `check_stored`: everything `kvhandoff verify` checks in one handoff's log as stored (encoded
+  records, with the digest stored beside each input): records that do not decode, a sequence
+  that is not one handoff's log, inputs whose stored digest is not their own, and the first
+  divergence. It is `verify`'s hot loop: it takes no snapshots and decodes no logged action
+  that is byte for byte the re-derived one.
 
 Steps are numbered by the `seq` of their input in the log. A log is given as `(seq, record)`
 pairs of one handoff, in sequence order; sequence numbers count from 0 without gaps. A log that
-breaks those rules raises `LogCorrupt`. Nothing here logs: a replay of a million events must
-stay quiet.
+breaks those rules raises `LogCorrupt` (`check_stored` returns it as data instead, so that a
+whole log can be checked past its first bad handoff). Nothing here logs: a replay of a million
+events must stay quiet.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from uuid import UUID
 import msgspec
 from msgspec import Struct
 
-from events.codec import decode_record, encode_record
+from events.codec import decode_record, encode_record, input_digest
 from events.coordinator import CoordinatorState, HandoffCoordinator, Waiting
 from events.errors import InputRejected, LogCorrupt, ReplayDivergence
 from events.messages import Action, Input, StartHandoff
@@ -40,8 +44,9 @@ from events.records import ActionRecord, InputRecord, LogRecord
 
 #: One entry of a handoff's log: its sequence number and the decoded record.
 LoggedRecord = tuple[int, LogRecord]
-#: The same, as stored: the record encoded by `events.codec.encode_record`.
-StoredRecord = tuple[int, bytes]
+#: The same, as stored: the sequence number, the digest stored with an input (None for an
+#: action), and the record encoded by `events.codec.encode_record`.
+StoredRecord = tuple[int, bytes | None, bytes]
 
 _STATE_FIELDS: tuple[str, ...] = CoordinatorState.__struct_fields__
 
@@ -239,23 +244,52 @@ def find_divergence(log: Iterable[LoggedRecord]) -> Divergence | None:
     return None
 
 
-def find_divergence_stored(rows: Sequence[StoredRecord]) -> Divergence | None:
-    """`find_divergence` over a handoff's records as stored (encoded by `events.codec`).
+class StoredCheck(Struct, frozen=True):
+    """What `check_stored` found wrong with one handoff's stored log; nothing at all if `ok`.
 
-    The hot loop of `kvhandoff verify`: no snapshots, and a logged action is not decoded when
-    its stored bytes equal the encoding of the re-derived action stamped with its input's time,
-    since equal encodings are equal records. Anything else (a difference, an extra or missing
-    action, a rejected input, a record of an older schema version, a different timestamp)
-    sends the handoff through `find_divergence` on the decoded records, which decides and
-    describes. Raises `LogCorrupt` as `find_divergence` does, naming the handoff if it can.
+    `corrupt` holds each record that does not decode, as (seq, why). `malformed` says why the
+    log is not one handoff's log in sequence order (it skips or repeats a sequence number, does
+    not begin at 0 with the handoff's start, begins with an action). `digest_mismatches` are
+    the seqs of the inputs whose stored digest is not `events.codec.input_digest` of the input.
+    `divergence` is the first step whose re-derived actions differ from the logged ones; a log
+    with corrupt records or a malformed sequence is not replayed, so it has none.
     """
-    decode, encode = decode_record, encode_record
+
+    corrupt: tuple[tuple[int, str], ...] = ()
+    malformed: str | None = None
+    digest_mismatches: tuple[int, ...] = ()
+    divergence: Divergence | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not (self.corrupt or self.malformed or self.digest_mismatches or self.divergence)
+
+
+_OK = StoredCheck()
+
+
+def check_stored(rows: Sequence[StoredRecord], *, digests: bool = True) -> StoredCheck:
+    """Check one handoff's log as stored: decoding, sequence, input digests and replay.
+
+    With `digests` false (a log that keeps no digests, such as a JSONL export), the stored
+    digests are not compared; otherwise an input stored without a digest is a mismatch.
+
+    The fast path replays the stored records directly: a logged action is not decoded when its
+    stored bytes equal the encoding of the re-derived action stamped with its input's time,
+    since equal encodings are equal records. When it passes, the rows are one handoff's log in
+    order from its start: every input was accepted by the coordinator of the first (which
+    refuses another handoff's inputs), and every action is byte for byte one that it issued.
+    Anything else (a difference, an extra or missing action, a rejected input, a digest that
+    does not match, a record of an older schema version, a different timestamp) sends the log
+    through the slow path, which decodes every record and decides and describes.
+    """
+    decode, encode, digest_of = decode_record, encode_record, input_digest
     coordinator: HandoffCoordinator | None = None
     pending: list[Action] = []  # the current step's re-derived actions
     count = matched = 0  # how many there are, and how many the log has shown so far
     at_ms = expected = 0
     try:
-        for seq, blob in rows:
+        for seq, digest, blob in rows:
             if seq != expected:
                 break
             expected = seq + 1
@@ -267,21 +301,49 @@ def find_divergence_stored(rows: Sequence[StoredRecord]) -> Divergence | None:
             record = decode(blob)
             if not isinstance(record, InputRecord):
                 break
+            message = record.input
+            if digests and digest != digest_of(message):
+                break
             if coordinator is None:
-                if not isinstance(record.input, StartHandoff):
+                if not isinstance(message, StartHandoff):
                     break
-                coordinator = HandoffCoordinator.for_start(record.input)
-            pending = coordinator.handle(record.input)
+                coordinator = HandoffCoordinator.for_start(message)
+            pending = coordinator.handle(message)
             count, matched, at_ms = len(pending), 0, record.at_ms
         else:
             if coordinator is not None and matched == count:
-                return None
+                return _OK
     except (InputRejected, LogCorrupt):
         pass
-    try:
-        return find_divergence([(seq, decode(blob)) for seq, blob in rows])
-    except LogCorrupt as exc:
-        raise LogCorrupt(f"{_whose(rows)}{exc}") from exc
+    return _check_decoded(rows, digests)
+
+
+def _check_decoded(rows: Sequence[StoredRecord], digests: bool) -> StoredCheck:
+    """`check_stored`'s slow path: decode everything, then check what can be checked."""
+    corrupt: list[tuple[int, str]] = []
+    mismatches: list[int] = []
+    records: list[LoggedRecord] = []
+    for seq, digest, blob in rows:
+        try:
+            record = decode_record(blob)
+        except LogCorrupt as exc:
+            corrupt.append((seq, str(exc)))
+            continue
+        records.append((seq, record))
+        if digests and isinstance(record, InputRecord) and digest != input_digest(record.input):
+            mismatches.append(seq)
+    malformed = divergence = None
+    if corrupt:
+        # Without every record, only the numbering can still be checked.
+        malformed = next(
+            (_sequence_error(i, seq) for i, (seq, _, _) in enumerate(rows) if seq != i), None
+        )
+    else:
+        try:
+            divergence = find_divergence(records)
+        except LogCorrupt as exc:
+            malformed = str(exc)
+    return StoredCheck(tuple(corrupt), malformed, tuple(mismatches), divergence)
 
 
 def verify(log: Iterable[LoggedRecord]) -> None:
@@ -295,20 +357,8 @@ def _sequence_error(expected: int, seq: int) -> str:
     if expected == 0:
         return f"log begins at sequence {seq}, not 0"
     if seq < expected:
-        # What a scan by seq 0 makes of a handoff whose first event is lost: its events run on
-        # from the previous handoff's.
-        return f"log goes back from sequence {expected - 1} to {seq} (another handoff's events?)"
+        return f"log goes back from sequence {expected - 1} to {seq}"
     return f"log skips from sequence {expected - 1} to {seq}"
-
-
-def _whose(rows: Sequence[StoredRecord]) -> str:
-    """`handoff <id>: ` from a stored log's first record, if it can tell."""
-    try:
-        first = decode_record(rows[0][1])
-    except (IndexError, LogCorrupt):
-        return ""
-    message = first.input if isinstance(first, InputRecord) else first.action
-    return f"handoff {message.handoff_id}: "
 
 
 def _start(message: Input) -> StartHandoff:

@@ -4,9 +4,16 @@
 A log comes in two forms, read through one interface (`LogSource`):
 
 - the worker's SQLite file (`SqliteLog`), opened read-only (`file:...?mode=ro`) with the
-  standard library's sqlite3, so a running worker can keep writing while a tool reads;
+  standard library's sqlite3, so a running worker can keep writing while a tool reads. Every
+  read of one `SqliteLog` sees the same snapshot of the file (one read transaction), so what
+  one query says agrees with the next;
 - one handoff exported as self-contained JSONL (`JsonlLog`), for bug reports: a header line,
-  then one line per event with the record as JSON. `write_jsonl` writes it.
+  then one line per event with the record as JSON. `write_jsonl` writes it. An export keeps no
+  input digests.
+
+A `handoffs` row whose state this build does not know (a newer worker's, or a damaged row) is
+read, not refused: its `HandoffSummary.state` is None and `unknown_state` holds what the row
+says, so that each command can say which handoff it is.
 
 `open_log` tells them apart by content (SQLite's magic header), not by extension. Records are
 decoded by `events.codec.decode_record`, the one place that upcasts older schema versions,
@@ -15,8 +22,10 @@ whichever form they were read from. sqlite errors are translated to `StoreError`
 
 from __future__ import annotations
 
+import collections
+import itertools
 import sqlite3
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol, Self
@@ -32,11 +41,14 @@ from events.replay import LoggedRecord, StoredRecord
 from worker.errors import StoreError
 from worker.schema import (
     LAYOUT_VERSION,
+    SCAN_OWNERS,
     SCAN_RECORDS,
     SELECT_EVENTS,
     SELECT_HANDOFF,
     SELECT_HANDOFF_IDS_BETWEEN,
     SELECT_HANDOFFS,
+    SELECT_QUARANTINE,
+    SELECT_STORED,
     HandoffState,
 )
 
@@ -47,8 +59,22 @@ EXPORT_FORMAT = "kvhandoff-handoff-log"
 EXPORT_VERSION = 1
 
 
-class HandoffSummary(Struct, frozen=True):
-    """A handoff's row in the `handoffs` projection."""
+_KNOWN_STATES = frozenset(s.value for s in HandoffState)
+
+
+class Quarantine(Struct, frozen=True):
+    """Why the worker set a handoff aside, and when: its first "quarantined:" rejection."""
+
+    at_ms: int
+    reason: str
+
+
+class HandoffSummary(Struct, frozen=True, omit_defaults=True):
+    """A handoff's row in the `handoffs` projection, and why it was quarantined, if it was.
+
+    `state` is None when the row holds a state this build does not know; `unknown_state` then
+    holds it as written. Both extra fields are left out of JSON when they are None.
+    """
 
     handoff_id: UUID
     engine_type: str
@@ -56,10 +82,19 @@ class HandoffSummary(Struct, frozen=True):
     destination: str
     started_at_ms: int
     deadline_at_ms: int
-    state: HandoffState
+    state: HandoffState | None
     completed_at_ms: int | None
     last_seq: int
     updated_at_ms: int
+    unknown_state: str | None = None
+    quarantine: Quarantine | None = None
+
+    @property
+    def state_name(self) -> str:
+        """The state as the log spells it, known to this build or not."""
+        if self.state is not None:
+            return self.state.value
+        return "unknown" if self.unknown_state is None else self.unknown_state
 
 
 class LoggedEvent(Struct, frozen=True):
@@ -86,19 +121,42 @@ class LogSource(Protocol):
     """What the offline tools read, from either form of the log."""
 
     path: Path
+    #: Whether the log keeps each input's digest (the SQLite log does, an export does not).
+    keeps_digests: bool
 
-    def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
-        """Every handoff (in one of `states`, if given), oldest start first."""
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
+        """Every handoff (in one of `states`, if given; None stands for any state this build
+        does not know), oldest start first."""
         ...
 
     def resolve(self, text: str) -> UUID:
         """The handoff whose id is `text` or begins with it (unique prefix, as git does)."""
         ...
 
-    def load(self, handoff_id: UUID) -> HandoffLog: ...
+    def summary(self, handoff_id: UUID) -> HandoffSummary:
+        """One handoff's row."""
+        ...
+
+    def load(self, handoff_id: UUID) -> HandoffLog:
+        """One handoff's row and its decoded log."""
+        ...
+
+    def stored(self, handoff_id: UUID) -> list[StoredRecord]:
+        """One handoff's log as stored (encoded, with input digests), in sequence order."""
+        ...
 
     def scan(self) -> Iterator[list[StoredRecord]]:
-        """Every handoff's log, records as stored (encoded), in one pass in handoff id order."""
+        """Every record as stored, in one pass in (handoff id, seq) order, in runs of rising seq.
+
+        A handoff's log is one run, and a run is one handoff's log unless the log is damaged
+        (a handoff that lost its first events can run on from the one before): check each run,
+        and ask `owners` whose rows are in one that fails.
+        """
+        ...
+
+    def owners(self, spans: Sequence[tuple[int, int]]) -> list[list[UUID]]:
+        """The handoff of each row in the given spans of `scan`'s order: (first row, rows),
+        ascending and disjoint. One more pass, for the runs whose check failed."""
         ...
 
     def close(self) -> None: ...
@@ -144,6 +202,8 @@ class _Closing:
 class SqliteLog(_Closing):
     """The worker's SQLite event log, read-only."""
 
+    keeps_digests = True
+
     def __init__(self, path: Path) -> None:
         self.path = path
         uri = f"{path.resolve().as_uri()}?mode=ro"
@@ -152,6 +212,9 @@ class SqliteLog(_Closing):
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open event log {path}: {exc}") from exc
         try:
+            # One read transaction for the reader's life: every query sees the same snapshot,
+            # however a live worker writes meanwhile (`verify` relies on it to find rows again).
+            self._db.execute("BEGIN")
             found = self._db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
         except sqlite3.Error as exc:
             self._db.close()
@@ -166,12 +229,16 @@ class SqliteLog(_Closing):
     def close(self) -> None:
         self._db.close()
 
-    def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
-        sql, params = SELECT_HANDOFFS, [s.value for s in states]
-        if params:
-            sql += f" WHERE state IN ({','.join('?' * len(params))})"
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
+        sql, params = SELECT_HANDOFFS, [s.value for s in states if s is not None]
+        if states:
+            where = [f"state IN ({','.join('?' * len(params))})"] if params else []
+            if None in states:
+                where.append(f"state NOT IN ({','.join('?' * len(_KNOWN_STATES))})")
+                params += sorted(_KNOWN_STATES)
+            sql += " WHERE " + " OR ".join(where)
         rows = self._fetch(sql + " ORDER BY started_at_ms, handoff_id", params)
-        return [_summary(row) for row in rows]
+        return [self._quarantined(_summary(row)) for row in rows]
 
     def resolve(self, text: str) -> UUID:
         prefix = text.strip().lower()
@@ -183,32 +250,65 @@ class SqliteLog(_Closing):
             raise StoreError(f"handoff id prefix {text!r} is ambiguous in {self.path}")
         return UUID(found[0][0])
 
-    def load(self, handoff_id: UUID) -> HandoffLog:
-        key = (str(handoff_id),)
-        rows = self._fetch(SELECT_HANDOFF, key)
+    def summary(self, handoff_id: UUID) -> HandoffSummary:
+        rows = self._fetch(SELECT_HANDOFF, (str(handoff_id),))
         if not rows:
             raise StoreError(f"no handoff {handoff_id} in {self.path}")
+        return self._quarantined(_summary(rows[0]))
+
+    def load(self, handoff_id: UUID) -> HandoffLog:
+        summary = self.summary(handoff_id)
         events = tuple(
             LoggedEvent(seq, at_ms, _decode(handoff_id, seq, record), published)
-            for _, seq, _, at_ms, _, published, record in self._fetch(SELECT_EVENTS, key)
+            for _, seq, _, at_ms, _, published, record in self._fetch(
+                SELECT_EVENTS, (str(handoff_id),)
+            )
         )
-        return HandoffLog(_summary(rows[0]), events)
+        return HandoffLog(summary, events)
+
+    def stored(self, handoff_id: UUID) -> list[StoredRecord]:
+        return self._fetch(SELECT_STORED, (str(handoff_id),))
 
     def scan(self) -> Iterator[list[StoredRecord]]:
-        # `verify`'s read of a whole log, kept lean: a handoff begins where seq is 0 (every log
-        # begins with its start, and seq counts from 0 without gaps), so neither the handoff id
-        # nor a new tuple is made per row; the replay names the handoff from its records.
+        # `verify`'s read of a whole log, kept lean: within a handoff seq only grows, so a run
+        # ends where it does not, and neither the handoff id nor a new tuple is made per row.
         rows: list[StoredRecord] = []
+        last = -1
         try:
             for row in self._db.execute(SCAN_RECORDS):
-                if row[0] == 0 and rows:
+                if row[0] <= last:
                     yield rows
                     rows = []
                 rows.append(row)
+                last = row[0]
         except sqlite3.Error as exc:
             raise StoreError(f"reading {self.path} failed: {exc}") from exc
         if rows:
             yield rows
+
+    def owners(self, spans: Sequence[tuple[int, int]]) -> list[list[UUID]]:
+        found: list[list[UUID]] = []
+        position = 0
+        try:
+            cursor = self._db.execute(SCAN_OWNERS)
+            for first, length in spans:
+                collections.deque(itertools.islice(cursor, first - position), maxlen=0)
+                found.append([_uuid(hid) for (hid,) in itertools.islice(cursor, length)])
+                position = first + length
+        except sqlite3.Error as exc:
+            raise StoreError(f"reading {self.path} failed: {exc}") from exc
+        if [len(ids) for ids in found] != [length for _, length in spans]:
+            raise StoreError(f"{self.path} has fewer events than a moment ago")
+        return found
+
+    def _quarantined(self, handoff: HandoffSummary) -> HandoffSummary:
+        if handoff.state is not HandoffState.QUARANTINED:
+            return handoff
+        found = self._fetch(SELECT_QUARANTINE, (str(handoff.handoff_id),))
+        if not found:
+            return handoff
+        at_ms, reason = found[0]
+        return msgspec.structs.replace(handoff, quarantine=Quarantine(at_ms, str(reason)))
 
     def _fetch(self, sql: str, params: Collection[object] = ()) -> list[Any]:
         try:
@@ -220,6 +320,8 @@ class SqliteLog(_Closing):
 class JsonlLog(_Closing):
     """One handoff's log, as `kvhandoff export` wrote it."""
 
+    keeps_digests = False
+
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
@@ -230,7 +332,7 @@ class JsonlLog(_Closing):
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise LogCorrupt(f"{path} is not a kvhandoff handoff export: {exc}") from exc
 
-    def handoffs(self, states: Collection[HandoffState] = ()) -> list[HandoffSummary]:
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
         handoff = self.log.handoff
         return [handoff] if not states or handoff.state in states else []
 
@@ -240,13 +342,22 @@ class JsonlLog(_Closing):
             raise StoreError(f"{self.path} holds handoff {handoff_id}, not {text!r}")
         return handoff_id
 
+    def summary(self, handoff_id: UUID) -> HandoffSummary:
+        return self.load(handoff_id).handoff
+
     def load(self, handoff_id: UUID) -> HandoffLog:
         if handoff_id != self.log.handoff.handoff_id:
             raise StoreError(f"{self.path} holds handoff {self.log.handoff.handoff_id} only")
         return self.log
 
+    def stored(self, handoff_id: UUID) -> list[StoredRecord]:
+        return [(e.seq, None, encode_record(e.record)) for e in self.load(handoff_id).events]
+
     def scan(self) -> Iterator[list[StoredRecord]]:
-        yield [(e.seq, encode_record(e.record)) for e in self.log.events]
+        yield self.stored(self.log.handoff.handoff_id)
+
+    def owners(self, spans: Sequence[tuple[int, int]]) -> list[list[UUID]]:
+        return [[self.log.handoff.handoff_id] * length for _, length in spans]
 
 
 # --- The JSONL export -----------------------------------------------------------------------
@@ -261,6 +372,15 @@ class ExportHeader(Struct, frozen=True, tag=EXPORT_FORMAT, tag_field="format"):
     handoff: HandoffSummary
 
 
+class _ReadHeader(Struct, frozen=True, tag=EXPORT_FORMAT, tag_field="format"):
+    # `ExportHeader` as read: the row is checked by `_summary_of`, which reads a state this
+    # build does not know instead of refusing the whole export.
+    version: int
+    handoff_id: UUID
+    schema_version: int
+    handoff: dict[str, Any]
+
+
 class ExportedEvent(Struct, frozen=True):
     """Every further line: one event, its record as the JSON form of a `LogRecord`."""
 
@@ -270,7 +390,7 @@ class ExportedEvent(Struct, frozen=True):
     record: msgspec.Raw
 
 
-_header_decoder = msgspec.json.Decoder(ExportHeader)
+_header_decoder = msgspec.json.Decoder(_ReadHeader)
 _event_decoder = msgspec.json.Decoder(ExportedEvent)
 _json_encoder = msgspec.json.Encoder()
 
@@ -296,6 +416,7 @@ def read_jsonl(lines: Iterator[bytes] | IO[bytes]) -> HandoffLog:
     header = _header_decoder.decode(first)
     if header.version > EXPORT_VERSION:
         raise LogCorrupt(f"export format version {header.version}, this build reads 1")
+    handoff = _summary_of(header.handoff)
     events = []
     for line in lines:
         event = _event_decoder.decode(line)
@@ -303,7 +424,7 @@ def read_jsonl(lines: Iterator[bytes] | IO[bytes]) -> HandoffLog:
         blob = msgspec.msgpack.encode(msgspec.json.decode(event.record))
         record = _decode(header.handoff_id, event.seq, blob)
         events.append(LoggedEvent(event.seq, event.at_ms, record, event.published_at_ms))
-    return HandoffLog(header.handoff, tuple(events))
+    return HandoffLog(handoff, tuple(events))
 
 
 def _decode(handoff_id: object, seq: object, blob: object) -> LogRecord:
@@ -315,7 +436,24 @@ def _decode(handoff_id: object, seq: object, blob: object) -> LogRecord:
         raise LogCorrupt(f"handoff {handoff_id} seq {seq}: {exc}") from exc
 
 
-def _summary(row: Collection[object]) -> HandoffSummary:
+def _summary(row: Sequence[object]) -> HandoffSummary:
     # sqlite3 gives untyped rows; convert validates every column against the Struct.
-    fields = HandoffSummary.__struct_fields__
-    return msgspec.convert(dict(zip(fields, row, strict=True)), HandoffSummary)
+    fields = HandoffSummary.__struct_fields__[: len(row)]
+    return _summary_of(dict(zip(fields, row, strict=True)))
+
+
+def _summary_of(fields: dict[str, Any]) -> HandoffSummary:
+    state = fields.get("state")
+    if state is not None and state not in _KNOWN_STATES:
+        fields = {**fields, "state": None, "unknown_state": state}
+    try:
+        return msgspec.convert(fields, HandoffSummary)
+    except msgspec.ValidationError as exc:
+        raise LogCorrupt(f"handoff {fields.get('handoff_id')!r}: bad handoffs row: {exc}") from exc
+
+
+def _uuid(text: str) -> UUID:
+    try:
+        return UUID(text)
+    except ValueError:
+        raise LogCorrupt(f"events row with handoff id {text!r}, which is not a UUID") from None

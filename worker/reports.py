@@ -10,7 +10,9 @@ Evolution follows the wire types' rules: new fields get defaults, a field's type
 
 from __future__ import annotations
 
+import enum
 from typing import Any
+from uuid import UUID
 
 import msgspec
 from msgspec import Struct
@@ -59,10 +61,12 @@ class WaitingFor(Struct, frozen=True):
 
 
 class StuckHandoff(Struct, frozen=True):
-    """An open handoff that waits; `idle_ms` is the time since its last logged event.
+    """A handoff that waits; `idle_ms` is the time since its last logged event.
 
-    `state` is the rebuilt coordinator's short description, or "cannot replay: ..." (with no
-    waits) when this build's coordinator rejects the handoff's logged inputs.
+    `state` is the rebuilt coordinator's short description; or, with no waits, the reason a
+    quarantined handoff was set aside ("quarantined: ..."), "cannot replay: ..." when this
+    build's coordinator rejects the handoff's logged inputs, or "cannot read its log: ..." when
+    a record does not decode (`last_input` is then null).
     """
 
     handoff: HandoffSummary
@@ -71,15 +75,21 @@ class StuckHandoff(Struct, frozen=True):
     idle_ms: int
     overdue: bool
     waiting: list[WaitingFor]
-    last_input: LoggedInput
+    last_input: LoggedInput | None
     outstanding: list[int]
 
 
 class StuckReport(Struct, frozen=True):
+    """`open` counts the open handoffs looked at, `quarantined` the quarantined ones (always
+    listed: they never progress on their own), `unknown_state` those in a state this build does
+    not know (looked at like open ones)."""
+
     now_ms: int
     older_than_ms: int
     open: int
     handoffs: list[StuckHandoff]
+    quarantined: int = 0
+    unknown_state: int = 0
 
 
 class ReplayReport(Struct, frozen=True):
@@ -90,12 +100,49 @@ class ReplayReport(Struct, frozen=True):
     timeline: Timeline
 
 
+class FindingKind(enum.StrEnum):
+    """What is wrong with a handoff's log."""
+
+    #: This build's coordinator derives other actions from the logged inputs (or rejects one).
+    DIVERGENCE = "divergence"
+    #: An input's stored digest is not its own: the input or the digest changed after logging.
+    DIGEST_MISMATCH = "digest_mismatch"
+    #: A record that does not decode, or has a schema version this build cannot upcast.
+    CORRUPT_RECORD = "corrupt_record"
+    #: The log skips or repeats a seq, does not begin at 0 with the handoff's start, or is empty.
+    SEQUENCE = "sequence"
+    #: The handoff's row holds a state this build does not know.
+    UNKNOWN_STATE = "unknown_state"
+
+
+class Finding(Struct, frozen=True):
+    """One thing wrong with one handoff. `seq` is the event it concerns (a divergence's or a
+    digest mismatch's step), or null when it concerns the handoff as a whole."""
+
+    handoff_id: UUID
+    kind: FindingKind
+    seq: int | None
+    detail: str
+
+
 class VerifyReport(Struct, frozen=True):
-    """What `kvhandoff verify` checked; `diverged` holds each handoff's first divergence."""
+    """What `kvhandoff verify` checked and found.
+
+    `findings` lists everything wrong, by handoff id and seq, every bad handoff of the log;
+    `diverged` holds each diverging handoff's first divergence in full (each is a finding too).
+    `digests_checked` is false for a log that keeps no input digests (a JSONL export).
+    """
 
     handoffs: int
     events: int
     diverged: list[Divergence]
+    findings: list[Finding] = []
+    digests_checked: bool = True
+
+    @property
+    def bad(self) -> int:
+        """How many handoffs have a finding."""
+        return len({f.handoff_id for f in self.findings})
 
 
 REPORTS: dict[str, type[Struct]] = {

@@ -94,12 +94,22 @@ FROM handoffs WHERE handoff_id = ?
 """
 
 # Offline reads (worker.logreader): every handoff's projection, unique-prefix lookup of an id,
-# and the lean scan that `verify` streams (the clustered key keeps it in replay order; a handoff
-# begins at seq 0, so the id need not be read: materialising it on every row costs ~20%).
+# why a handoff was quarantined, one handoff's stored log, and the lean scan that `verify`
+# streams (the clustered key keeps it in replay order; a handoff's seq only grows, so where it
+# does not, another handoff begins and the id need not be read: materialising it on every row
+# costs ~20%). `SCAN_OWNERS` reads the ids in the same order, for a scan that went wrong.
 HANDOFF_COLUMNS = """handoff_id, engine_type, source, destination, started_at_ms, deadline_at_ms,
     state, completed_at_ms, last_seq, updated_at_ms"""
 SELECT_HANDOFFS = f"SELECT {HANDOFF_COLUMNS} FROM handoffs"
 SELECT_HANDOFF_IDS_BETWEEN = """
 SELECT handoff_id FROM handoffs WHERE handoff_id >= ? AND handoff_id < ? ORDER BY handoff_id LIMIT ?
 """
-SCAN_RECORDS = "SELECT seq, record FROM events ORDER BY handoff_id, seq"
+QUARANTINE_PREFIX = "quarantined:"
+SELECT_QUARANTINE = f"""
+SELECT at_ms, reason FROM rejections
+WHERE handoff_id = ? AND substr(reason, 1, {len(QUARANTINE_PREFIX)}) = '{QUARANTINE_PREFIX}'
+ORDER BY id LIMIT 1
+"""
+SELECT_STORED = "SELECT seq, digest, record FROM events WHERE handoff_id = ? ORDER BY seq"
+SCAN_RECORDS = "SELECT seq, digest, record FROM events ORDER BY handoff_id, seq"
+SCAN_OWNERS = "SELECT handoff_id FROM events ORDER BY handoff_id, seq"

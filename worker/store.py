@@ -50,6 +50,7 @@ from worker.schema import (
     DDL,
     HANDOFF_COLUMNS,
     LAYOUT_VERSION,
+    QUARANTINE_PREFIX,
     SELECT_EVENTS,
     SELECT_HANDOFFS,
     EventKind,
@@ -152,7 +153,7 @@ class Batch:
     def quarantine(self, at_ms: int, handoff_id: UUID, reason: str) -> None:
         """Set the handoff aside: its state becomes `quarantined`, with the reason beside it."""
         self.quarantined.append((at_ms, str(handoff_id)))
-        self.reject(at_ms, handoff_id, f"quarantined: {reason}", b"")
+        self.reject(at_ms, handoff_id, f"{QUARANTINE_PREFIX} {reason}", b"")
 
     def __bool__(self) -> bool:
         return bool(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from events.records import SCHEMA_VERSION
-from events.replay import find_divergence, find_divergence_stored
+from events.replay import check_stored, find_divergence
 from tests.tools.conftest import GOLDEN, IDS
 from tests.tools.golden.generate import generate
 from worker.logreader import open_log
@@ -34,13 +34,13 @@ def test_golden_logs_decode_and_verify(path: Path) -> None:
             assert find_divergence(log.load(row.handoff_id).records()) is None
         scanned = list(log.scan())
     assert len(scanned) == len(handoffs)
-    assert all(find_divergence_stored(rows) is None for rows in scanned)
+    assert all(check_stored(rows, digests=log.keeps_digests).ok for rows in scanned)
 
 
 def test_the_tampered_log_diverges_exactly_where_it_was_tampered() -> None:
     expected = {IDS["source-first-success"]: 6, IDS["frontend-cancel"]: 5}
     with open_log(GOLDEN / "v1" / "tampered.sqlite3") as log:
-        stored = {d.handoff_id: d for rows in log.scan() if (d := find_divergence_stored(rows))}
+        stored = {d.handoff_id: d for rows in log.scan() if (d := check_stored(rows).divergence)}
         decoded = {
             h.handoff_id: d
             for h in log.handoffs()
@@ -76,4 +76,4 @@ def test_the_generator_rewrites_the_current_golden_logs_row_for_row(tmp_path: Pa
     jsonl = "frontend-cancel.jsonl"
     assert (tmp_path / jsonl).read_bytes() == (current / jsonl).read_bytes()
     with open_log(tmp_path / "log.sqlite3") as log:
-        assert all(find_divergence_stored(rows) is None for rows in log.scan())
+        assert all(check_stored(rows).ok for rows in log.scan())

@@ -11,8 +11,9 @@ from uuid import UUID
 import msgspec
 import pytest
 
-from events.codec import decode_record
+from events.codec import decode_record, input_digest
 from events.errors import LogCorrupt
+from events.records import InputRecord
 from tests.tools.conftest import IDS, V1
 from worker.commands.verify import verify_log
 from worker.errors import StoreError
@@ -36,7 +37,9 @@ def test_open_log_tells_the_forms_apart_by_content(tmp_path: Path) -> None:
         assert isinstance(db, SqliteLog) and isinstance(export, JsonlLog)
         assert export.load(CANCEL) == db.load(CANCEL)
         (exported,) = export.scan()
-        assert exported in list(db.scan())
+        # The same records; an export keeps no digests.
+        assert exported == [(seq, None, blob) for seq, _, blob in db.stored(CANCEL)]
+        assert (export.keeps_digests, db.keeps_digests) == (False, True)
 
 
 def test_scan_gives_each_handoffs_stored_records_in_id_order() -> None:
@@ -46,26 +49,45 @@ def test_scan_gives_each_handoffs_stored_records_in_id_order() -> None:
         assert len(scanned) == len(rows)
         for row, stored in zip(rows, scanned, strict=True):
             loaded = log.load(row.handoff_id)
-            assert [seq for seq, _ in stored] == list(range(row.last_seq + 1))
-            assert [decode_record(blob) for _, blob in stored] == [e.record for e in loaded.events]
+            assert stored == log.stored(row.handoff_id)
+            assert [seq for seq, _, _ in stored] == list(range(row.last_seq + 1))
+            assert [decode_record(blob) for _, _, blob in stored] == [
+                e.record for e in loaded.events
+            ]
+            assert [digest for _, digest, _ in stored] == [
+                input_digest(e.record.input) if isinstance(e.record, InputRecord) else None
+                for e in loaded.events
+            ]
+        assert log.owners([(0, 2), (5, 3)]) == [
+            [UUID(IDS["stuck-on-reserve"])] * 2,
+            [UUID(IDS["stuck-on-transfer"])] * 3,
+        ]
 
 
 @pytest.mark.parametrize(
-    ("lost", "error"),
+    ("lost", "seqs", "error"),
     [
-        # The first handoff in id order; then one whose events would run on from the handoff
-        # before it in id order (reopened-after-success, whose last seq is 18).
-        ("stuck-on-reserve", f"handoff {IDS['stuck-on-reserve']}: log begins at sequence 1"),
-        ("frontend-cancel", "log goes back from sequence 18 to 1 .another handoff's events"),
+        # The first handoff in id order.
+        ("stuck-on-reserve", (0,), "log begins at sequence 1, not 0"),
+        # One whose events, from seq 1, follow those of the handoff before it in id order
+        # (reopened-after-success, whose last seq is 18).
+        ("frontend-cancel", (0,), "log begins at sequence 1, not 0"),
+        # One whose events, from seq 2, run on from those of the handoff before it in id order
+        # (just-started, whose last seq is 1) as if they were one log.
+        ("reopened-after-success", (0, 1), "log begins at sequence 2, not 0"),
     ],
 )
-def test_verify_of_a_log_that_lost_a_handoffs_first_event_fails(
-    writable_log: Path, lost: str, error: str
+def test_a_handoff_that_lost_its_first_events_is_the_one_reported(
+    writable_log: Path, lost: str, seqs: tuple[int, ...], error: str
 ) -> None:
     with sqlite3.connect(writable_log) as db:
-        db.execute("DELETE FROM events WHERE handoff_id = ? AND seq = 0", (IDS[lost],))
-    with SqliteLog(writable_log) as log, pytest.raises(LogCorrupt, match=error):
-        verify_log(log)
+        for seq in seqs:
+            db.execute("DELETE FROM events WHERE handoff_id = ? AND seq = ?", (IDS[lost], seq))
+    with SqliteLog(writable_log) as log:
+        report = verify_log(log)
+    (finding,) = report.findings
+    assert (str(finding.handoff_id), finding.kind, finding.detail) == (IDS[lost], "sequence", error)
+    assert (report.handoffs, report.events) == (9, 93 - len(seqs))
 
 
 def test_an_export_round_trips_exactly() -> None:
@@ -164,8 +186,9 @@ def test_records_from_a_newer_schema_are_refused_in_either_form(
     with open_log(writable_log) as log:
         with pytest.raises(LogCorrupt, match=f"handoff {CANCEL} seq 2: .*version 99"):
             log.load(CANCEL)
-        with pytest.raises(LogCorrupt, match=f"handoff {CANCEL}: .*version 99"):
-            verify_log(log)
+        (finding,) = verify_log(log).findings
+    assert (finding.handoff_id, finding.kind, finding.seq) == (CANCEL, "corrupt_record", 2)
+    assert "schema version 99" in finding.detail
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,14 @@ first step whose re-derived actions differ from the logged ones, whatever the di
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from uuid import UUID
 
 import msgspec
 import pytest
 
-from events.codec import encode_record
+from events.codec import encode_record, input_digest
 from events.coordinator import Mode
 from events.errors import LogCorrupt, ReplayDivergence
 from events.messages import (
@@ -29,8 +30,8 @@ from events.replay import (
     Divergence,
     LoggedRecord,
     StoredRecord,
+    check_stored,
     find_divergence,
-    find_divergence_stored,
     rebuild,
     timeline,
     verify,
@@ -161,11 +162,17 @@ TAMPERS = [
 
 
 def stored(records: list[LoggedRecord]) -> list[StoredRecord]:
-    return [(seq, encode_record(record)) for seq, record in records]
+    """As the worker stores them: with each input's digest."""
+    return [
+        (seq, input_digest(r.input) if isinstance(r, InputRecord) else None, encode_record(r))
+        for seq, r in records
+    ]
 
 
 def _find_stored(records: list[LoggedRecord]) -> Divergence | None:
-    return find_divergence_stored(stored(records))
+    check = check_stored(stored(records))
+    assert (check.corrupt, check.malformed, check.digest_mismatches) == ((), None, ())
+    return check.divergence
 
 
 FINDERS = [
@@ -203,7 +210,7 @@ def test_a_tampered_action_diverges_at_the_step_that_issued_it(
 @pytest.mark.parametrize("name", IDS)
 def test_the_stored_fast_path_agrees_with_the_decoded_replay(name: str) -> None:
     records = golden(name)
-    assert find_divergence_stored(stored(records)) is None
+    assert check_stored(stored(records)).ok
     # Actions logged at another time than their input (so not byte-equal to the re-derived
     # ones) are still the same actions: the slow path must say so, not report a divergence.
     later = [
@@ -211,7 +218,7 @@ def test_the_stored_fast_path_agrees_with_the_decoded_replay(name: str) -> None:
         for seq, r in records
     ]
     assert stored(later) != stored(records)
-    assert find_divergence_stored(stored(later)) is None
+    assert check_stored(stored(later)).ok
 
 
 def test_a_logged_input_the_coordinator_now_rejects_is_a_divergence() -> None:
@@ -223,7 +230,7 @@ def test_a_logged_input_the_coordinator_now_rejects_is_a_divergence() -> None:
     records[8] = (8, InputRecord(record.at_ms, unknown))
     divergence = find_divergence(records)
     assert divergence is not None
-    assert find_divergence_stored(stored(records)) == divergence
+    assert check_stored(stored(records)).divergence == divergence
     assert divergence.step == 8
     assert divergence.rederived == ()
     assert "now rejects" in divergence.detail and "unknown handoff action 99" in divergence.detail
@@ -254,8 +261,9 @@ def test_a_malformed_log_is_corrupt_not_divergent(
     records = damage(golden("frontend-cancel"))
     with pytest.raises(LogCorrupt, match=message):
         find_divergence(records)
-    with pytest.raises(LogCorrupt, match=message):
-        find_divergence_stored(stored(records))
+    check = check_stored(stored(records))
+    assert check.malformed is not None and re.search(message, check.malformed)
+    assert check.divergence is None and check.corrupt == ()
     with pytest.raises(LogCorrupt, match=message):
         timeline(records)
 

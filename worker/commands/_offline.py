@@ -1,26 +1,31 @@
 """What the offline log commands (list, stuck, replay, verify, export, compact) share on the
-command line: the log argument, times and ages as arguments, `--json`/`--print-schema`, and
-turning the errors they expect into a one-line message and exit status 2.
+command line: the log argument, times and ages as arguments, `--json`/`--print-schema`,
+turning the errors they expect into a one-line message and exit status 2, and printing to a
+reader that may stop reading.
 
-Exit status: 0 success, 1 the check failed (`verify` found a divergence), 2 the command could
-not do its job (no such file or handoff, an unreadable log, a bad argument).
+Exit status: 0 success, 1 the check failed (`verify` found something wrong), 2 the command
+could not do its job (no such file or handoff, an unreadable log, a bad argument). A reader
+that stops reading (`kvhandoff list LOG | head`) is not a failure: the rest of the output is
+dropped, silently, and the status is what the command's work made it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
 
 from events.errors import HandoffError
+from worker.commands import _text
 from worker.errors import WorkerError
 from worker.reports import json_schema
 
@@ -107,13 +112,47 @@ def print_json(report: object) -> None:
     sys.stdout.write("\n")
 
 
+@contextlib.contextmanager
+def printing() -> Iterator[None]:
+    """Print inside this block to a reader that may stop reading (`| head`).
+
+    If it does, the rest of the output goes to /dev/null (as the Python docs advise), with no
+    traceback, and the code after the block runs as usual: a command whose exit status says
+    something (`verify`) computes it first and prints inside the block. stdout is flushed at
+    the end of the block, where a pipe that closed is most often noticed.
+    """
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def printing_command(
+    execute: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """Wrap a command that prints: a reader that stops reading leaves its status at 0."""
+
+    @functools.wraps(execute)
+    def run(args: argparse.Namespace) -> int:
+        with printing():
+            return execute(args)
+        return EXIT_OK  # the reader stopped reading before the command finished printing
+
+    return run
+
+
 def offline_command(
     name: str,
 ) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
-    """Wrap a command's `execute`: `--print-schema`, a missing log, and expected errors."""
+    """Wrap a command's `execute`: `--print-schema`, a missing log, expected errors, and a
+    reader that stops reading (see `printing`)."""
 
     def wrap(execute: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
         @functools.wraps(execute)
+        @printing_command
         def run(args: argparse.Namespace) -> int:
             if getattr(args, "print_schema", False):
                 print_schema(name)
@@ -124,16 +163,17 @@ def offline_command(
                 return execute(args)
             except (WorkerError, HandoffError, argparse.ArgumentTypeError) as exc:
                 return fail(name, str(exc))
-            except BrokenPipeError:
-                # The reader went away (`| head`): stop quietly, as the Python docs advise.
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                return EXIT_FAILED
 
         return run
 
     return wrap
 
 
+def warn(name: str, message: str) -> None:
+    """A line on stderr that does not stop the command."""
+    print(f"kvhandoff {name}: warning: {_text.printable(message)}", file=sys.stderr)
+
+
 def fail(name: str, message: str) -> int:
-    print(f"kvhandoff {name}: {message}", file=sys.stderr)
+    print(f"kvhandoff {name}: {_text.printable(message)}", file=sys.stderr)
     return EXIT_ERROR

@@ -1,6 +1,11 @@
 """How the offline log commands print for people: rich tables on a terminal, plain aligned
 columns otherwise (stable, and easy to grep, cut and awk), and one compact spelling of times,
 durations, inputs, actions and state values that every command shares.
+
+Every string taken from a log (engine ids, reasons, states, error messages that quote them)
+goes through `printable` before it is printed as text, so that a log cannot drive the terminal
+that shows it: control characters (C0, DEL, C1) print as `\\xNN`. JSON output is data, and
+keeps every string as logged (the encoder escapes C0 characters).
 """
 
 from __future__ import annotations
@@ -17,6 +22,15 @@ from rich.text import Text
 
 from events.messages import Action, ActionOutcome
 from events.replay import Change
+from worker.logreader import HandoffSummary
+
+# C0 (including tab and newline: a log string must not break a line or a column), DEL, and C1.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def printable(text: str) -> str:
+    """`text` with every control character (C0, DEL, C1) spelled `\\xNN`."""
+    return text.translate(_CONTROL)
 
 
 def console() -> Console:
@@ -46,6 +60,13 @@ def print_fields(pairs: Sequence[tuple[str, str]], indent: int = 2) -> None:
     width = max(len(label) for label, _ in pairs)
     for label, value in pairs:
         print(f"{' ' * indent}{label.ljust(width)}  {value}")
+
+
+def state(handoff: HandoffSummary) -> str:
+    """A handoff's state; one this build does not know as written, marked `(unknown)`."""
+    if handoff.state is not None:
+        return handoff.state.value
+    return f"{printable(handoff.state_name)}(unknown)"
 
 
 def count(n: int, noun: str) -> str:
@@ -128,7 +149,7 @@ def value(v: object) -> str:
         if len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], Struct):
             return f"{v[0]}:{value(v[1])}"  # one (action id, outcome) of `outcomes`
         return "[" + ", ".join(value(item) for item in v) + "]"
-    return str(v)
+    return printable(str(v))
 
 
 def change(c: Change) -> str:

@@ -3,6 +3,11 @@
 Filters combine (all must hold): `--state` (repeatable), `--engine-type`, `--engine` (the source
 or the destination), and `--since`/`--until` on the start time. Sorted by start time unless
 `--sort` says otherwise.
+
+A handoff whose row holds a state this build does not know (a newer worker's log, or a damaged
+row) is listed all the same, its state shown as written with `(unknown)` after it (in JSON:
+`state` null, `unknown_state` as written), and named in a warning on stderr; only a listing
+without `--state` includes it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ _SORT_KEYS: dict[str, Callable[[ListedHandoff], tuple[Any, ...] | None]] = {
         None if h.handoff.completed_at_ms is None else (h.handoff.completed_at_ms,)
     ),
     "duration": lambda h: None if h.duration_ms is None else (h.duration_ms,),
-    "state": lambda h: (h.handoff.state,),
+    "state": lambda h: (h.handoff.state_name,),
     "engine": lambda h: (h.handoff.engine_type, h.handoff.source),
     "events": lambda h: (h.events,),
 }
@@ -76,6 +81,9 @@ def execute(args: argparse.Namespace) -> int:
     listed = _sorted(listed, _SORT_KEYS[args.sort], args.reverse)
     if args.limit is not None:
         listed = listed[: args.limit]
+    for h in listed:
+        if h.handoff.state is None:
+            _offline.warn("list", f"handoff {h.handoff.handoff_id}: {_unknown(h.handoff)}")
     report = ListReport(now_ms=now, handoffs=listed)
     if args.json:
         _offline.print_json(report)
@@ -111,17 +119,21 @@ def _listed(row: HandoffSummary, now: int) -> ListedHandoff:
     )
 
 
+def _unknown(row: HandoffSummary) -> str:
+    return f"state {row.state_name!r} is not one this build knows"
+
+
 def _print(report: ListReport) -> None:
     columns = ["HANDOFF", "STATE", "ENGINE", "ORDER", "SOURCE", "DESTINATION", "STARTED", "AGE"]
     columns += ["COMPLETED", "EVENTS"]
     rows = [
         [
             str(h.handoff.handoff_id),
-            h.handoff.state.value,
-            h.handoff.engine_type,
+            _text.state(h.handoff),
+            _text.printable(h.handoff.engine_type),
             "-" if h.order is None else h.order.value,
-            h.handoff.source,
-            h.handoff.destination,
+            _text.printable(h.handoff.source),
+            _text.printable(h.handoff.destination),
             _text.instant(h.handoff.started_at_ms),
             _text.duration(h.age_ms),
             "-" if h.duration_ms is None else f"after {_text.duration(h.duration_ms)}",

@@ -9,6 +9,10 @@ full state there. LOG may be the SQLite log or a JSONL export (HANDOFF is then o
 Formats: `table` (default), `json` (a `ReplayReport`, see `--print-schema`), and `mermaid`, a
 sequence diagram of the frontend, source, coordinator and destination that GitHub renders
 when pasted into an issue or a pull request inside a ```mermaid block.
+
+The timeline comes from the log alone, so a handoff whose row holds a state this build does
+not know replays as usual: its state is shown as written, marked `(unknown)`, and named in a
+warning on stderr.
 """
 
 from __future__ import annotations
@@ -53,6 +57,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace) -> int:
     with open_log(args.log) as log:
         loaded = log.load(_chosen(log, args.handoff))
+    row = loaded.handoff
+    if row.state is None:
+        _offline.warn(
+            "replay",
+            f"handoff {row.handoff_id}: state {row.state_name!r} is not one this build knows",
+        )
     report = ReplayReport(
         handoff=loaded.handoff, at=args.at, timeline=timeline(loaded.records(), until=args.at)
     )
@@ -80,7 +90,8 @@ def _print(report: ReplayReport) -> None:
     start = tl.start
     print(
         f"handoff {row.handoff_id}  {start.engine_type.value} ({start.engine_type.order.value})"
-        f"  {start.source} -> {start.destination}  {row.state.value}"
+        f"  {_text.printable(start.source)} -> {_text.printable(start.destination)}"
+        f"  {_text.state(row)}"
     )
     print(
         f"started {_text.instant(row.started_at_ms)}, deadline {start.deadline_ms}ms,"
@@ -132,7 +143,8 @@ def _print(report: ReplayReport) -> None:
 def _actions(s: Step) -> str:
     text = _text.actions(s.actions)
     if s.rejection is not None:
-        return f"REJECTED by this build: {s.rejection}; logged: {_text.actions(s.logged)}"
+        rejection = _text.printable(s.rejection)
+        return f"REJECTED by this build: {rejection}; logged: {_text.actions(s.logged)}"
     if s.actions != s.logged:
         return f"{text}; DIVERGES, logged: {_text.actions(s.logged)}"
     return text
@@ -150,9 +162,9 @@ def mermaid(report: ReplayReport) -> str:
     lines = [
         "sequenceDiagram",
         "    participant F as frontend",
-        f"    participant S as source {start.source}",
+        f"    participant S as source {_safe(start.source)}",
         f"    participant C as coordinator ({start.engine_type.value})",
-        f"    participant D as destination {start.destination}",
+        f"    participant D as destination {_safe(start.destination)}",
     ]
     executors: dict[int, str] = {}
     for s in tl.steps:
@@ -191,4 +203,4 @@ def mermaid(report: ReplayReport) -> str:
 
 
 def _safe(text: str) -> str:
-    return text.replace("#", " ").replace(";", ",").replace('"', "'")
+    return _text.printable(text).replace("#", " ").replace(";", ",").replace('"', "'")

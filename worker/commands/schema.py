@@ -6,12 +6,14 @@ import argparse
 import json
 
 from events.codec import wire_schema
+from worker.commands import _offline
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--indent", type=int, default=2)
 
 
+@_offline.printing_command
 def execute(args: argparse.Namespace) -> int:
     print(json.dumps(wire_schema(), indent=args.indent, sort_keys=True))
     return 0

@@ -6,6 +6,11 @@ for: the outcome of an issued action, or a fact, and from which engine (the sour
 destination, by the role that owes it). "Since" is when the awaited action was logged, or, for
 a fact, when the last input was. Longest idle first; handoffs past their deadline are marked
 overdue (the worker should have timed them out).
+
+Quarantined handoffs are listed whatever their age, since they never progress on their own:
+they wait for an operator, since the worker set them aside, for the reason it gave. A handoff
+whose state this build does not know is looked at like an open one, and named in a warning on
+stderr. One handoff whose log cannot be read or replayed is shown as such, not an error.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from events.messages import Role
 from events.records import ActionRecord, InputRecord
 from events.replay import rebuild
 from worker.commands import _offline, _text
-from worker.logreader import HandoffLog, open_log
+from worker.logreader import HandoffSummary, LogSource, open_log
 from worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
 from worker.schema import HandoffState
 
@@ -42,15 +47,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace) -> int:
     now = _offline.resolve_now(args)
     with open_log(args.log) as log:
-        open_rows = log.handoffs([HandoffState.OPEN])
+        rows = log.handoffs([HandoffState.OPEN, HandoffState.QUARANTINED, None])
         stuck = []
-        for row in open_rows:
-            handoff = _stuck(log.load(row.handoff_id), now)
-            if handoff is not None and handoff.idle_ms >= args.older_than:
+        for row in rows:
+            if row.state is None:
+                _offline.warn(
+                    "stuck",
+                    f"handoff {row.handoff_id}: state {row.state_name!r} is not one this build"
+                    " knows; looked at like an open one",
+                )
+            handoff = _stuck(log, row, now)
+            if handoff is None:
+                continue
+            if handoff.idle_ms >= args.older_than or row.state is HandoffState.QUARANTINED:
                 stuck.append(handoff)
     stuck.sort(key=lambda h: (-h.idle_ms, str(h.handoff.handoff_id)))
     report = StuckReport(
-        now_ms=now, older_than_ms=args.older_than, open=len(open_rows), handoffs=stuck
+        now_ms=now,
+        older_than_ms=args.older_than,
+        open=sum(row.state is HandoffState.OPEN for row in rows),
+        handoffs=stuck,
+        quarantined=sum(row.state is HandoffState.QUARANTINED for row in rows),
+        unknown_state=sum(row.state is None for row in rows),
     )
     if args.json:
         _offline.print_json(report)
@@ -59,35 +77,54 @@ def execute(args: argparse.Namespace) -> int:
     return _offline.EXIT_OK
 
 
-def _stuck(log: HandoffLog, now: int) -> StuckHandoff | None:
-    row = log.handoff
-    last_event = log.events[-1]
-    last_input = next(e for e in reversed(log.events) if isinstance(e.record, InputRecord))
-    assert isinstance(last_input.record, InputRecord)
+def _stuck(source: LogSource, row: HandoffSummary, now: int) -> StuckHandoff | None:
+    """What the handoff waits for, or None if it waits for nothing (its log says complete)."""
+    quarantined = row.state is HandoffState.QUARANTINED
     stuck = StuckHandoff(
         handoff=row,
-        state="",
+        state=_quarantine_reason(row) if quarantined else "",
         age_ms=now - row.started_at_ms,
-        idle_ms=now - last_event.at_ms,
+        idle_ms=now - row.updated_at_ms,
         overdue=now > row.deadline_at_ms,
         waiting=[],
-        last_input=LoggedInput(last_input.seq, last_input.at_ms, last_input.record.input),
+        last_input=None,
         outstanding=[],
     )
     try:
+        log = source.load(row.handoff_id)
+    except LogCorrupt as exc:
+        # One handoff whose log does not decode must not hide the others; `verify` says more.
+        return (
+            stuck
+            if quarantined
+            else msgspec.structs.replace(stuck, state=f"cannot read its log: {exc}")
+        )
+    last_input = next((e for e in reversed(log.events) if isinstance(e.record, InputRecord)), None)
+    if last_input is not None:
+        assert isinstance(last_input.record, InputRecord)
+        logged = LoggedInput(last_input.seq, last_input.at_ms, last_input.record.input)
+        stuck = msgspec.structs.replace(
+            stuck, idle_ms=now - log.events[-1].at_ms, last_input=logged
+        )
+    if quarantined:
+        # Set aside by the worker: whatever its log says, only an operator moves it on.
+        return stuck
+    try:
         start, coordinator = rebuild(e.record for e in log.events)
     except LogCorrupt as exc:
-        # One handoff this build cannot replay must not hide the others; `verify` says more.
         return msgspec.structs.replace(stuck, state=f"cannot replay: {exc}")
     if coordinator.is_complete:
         return None
+    assert last_input is not None  # rebuild found a start, which is an input
+    since_input = last_input.at_ms
     logged_at = {
         e.record.action.action_id: e.at_ms for e in log.events if isinstance(e.record, ActionRecord)
     }
     engines = {Role.SOURCE: start.source, Role.DESTINATION: start.destination}
 
     def waiting_for(w: Waiting) -> WaitingFor:
-        since = last_input.at_ms if w.action is None else logged_at[w.action.action_id]
+        # An action the log does not hold (it diverges: `verify` says how) waits since the input.
+        since = since_input if w.action is None else logged_at.get(w.action.action_id, since_input)
         engine = engines.get(w.role, w.role.value)
         return WaitingFor(w.role, engine, w.fact, w.action, since, now - since)
 
@@ -99,22 +136,41 @@ def _stuck(log: HandoffLog, now: int) -> StuckHandoff | None:
     )
 
 
+def _quarantine_reason(row: HandoffSummary) -> str:
+    if row.quarantine is None:
+        return "quarantined (the log holds no reason)"
+    return row.quarantine.reason
+
+
 def _print(report: StuckReport) -> None:
     columns = ["HANDOFF", "IDLE", "WAITING FOR", "FROM", "SINCE", "LAST INPUT", "OUTSTANDING"]
     rows = []
     for h in report.handoffs:
         idle = _text.duration(h.idle_ms) + (" overdue" if h.overdue else "")
-        last = f"{h.last_input.seq}: {_text.brief(h.last_input.input)}"
+        last = "-"
+        if h.last_input is not None:
+            last = f"{h.last_input.seq}: {_text.brief(h.last_input.input)}"
         first = [str(h.handoff.handoff_id), idle]
         tail = [last, ", ".join(map(str, h.outstanding)) or "-"]
-        if not h.waiting:
-            rows.append([*first, f"nothing ({h.state})", "-", "-", *tail])
+        if h.handoff.state is HandoffState.QUARANTINED:
+            q = h.handoff.quarantine
+            since = "-" if q is None else _text.instant(q.at_ms)
+            rows.append([*first, _text.printable(h.state), "an operator", since, *tail])
+        elif not h.waiting:
+            rows.append([*first, f"nothing ({_text.printable(h.state)})", "-", "-", *tail])
         for i, w in enumerate(h.waiting):
             what = f"fact {w.fact}" if w.action is None else f"outcome of {_text.action(w.action)}"
-            cells = [what, f"{w.role.value} {w.engine}", _text.instant(w.since_ms)]
+            cells = [what, f"{w.role.value} {_text.printable(w.engine)}", _text.instant(w.since_ms)]
             rows.append([*first, *cells, *tail] if i == 0 else ["", "", *cells, "", ""])
     _text.print_table(columns, rows)
-    print(
-        f"{len(report.handoffs)} of {_text.count(report.open, 'open handoff')} idle for at least "
-        f"{_text.duration(report.older_than_ms)} (now {_text.instant(report.now_ms)})"
+    waiting = sum(h.handoff.state is not HandoffState.QUARANTINED for h in report.handoffs)
+    looked_at = report.open + report.unknown_state
+    line = (
+        f"{waiting} of {_text.count(looked_at, 'open handoff')} idle for at least"
+        f" {_text.duration(report.older_than_ms)}"
     )
+    if report.unknown_state:
+        line += f" ({report.unknown_state} in a state this build does not know)"
+    if report.quarantined:
+        line += f", and {report.quarantined} quarantined"
+    print(f"{line} (now {_text.instant(report.now_ms)})")
