@@ -4,9 +4,15 @@ Only accepted inputs are logged, and an accepted input does the same thing every
 applied to the same state, so feeding a handoff's `InputRecord`s, in sequence order, to a fresh
 coordinator rebuilds exactly the coordinator that logged them. The first input of every
 handoff's log is its `StartHandoff`, and the `ActionRecord`s that follow an input, up to the
-next input, are the actions that input issued. Four entry points read a log that way:
+next input, are the actions that input issued.
 
-- `rebuild`: the coordinator after every logged input (what the worker's recovery uses).
+There is one walk over a log, `Replay`: it checks the log's shape (sequence numbers from 0 with
+no gaps, a start first, no action before it), applies each input to one coordinator and
+re-derives the step's actions beside the logged ones. Four entry points read a log through it:
+
+- `rebuild`: the coordinator after every logged input, raising `ReplayDivergence` at the first
+  step whose re-derived actions are not the logged ones (what the worker's recovery uses: a
+  coordinator change that no longer matches the log is an error, not a silent adoption).
 - `timeline`: one `Step` per logged input, as data: the input, which fields of the
   coordinator's `CoordinatorState` it changed, the actions the current coordinator derives and
   the actions that were logged; `until` stops after a given step and keeps the full state there.
@@ -17,8 +23,8 @@ next input, are the actions that input issued. Four entry points read a log that
 - `check_stored`: everything `kvhandoff verify` checks in one handoff's log as stored (encoded
   records, with the digest stored beside each input): records that do not decode, a sequence
   that is not one handoff's log, inputs whose stored digest is not their own, and the first
-  divergence. It is `verify`'s hot loop: it takes no snapshots and decodes no logged action
-  that is byte for byte the re-derived one.
+  divergence. It is `verify`'s hot loop: a fast path that only confirms, byte for byte, that
+  each logged action is the re-derived one; at the first doubt the log goes through the walk.
 
 Steps are numbered by the `seq` of their input in the log. A log is given as `(seq, record)`
 pairs of one handoff, in sequence order; sequence numbers count from 0 without gaps. A log that
@@ -29,8 +35,8 @@ events must stay quiet.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 from uuid import UUID
 
 import msgspec
@@ -51,26 +57,73 @@ StoredRecord = tuple[int, bytes | None, bytes]
 _STATE_FIELDS: tuple[str, ...] = CoordinatorState.__struct_fields__
 
 
-def rebuild(records: Iterable[LogRecord]) -> tuple[StartHandoff, HandoffCoordinator]:
-    """The handoff's start command and its coordinator after every logged input."""
-    start: StartHandoff | None = None
-    coordinator: HandoffCoordinator | None = None
-    for record in records:
-        if not isinstance(record, InputRecord):
-            continue
-        message = record.input
-        if coordinator is None:
-            if not isinstance(message, StartHandoff):
-                raise LogCorrupt(f"handoff {message.handoff_id}: log does not begin with a start")
-            start = message
-            coordinator = HandoffCoordinator.for_start(message)
-        try:
-            coordinator.handle(message)
-        except InputRejected as exc:
-            raise LogCorrupt(f"logged input no longer accepted: {exc}") from exc
-    if start is None or coordinator is None:
-        raise LogCorrupt("empty handoff log")
-    return start, coordinator
+class Replayed(NamedTuple):
+    """One step of the walk: a logged input, what it logged, and what it re-derives now."""
+
+    seq: int
+    record: InputRecord
+    logged: tuple[Action, ...]
+    rederived: tuple[Action, ...]
+    rejection: InputRejected | None  # the coordinator now refuses the logged input
+
+    def divergence(self) -> Divergence | None:
+        if self.rejection is not None:
+            detail = f"the coordinator now rejects the logged input: {self.rejection.reason}"
+            return _divergence(self.seq, self.record, self.logged, (), detail)
+        if self.rederived != self.logged:
+            return _divergence(self.seq, self.record, self.logged, self.rederived)
+        return None
+
+
+class Replay:
+    """The one walk over a handoff's log: iterate it for its steps; afterwards `start` and
+    `coordinator` are the handoff's start and its coordinator after every logged input.
+
+    Raises `LogCorrupt` (while iterating) if the log is empty, does not begin with the
+    handoff's start, begins with an action, or skips a sequence number.
+    """
+
+    def __init__(self, log: Iterable[LoggedRecord]) -> None:
+        self._log = log
+        self._coordinator: HandoffCoordinator | None = None
+        self._start: StartHandoff | None = None
+
+    def __iter__(self) -> Iterator[Replayed]:
+        for seq, record, logged in _steps(self._log):
+            message = record.input
+            if self._coordinator is None:
+                self._start = _start(message)
+                self._coordinator = HandoffCoordinator.for_start(self._start)
+            try:
+                rederived, rejection = tuple(self._coordinator.handle(message)), None
+            except InputRejected as exc:
+                rederived, rejection = (), exc
+            yield Replayed(seq, record, tuple(logged), rederived, rejection)
+
+    @property
+    def start(self) -> StartHandoff:
+        assert self._start is not None, "walk the log first"
+        return self._start
+
+    @property
+    def coordinator(self) -> HandoffCoordinator:
+        assert self._coordinator is not None, "walk the log first"
+        return self._coordinator
+
+
+def rebuild(log: Iterable[LoggedRecord]) -> tuple[StartHandoff, HandoffCoordinator]:
+    """The handoff's start command and its coordinator after every logged input.
+
+    Raises `ReplayDivergence` at the first step whose re-derived actions differ from the logged
+    ones (or whose input the coordinator now refuses), and `LogCorrupt` for a log of the wrong
+    shape.
+    """
+    replay = Replay(log)
+    for step in replay:
+        divergence = step.divergence()
+        if divergence is not None:
+            raise divergence.error()
+    return replay.start, replay.coordinator
 
 
 # --- Timeline -------------------------------------------------------------------------------
@@ -134,43 +187,42 @@ def timeline(log: Iterable[LoggedRecord], *, until: int | None = None) -> Timeli
     Raises `LogCorrupt` if the log is empty, does not begin with the handoff's start, skips a
     sequence number, or (with `until`) has no input at or before that step.
     """
-    groups = list(_steps(log))
-    if until is not None:
-        groups = [g for g in groups if g[0] <= until]
-        if not groups:
-            raise LogCorrupt(f"no step at or before {until}")
-    first = _start(groups[0][1].input)
-    coordinator = HandoffCoordinator.for_start(first)
-    state = coordinator.snapshot()
+    replay = Replay(log)
     steps = []
-    for seq, record, logged in groups:
-        message = record.input
-        rejection = None
-        try:
-            actions = tuple(coordinator.handle(message))
-        except InputRejected as exc:
-            actions, rejection = (), exc.reason
+    state: CoordinatorState | None = None
+    waiting: tuple[Waiting, ...] = ()
+    outstanding: tuple[int, ...] = ()
+    for step in replay:
+        if until is not None and step.seq > until:
+            break  # the walk has applied this step already: the state was kept before it
+        coordinator = replay.coordinator
+        if state is None:
+            state = HandoffCoordinator.for_start(replay.start).snapshot()  # before the start
         after = coordinator.snapshot()
         steps.append(
             Step(
-                step=seq,
-                at_ms=record.at_ms,
-                input=message,
+                step=step.seq,
+                at_ms=step.record.at_ms,
+                input=step.record.input,
                 changes=diff(state, after),
-                actions=actions,
-                logged=tuple(logged),
+                actions=step.rederived,
+                logged=step.logged,
                 state=coordinator.describe(),
-                rejection=rejection,
+                rejection=None if step.rejection is None else step.rejection.reason,
             )
         )
         state = after
+        waiting = tuple(coordinator.waiting_for())
+        outstanding = tuple(a.action_id for a in coordinator.outstanding())
+    if state is None:
+        raise LogCorrupt(f"no step at or before {until}")
     return Timeline(
-        handoff_id=first.handoff_id,
-        start=first,
+        handoff_id=replay.start.handoff_id,
+        start=replay.start,
         steps=tuple(steps),
         state=state,
-        waiting=tuple(coordinator.waiting_for()),
-        outstanding=tuple(a.action_id for a in coordinator.outstanding()),
+        waiting=waiting,
+        outstanding=outstanding,
     )
 
 
@@ -229,18 +281,10 @@ def find_divergence(log: Iterable[LoggedRecord]) -> Divergence | None:
     too. Raises `LogCorrupt` for a log that is empty, does not begin with a start, begins with
     an action, or skips a sequence number.
     """
-    coordinator: HandoffCoordinator | None = None
-    for seq, record, logged in _steps(log):
-        message = record.input
-        if coordinator is None:
-            coordinator = HandoffCoordinator.for_start(_start(message))
-        try:
-            rederived = coordinator.handle(message)
-        except InputRejected as exc:
-            detail = f"the coordinator now rejects the logged input: {exc.reason}"
-            return _divergence(seq, record, logged, (), detail)
-        if rederived != logged:
-            return _divergence(seq, record, logged, rederived)
+    for step in Replay(log):
+        divergence = step.divergence()
+        if divergence is not None:
+            return divergence
     return None
 
 

@@ -9,6 +9,7 @@ into these at exactly one seam per adapter, with `raise ... from exc`.
     ├── BusError           NATS / JetStream failed (translated in worker.bus)
     │   ├── BusRefused     NATS refused our credentials or TLS: retrying cannot help
     │   └── LeaseHeld      another worker holds the lease on the stream's consumer
+    ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.testing)
 """
@@ -48,6 +49,12 @@ class BusRefused(BusError):
 class LeaseHeld(BusError):
     """Another worker holds the lease on the input stream's consumer, at start or since a
     refresh found it taken; the message names that worker."""
+
+
+class LogDiverges(WorkerError):
+    """Recovery replayed an open handoff and this build's coordinator issued other actions
+    than the log holds: the build, not the log, is the likely culprit, so the worker refuses
+    to start instead of acting differently from what it logged."""
 
 
 class NatsServerError(WorkerError):

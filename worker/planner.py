@@ -51,7 +51,7 @@ import msgspec
 
 from events.codec import decode_input, input_digest
 from events.coordinator import HandoffCoordinator
-from events.errors import HandoffError, InputRejected
+from events.errors import HandoffError, InputRejected, ReplayDivergence
 from events.messages import (
     Action,
     ActionOutcome,
@@ -209,9 +209,12 @@ class Planner:
 
     # --- Handoffs in and out of memory ----------------------------------------------------
 
-    def adopt(self, loaded: Iterable[Loaded], batch: Batch, now_ms: int) -> list[OpenHandoff]:
+    def adopt(
+        self, loaded: Iterable[Loaded], batch: Batch, now_ms: int, *, diverging: bool = False
+    ) -> list[OpenHandoff]:
         """Bring logged handoffs into memory, quarantining (in `batch`) those that cannot be
-        rebuilt from their log; the adopted ones are returned."""
+        rebuilt from their log; the adopted ones are returned. With `diverging`, a log that this
+        build's coordinator re-derives differently raises `ReplayDivergence` instead."""
         adopted = []
         for logged in loaded:
             if isinstance(logged, CorruptHandoff):
@@ -219,7 +222,12 @@ class Planner:
                 continue
             handoff_id = logged.row.handoff_id
             try:
-                start, coordinator = rebuild(event.record for event in logged.events)
+                start, coordinator = rebuild((event.seq, event.record) for event in logged.events)
+            except ReplayDivergence:
+                if diverging:
+                    raise
+                self.quarantine(batch, now_ms, handoff_id, "its log diverges from this build")
+                continue
             except HandoffError as exc:
                 self.quarantine(batch, now_ms, handoff_id, f"cannot rebuild it from its log: {exc}")
                 continue

@@ -61,11 +61,12 @@ from uuid import UUID
 
 from events.codec import encode
 from events.coordinator import Mode
+from events.errors import ReplayDivergence
 from events.messages import Action, Complete, Role, TimedOut
 from events.subjects import Subjects
 from worker.bus import Bus, Inbound
 from worker.config import WorkerConfig
-from worker.errors import BusError, StoreError
+from worker.errors import BusError, LogDiverges, StoreError
 from worker.metrics import Metrics
 from worker.planner import Plan, Planner
 from worker.store import Batch, CorruptHandoff, EventLog, HandoffRow
@@ -253,7 +254,14 @@ class Worker:
         retry_at = time.time() + self._config.retry_interval_s
         # Not `batch or Batch()`: a Batch is falsy until it holds rows.
         into = Batch() if batch is None else batch
-        for handoff in planner.adopt(loaded.values(), into, _now_ms()):
+        try:
+            adopted = planner.adopt(loaded.values(), into, _now_ms(), diverging=True)
+        except ReplayDivergence as exc:
+            raise LogDiverges(
+                f"{exc}; this build's coordinator does not re-derive the log of an open handoff."
+                " Run `kvhandoff verify` on the log, and run the build that wrote it"
+            ) from exc
+        for handoff in adopted:
             handoff_id = handoff.start.handoff_id
             self._deadlines.schedule(handoff_id, handoff.row.deadline_at_ms / 1000)
             for action in handoff.coordinator.outstanding():

@@ -81,7 +81,7 @@ def test_timeline_until_stops_after_that_step_with_its_full_state(until: int, la
 def test_timeline_state_is_the_rebuilt_coordinators() -> None:
     for name in IDS:
         records = golden(name)
-        _, coordinator = rebuild(record for _, record in records)
+        _, coordinator = rebuild(records)
         assert timeline(records).state == coordinator.snapshot()
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from events.codec import input_digest
 from events.coordinator import HandoffCoordinator
-from events.messages import Complete, EngineType, StartHandoff
+from events.messages import Complete, EngineType, ReserveDestination, StartHandoff
 from events.records import ActionRecord, InputRecord
 from events.replay import find_divergence
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
@@ -181,3 +181,30 @@ async def test_a_crash_after_a_commit_while_the_next_batch_is_planned_loses_noth
         assert worker.terminate() == 0
     finally:
         worker.stop()
+
+
+async def test_an_open_handoff_whose_log_this_build_rederives_differently_stops_the_start(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """A coordinator change that no longer matches the log is refused at start, naming the
+    handoff and the step, rather than adopted and acted on differently from the log."""
+    db = tmp_path / "diverging.db"
+    log = await EventLog.open(db)
+    start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 600_000)
+    batch = Batch()
+    batch.append_input(0, InputRecord(1, start), input_digest(start))
+    # What an older coordinator might have issued first; this one submits the prefill.
+    batch.append_action(1, ActionRecord(1, ReserveDestination(start.handoff_id, 0)))
+    batch.upsert_handoff(
+        HandoffRow(start.handoff_id, start.engine_type.value, start.source, start.destination,
+                   1, 600_001, HandoffState.OPEN, None, 1, 1)
+    )  # fmt: skip
+    await log.commit(batch)
+    await log.close()
+
+    worker = WorkerProcess(nats_server.url, db)
+    worker.launch()
+    assert worker.process is not None
+    assert worker.process.wait(timeout=30) == 2, worker.logs()
+    assert f"handoff {start.handoff_id} diverges at step 0" in worker.logs()
+    assert "kvhandoff verify" in worker.logs()

@@ -3,11 +3,11 @@
 Start-up goes: take the log's `WriterLock` (exit 2 at once if another worker holds it), open the
 event log, connect to NATS (retried until it answers), take the lease on the input stream's
 consumer, (re)create the consumer, recover, consume. A signal at any of these steps stops the
-worker promptly with exit 0. Exit 2 when it cannot start as configured: the configuration cannot
-work, another worker holds the log, NATS refuses our credentials or TLS, or another worker holds
-the lease. Exit 1 when it stops on an error, which includes losing the lease while running: it
-stops fetching at once, finishes the batch in hand and exits, because another worker now
-consumes the stream.
+worker promptly with exit 0. Exit 2 when it cannot start as configured: the configuration
+cannot work, another worker holds the log, NATS refuses our credentials or TLS, another worker
+holds the lease, or this build's coordinator does not re-derive an open handoff's log. Exit 1
+when it stops on an error, which includes losing the lease while running: it stops fetching at
+once, finishes the batch in hand and exits, because another worker now consumes the stream.
 """
 
 from __future__ import annotations
@@ -25,7 +25,15 @@ from typing import Any, TypeVar
 from events.subjects import Subjects
 from worker.bus import Bus, Lease, LeaseHolder
 from worker.config import WorkerConfig, add_worker_arguments, worker_config
-from worker.errors import BusError, BusRefused, ConfigError, LeaseHeld, StoreError, StoreLocked
+from worker.errors import (
+    BusError,
+    BusRefused,
+    ConfigError,
+    LeaseHeld,
+    LogDiverges,
+    StoreError,
+    StoreLocked,
+)
 from worker.logs import configure_logging
 from worker.metrics import Metrics, MetricsServer
 from worker.service import Worker
@@ -61,7 +69,7 @@ def execute(args: argparse.Namespace) -> int:
     with lock:
         try:
             return asyncio.run(serve(config))
-        except (BusRefused, LeaseHeld) as exc:
+        except (BusRefused, LeaseHeld, LogDiverges) as exc:
             logger.error("cannot start: %s", exc)
             return 2
         except (StoreError, BusError) as exc:

@@ -19,11 +19,11 @@ import argparse
 
 import msgspec
 
-from events.coordinator import Waiting
+from events.coordinator import Mode, Waiting
 from events.errors import LogCorrupt
 from events.messages import Role
 from events.records import ActionRecord, InputRecord
-from events.replay import rebuild
+from events.replay import timeline
 from worker.commands import _offline, _text
 from worker.logreader import HandoffSummary, LogSource, open_log
 from worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
@@ -110,12 +110,19 @@ def _stuck(source: LogSource, row: HandoffSummary, now: int) -> StuckHandoff | N
         # Set aside by the worker: whatever its log says, only an operator moves it on.
         return stuck
     try:
-        start, coordinator = rebuild(e.record for e in log.events)
+        # The timeline, not a rebuild: it shows a log that diverges too (`verify` says how).
+        replayed = timeline(log.records())
     except LogCorrupt as exc:
         return msgspec.structs.replace(stuck, state=f"cannot replay: {exc}")
-    if coordinator.is_complete:
+    refused = next((step for step in replayed.steps if step.rejection is not None), None)
+    if refused is not None:  # this build's coordinator refuses a logged input
+        return msgspec.structs.replace(
+            stuck, state=f"cannot replay: step {refused.step}: {refused.rejection}"
+        )
+    if replayed.state.mode is Mode.COMPLETE:
         return None
-    assert last_input is not None  # rebuild found a start, which is an input
+    start = replayed.start
+    assert last_input is not None  # the replay found a start, which is an input
     since_input = last_input.at_ms
     logged_at = {
         e.record.action.action_id: e.at_ms for e in log.events if isinstance(e.record, ActionRecord)
@@ -130,9 +137,9 @@ def _stuck(source: LogSource, row: HandoffSummary, now: int) -> StuckHandoff | N
 
     return msgspec.structs.replace(
         stuck,
-        state=coordinator.describe(),
-        waiting=[waiting_for(w) for w in coordinator.waiting_for()],
-        outstanding=[a.action_id for a in coordinator.outstanding()],
+        state=replayed.steps[-1].state,
+        waiting=[waiting_for(w) for w in replayed.waiting],
+        outstanding=list(replayed.outstanding),
     )
 
 
