@@ -8,7 +8,8 @@ into these at exactly one seam per adapter, with `raise ... from exc`.
     │   └── StoreLocked    another worker holds the log's writer lock
     ├── BusError           NATS / JetStream failed (translated in worker.bus)
     │   ├── BusRefused     NATS refused our credentials or TLS: retrying cannot help
-    │   └── LeaseHeld      another worker holds the lease on the stream's consumer
+    │   ├── LeaseHeld      another worker holds the lease on the stream's consumer
+    │   └── PinMismatch    another client holds the pin of a consumer's priority group
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.testing)
 """
@@ -48,6 +49,11 @@ class BusRefused(BusError):
 class LeaseHeld(BusError):
     """Another worker holds the lease on the input stream's consumer, at start or since a
     refresh found it taken; the message names that worker."""
+
+
+class PinMismatch(BusError):
+    """A pull for a consumer's priority group was refused (status 423): another client holds
+    the group's pin. Whoever acted for that group must stop; the message names the consumer."""
 
 
 class NatsServerError(WorkerError):
