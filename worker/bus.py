@@ -44,7 +44,8 @@ requested or ready, and asks again once half of that has been taken. Each reques
 `expires_s` and asks for an idle heartbeat every `heartbeat_s`. The statuses:
 
     100 Idle Heartbeat    the request is alive. No message and no status for two intervals
-                          means the server lost it: the Pull asks again.
+                          means the server lost it: the Pull asks again. (Without heartbeats,
+                          nothing heard for a request's whole expiry and a grace means that.)
     404 No Messages       a `no_wait` request found nothing more: `fetch` returns what it has.
     408 Request Timeout   the request expired; `Nats-Pending-Messages` says how much of it was
                           never delivered. The Pull asks again.
@@ -54,9 +55,13 @@ requested or ready, and asks again once half of that has been taken. Each reques
     409 Message Size Exceeds MaxBytes
                           the request is full: the Pull asks again, unless not one byte of it
                           was used. Then the next message can never fit: `BusError`.
-    409 Exceeded MaxWaiting, any other 409, 400 Bad Request
-                          the server refused the request: `BusError`. The next fetch asks again.
-    423 Nats-Wrong-Pin-Id another client holds the pin of the request's priority group (ADR-42):
+    409 Exceeded MaxWaiting, any other 409
+    400 Bad Request       the server refused the request (a 400: the priority group is missing
+                          or unknown, say): `BusError`. The next fetch asks again. (A request
+                          with heartbeats that the consumer has no room for is dropped without
+                          a 409, nats-server 2.15: it is counted lost, see 100.)
+    423 Nats-Pin-Id mismatch
+                          another client holds the pin of the request's priority group (ADR-42):
                           `PinMismatch`. The Pull drops its pin id, so it asks to be pinned anew.
     503 No Responders     no such consumer: `BusError`.
 
@@ -64,8 +69,9 @@ A `BusError` from a status is raised by the next `fetch`. Messages cannot be tol
 request (the server serves open requests in turn), so what is on its way is a count, not a
 ledger: each message takes one off, and a status that ends a request takes off its undelivered
 part (`Nats-Pending-Messages`, or the request's whole batch when the status has no such header).
-The count errs low, never high, so the Pull may ask for a little more than it keeps ahead but
-never stops asking. A reconnect forgets every open request (a restarted server has none), and
+The count errs low (a status without that header), so the Pull may ask for a little more than it
+keeps ahead; it errs high only when the server loses a request without a word, which the
+heartbeats reveal. A reconnect forgets every open request (a restarted server has none), and
 nothing is requested while disconnected: nats-py would buffer the request and send it after the
 reconnect, beside the ones asked for then.
 
@@ -436,10 +442,12 @@ class Subscription:
 _ACK = b"+ACK"
 _TERM = b"+TERM"
 _NAK = b"-NAK"
-# Where the delivery count sits in a `$JS.ACK...` reply subject (the stream sequence follows):
-# $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>, and
-# since nats-server 2.10 with <domain>.<account hash> before <stream> and a token at the end.
-_DELIVERED_AT = {9: 4, 11: 6, 12: 6}
+# A `$JS.ACK...` reply subject has 9 tokens,
+# $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>,
+# or, with <domain>.<account hash> before <stream>, 11 or more (ADR-15 lets servers append
+# tokens). The delivery count is at 4 or 6, and the stream sequence follows it.
+_V1_TOKENS = 9
+_V2_MIN_TOKENS = 11
 
 
 class Inbound:
@@ -455,8 +463,8 @@ class Inbound:
 
     def __init__(self, client: Client, subject: str, data: bytes, reply: str) -> None:
         tokens = reply.split(".")
-        at = _DELIVERED_AT.get(len(tokens))
-        if at is None or tokens[0] != "$JS" or tokens[1] != "ACK":
+        at = 4 if len(tokens) == _V1_TOKENS else 6 if len(tokens) >= _V2_MIN_TOKENS else 0
+        if not at or tokens[0] != "$JS" or tokens[1] != "ACK":
             raise BusError(f"message on {subject} is not a JetStream delivery (reply {reply!r})")
         try:
             # How many times JetStream delivered this input, this time included.
@@ -502,6 +510,9 @@ _PENDING_MESSAGES = "Nats-Pending-Messages"
 _PENDING_BYTES = "Nats-Pending-Bytes"
 _PIN_ID = "Nats-Pin-Id"
 _REQUESTS_KEPT = 64  # open requests remembered by reply token, newest first
+# Without heartbeats, an open request is counted lost once nothing was heard of it for its
+# whole expiry and this much more.
+_LOST_GRACE_S = 5.0
 _S_TO_NS = 1_000_000_000
 
 
@@ -525,20 +536,20 @@ _PULL_REQUEST_ENCODER = msgspec.json.Encoder()
 
 
 class Pull:
-    """A durable consumer's messages, pulled ahead over one inbox (see "The pull" in the
-    module docstring). `start` it, `fetch` from it, `close` it.
+    """A durable consumer's messages, pulled ahead over one inbox of `bus` (see "The pull" in
+    the module docstring). `start` it, `fetch` from it, `close` it; or `async with` it.
 
     `max_ahead` bounds the messages requested or ready at once. With `no_wait`, each request
     asks only for what the consumer holds now, one request at a time, and `fetch` returns []
     as soon as the server says it holds nothing: for readers that must leave no request
-    waiting on the server. `heartbeat_s=0` asks for no heartbeats, and so never notices a lost
-    request before it expires. `group` and `pin_id` are sent with every request; the pin id is
-    then the one the server attached to the last message (`Nats-Pin-Id`).
+    waiting on the server. `heartbeat_s=0` asks for no heartbeats, and so notices a lost
+    request only after its expiry. `group` and `pin_id` are sent with every request; the pin id
+    is then the one the server attached to the last message (`Nats-Pin-Id`).
     """
 
     def __init__(
         self,
-        client: Client,
+        bus: Bus,
         stream: str,
         consumer: str,
         *,
@@ -556,16 +567,29 @@ class Pull:
                 f"({expires_s}) must be positive, heartbeat_s ({heartbeat_s}) and max_bytes "
                 f"({max_bytes}) not negative"
             )
+        if not no_wait and 2 * heartbeat_s > expires_s:
+            # The server refuses such a request (400 "heartbeat value too large").
+            raise ConfigError(
+                f"pull from {stream} / {consumer}: heartbeat_s ({heartbeat_s}) must be at most "
+                f"half of expires_s ({expires_s})"
+            )
         self.consumer = f"{stream} / {consumer}"
         self.group = group
         self.pin_id = pin_id
-        self._nc = client
+        self._bus = bus
+        self._nc = bus._nc
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
-        self._inbox = client.new_inbox()
+        self._inbox = self._nc.new_inbox()
         self._max_ahead = self._ahead = max_ahead
         self._no_wait = no_wait
         self._expires_ns = 0 if no_wait else int(expires_s * _S_TO_NS)
         self._heartbeat_s = 0.0 if no_wait else heartbeat_s
+        # How long nothing may be heard of open requests before they count as lost.
+        self._lost_after_s = (
+            2 * self._heartbeat_s
+            if self._heartbeat_s
+            else (0.0 if no_wait else expires_s) + _LOST_GRACE_S
+        )
         self._max_bytes = max_bytes
         self._ready: deque[Inbound] = deque()
         self._pending = 0  # messages requested and neither delivered nor released
@@ -588,9 +612,11 @@ class Pull:
             self._subscription = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_message)
         except nats.errors.Error as exc:
             raise BusError(f"pull from {self.consumer}: cannot subscribe: {_why(exc)}") from exc
+        self._bus._pulls.add(self)  # so that a reconnect resets it
 
     async def close(self) -> None:
         """Unsubscribe; the server drops the open requests once it cannot deliver to them."""
+        self._bus._pulls.discard(self)
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
             try:
@@ -598,10 +624,19 @@ class Pull:
             except nats.errors.Error as exc:
                 raise BusError(f"pull from {self.consumer}: {_why(exc)}") from exc
 
+    async def __aenter__(self) -> Pull:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
     async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
         """Up to `max_messages` messages in stream order: at once those ready, if any; else the
         first to arrive within `timeout_s`, or []. Raises the `BusError` that a status reported
         since the last call (the next call asks again)."""
+        if self._subscription is None:
+            raise BusError(f"pull from {self.consumer}: fetch before start or after close")
         self._ahead = min(self._max_ahead, 2 * max_messages)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -619,10 +654,13 @@ class Pull:
             wait_s = deadline - now
             if wait_s <= 0:
                 return []
-            if self._heartbeat_s and self._pending:
-                wait_s = min(wait_s, self._heartbeat_s)  # to notice missed heartbeats
+            if self._pending:
+                wait_s = min(wait_s, self._lost_after_s / 2)  # to notice a lost request
+            # Not `wait_for`: Python 3.11's drops a cancellation that coincides with the
+            # event, which arrives all the time here; `timeout` runs no task either.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self._changed.wait()
         ready = self._ready
         taken = [ready.popleft() for _ in range(min(max_messages, len(ready)))]
         await self._ask(max_messages)
@@ -674,9 +712,9 @@ class Pull:
         self._heard_at = time.monotonic()
 
     def _check_heard(self, now: float) -> None:
-        if self._heartbeat_s and self._pending and now - self._heard_at > 2 * self._heartbeat_s:
+        if self._pending and now - self._heard_at > self._lost_after_s:
             logger.warning(
-                "pull from %s: no message and no heartbeat for %.1fs; asking again",
+                "pull from %s: nothing heard of the open requests for %.1fs; asking again",
                 self.consumer,
                 now - self._heard_at,
             )
@@ -777,7 +815,8 @@ class Bus:
     def __init__(self, client: Client) -> None:
         self._nc = client
         self._js = client.jetstream()
-        self._pull: Pull | None = None
+        self._inbox_pull: Pull | None = None  # the worker's, made by `open_inbox`
+        self._pulls: set[Pull] = set()  # every started Pull, reset on a reconnect
         self._barrier_subject = client.new_inbox()
         self._barriers: dict[bytes, asyncio.Future[None]] = {}
         self._barrier_count = itertools.count()
@@ -793,8 +832,8 @@ class Bus:
             waiter.set_result(None)
 
     def _reconnected(self) -> None:
-        if self._pull is not None:
-            self._pull.reset()
+        for pull in self._pulls:
+            pull.reset()
 
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str) -> Bus:
@@ -897,7 +936,8 @@ class Bus:
                 wait_s = first_reply_s
                 while True:
                     try:
-                        gathered.append(await asyncio.wait_for(replies.get(), wait_s))
+                        async with asyncio.timeout(wait_s):
+                            gathered.append(await replies.get())
                     except TimeoutError:
                         return gathered
                     wait_s = quiet_s
@@ -1077,11 +1117,11 @@ class Bus:
             raise BusError(
                 f"cannot open stream {stream} / consumer {consumer}: {_why(exc)}"
             ) from exc
-        if self._pull is not None:
-            await self._pull.close()
-        pull = Pull(self._nc, stream, consumer, max_ahead=max_pending)
+        if self._inbox_pull is not None:
+            await self._inbox_pull.close()
+        pull = Pull(self, stream, consumer, max_ahead=max_pending)
         await pull.start()
-        self._pull = pull
+        self._inbox_pull = pull
 
     async def open_completions(self, stream: str, subjects: str, max_age_s: float) -> None:
         """Create (or update) the stream that keeps the last completion of every handoff, so a
@@ -1107,9 +1147,9 @@ class Bus:
     async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
         """Inputs from the inbox, in stream order: at once whatever is ready, up to
         `max_messages`; waits up to `timeout_s` only when nothing is (see `Pull.fetch`)."""
-        if self._pull is None:
+        if self._inbox_pull is None:
             raise BusError("fetch before open_inbox: there is no consumer to pull from")
-        return await self._pull.fetch(max_messages, timeout_s)
+        return await self._inbox_pull.fetch(max_messages, timeout_s)
 
     async def close(self) -> None:
         """Flush what was published (actions, acks), then disconnect."""
