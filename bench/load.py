@@ -23,12 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import nats
-
 # Runnable from a checkout (`python bench/load.py`) without installing: the repository root
 # holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from worker.bus import Bus
 from worker.config import NatsSettings
 from worker.engines import EngineModel, EnginesConfig, MockEngines
 from worker.loadgen import LoadConfig, LoadReport, run_load
@@ -64,11 +63,11 @@ async def bench(
             "--db", str(Path(tmp) / "kvhandoff.db"), "--metrics-port", "0",
             "--log-level", "WARNING",
         )  # fmt: skip
-        nc = await nats.connect(server.url)
-        engines = MockEngines(nc, EnginesConfig(model=EngineModel(speedup=speedup)))
+        settings = NatsSettings(url=server.url)
+        bus = await Bus.connect(settings, "bench-engines")
+        engines = MockEngines(bus, EnginesConfig(model=EngineModel(speedup=speedup)))
         try:
             await engines.start()
-            settings = NatsSettings(url=server.url)
             # The load generator waits for the worker's input stream, so this also waits for
             # the worker to start.
             await run_load(LoadConfig(nats=settings, handoffs=100, concurrency=8))
@@ -81,7 +80,7 @@ async def bench(
             return reports
         finally:
             await engines.stop()
-            await nc.close()
+            await bus.close()
             worker.terminate()
             await asyncio.wait_for(worker.wait(), 30)
 

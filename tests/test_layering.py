@@ -1,5 +1,6 @@
 """The dependency rules, checked on the source: the core imports only the standard library and
-msgspec; the log and the bus never import each other; the offline commands never reach nats.
+msgspec; the log and the bus never import each other; `worker.bus` is the one module of the
+worker (and of the load benchmark) that imports nats; the offline commands never reach nats.
 
 Imports are read with `ast`, not by importing, so a rule holds for every import statement,
 including those inside functions that a test run might never execute. One check imports for
@@ -28,6 +29,9 @@ OFFLINE_COMMANDS = [
     for name in ("list", "stuck", "replay", "verify", "export", "compact", "conformance", "schema")
 ]
 OFFLINE = [*OFFLINE_COMMANDS, "worker.logreader"]
+# The one module that talks to nats-py: connecting, the barrier, durable publishing and the pull
+# exist once, and every nats-py error is translated there.
+NATS_SEAM = "worker.bus"
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,15 @@ def test_the_module_discovery_sees_the_code() -> None:
     # Guards the other tests against passing vacuously on an empty or misread tree.
     assert {"events", "events.coordinator", "events.codec"} <= set(modules_of("events"))
     assert {"worker.store", "worker.bus", "worker.commands.run"} <= set(modules_of("worker"))
+    # The users of the bus that once had their own nats-py code.
+    assert {
+        "worker.engines",
+        "worker.loadgen",
+        "worker.testing",
+        "worker.commands.engines",
+        "worker.commands.demo",
+    } <= set(modules_of("worker"))
+    assert source_file("bench.load") is not None
     assert any(top(i.module) == "nats" for i in imports_of("worker.bus"))
     assert any(i.module == "worker.store" for i in imports_of("worker.commands.run"))
 
@@ -149,6 +162,20 @@ def test_the_log_and_the_bus_never_import_each_other() -> None:
     bad = [
         *violations(["worker.store", "worker.schema"], {"worker.bus", "nats"}),
         *violations(["worker.bus"], {"worker.store", "worker.schema", "aiosqlite"}),
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_nats_seam_imports_nats() -> None:
+    # bench.load drives the worker as a user would; bench.pull and bench.worker_pipeline set
+    # nats-py itself beside the bus as their baseline.
+    users = [*modules_of("worker"), "bench.load"]
+    bad = [
+        f"{imp}: only {NATS_SEAM} may import nats; go through worker.bus.Bus"
+        for module in users
+        if module != NATS_SEAM
+        for imp in imports_of(module)
+        if top(imp.module) == "nats"
     ]
     assert not bad, "\n".join(bad)
 

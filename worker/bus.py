@@ -1,22 +1,79 @@
-"""The worker's side of NATS: a durable JetStream inbox for inputs, core NATS for actions.
+"""The one NATS module: every process of kvhandoff reaches NATS through `Bus`.
 
-Inputs are captured by a JetStream stream with work-queue retention (an input leaves the
-stream once the worker acknowledges it, which it does only after the input is committed to the
-event log) and consumed through one durable pull consumer with explicit acks.
+Nothing else imports nats-py (tests/test_layering.py checks it), so connecting, the publish
+barrier, durable publishing and pulling from JetStream exist once, and every nats-py error is
+translated to `BusError` here and nowhere else, `Inbound.ack`, `term` and `nak` included. The
+worker consumes its input stream and publishes actions; the mock engines, the load generator,
+the demo and the benchmarks subscribe, publish and gather reports with the same `Bus`.
 
-JetStream redelivers an unacknowledged input only after the ack wait, while newer inputs keep
-flowing, so a restart would see inputs out of order (a fact before the outcome it depends on).
-Work-queue retention keeps exactly the unacknowledged inputs, so the worker re-creates its
-consumer on start and reads them again from the oldest, in stream order. Actions are
-published with core NATS: the event log is their outbox, and an action with no outcome is
-published again, so a lost action costs a retry interval, never correctness.
+Connecting. nats-py's connect loop retries forever when told to reconnect forever (which every
+long-lived process here must, to outlive NATS restarts), even when the server refuses our
+credentials or TLS handshake, and it offers no way to tell those apart from a server that is not
+up yet. So `Bus.connect` watches the client's error callback while it connects: a refusal ends
+the attempt at once with `BusRefused`, naming the setting to check (the commands exit 2); a
+round of failures over every server retries with backoff. Cancelling `Bus.connect` gives up and
+leaves nothing open; `Bus.connect_unless` gives up when a stop event (a signal) is set.
 
-Start-up. nats-py's connect loop retries forever when told to reconnect forever (which a worker
-that outlives NATS restarts must be), even when the server refuses our credentials or TLS
-handshake, and it offers no way to tell those apart from a server that is not up yet. So
-`Bus.connect` watches the client's error callback while it connects: a refusal ends the attempt
-at once with `BusRefused`, naming the setting to check; a round of failures over every server
-retries with backoff. Cancelling `Bus.connect` gives up and leaves nothing open.
+The barrier. nats-py's own flush() writes its PING straight to the socket, ahead of commands
+still in its write buffer, so its PONG proves nothing about them. `Bus.flush` sends a message to
+our own inbox instead, behind them: when it comes back, the server has everything before it.
+
+Publishing. `publish` is core NATS, buffered and in order. `publish_durable` is a JetStream
+publish that returns once the stream stored the message; it retries with backoff while no
+stream answers (not created yet, NATS reconnecting) and raises `BusError` when its time is up.
+Every attempt of one call carries the same `Nats-Msg-Id`, so a retry after a lost
+acknowledgement is stored once (within the stream's duplicate window). `publish_stored` is the
+worker's pipelined JetStream publish, confirmed by the next `flush`.
+
+The inbox. Inputs are captured by a JetStream stream with work-queue retention (an input leaves
+the stream once the worker acknowledges it, which it does only after the input is committed to
+the event log) and consumed through one durable pull consumer with explicit acks. JetStream
+redelivers an unacknowledged input only after the ack wait, while newer inputs keep flowing, so
+a restart would see inputs out of order (a fact before the outcome it depends on). Work-queue
+retention keeps exactly the unacknowledged inputs, so the worker re-creates its consumer on
+start and reads them again from the oldest, in stream order.
+
+The pull. nats-py's `fetch` costs about 110 µs per message (a task and a `wait_for` each), so
+`Pull` speaks the pull protocol itself. It subscribes once to `<inbox>.*` and publishes pull
+requests (`PullRequest`) to `$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`, each with its own
+reply subject `<inbox>.<n>`. The server sends the messages to that subscription, each with its
+`$JS.ACK...` reply subject, which `Inbound` reads once for its metadata and publishes `+ACK`,
+`+TERM` or `-NAK` to. It also sends status messages there, header only (`NATS/1.0 <code>
+<description>`, on the request's own reply subject). The Pull keeps two fetches' worth of messages
+requested or ready, and asks again once half of that has been taken. Each request expires after
+`expires_s` and asks for an idle heartbeat every `heartbeat_s`. The statuses:
+
+    100 Idle Heartbeat    the request is alive. No message and no status for two intervals
+                          means the server lost it: the Pull asks again. (Without heartbeats,
+                          nothing heard for a request's whole expiry and a grace means that.)
+    404 No Messages       a `no_wait` request found nothing more: `fetch` returns what it has.
+    408 Request Timeout   the request expired; `Nats-Pending-Messages` says how much of it was
+                          never delivered. The Pull asks again.
+    409 Leadership Change, Server Shutdown
+                          every open request is gone: the Pull asks again.
+    409 Consumer Deleted  `BusError`.
+    409 Message Size Exceeds MaxBytes
+                          the request is full: the Pull asks again, unless not one byte of it
+                          was used. Then the next message can never fit: `BusError`.
+    409 Exceeded MaxWaiting, any other 409
+    400 Bad Request       the server refused the request (a 400: the priority group is missing
+                          or unknown, say): `BusError`. The next fetch asks again. (A request
+                          with heartbeats that the consumer has no room for is dropped without
+                          a 409, nats-server 2.15: it is counted lost, see 100.)
+    423 Nats-Pin-Id mismatch
+                          another client holds the pin of the request's priority group (ADR-42):
+                          `PinMismatch`. The Pull drops its pin id, so it asks to be pinned anew.
+    503 No Responders     no such consumer: `BusError`.
+
+A `BusError` from a status is raised by the next `fetch`. Messages cannot be told apart by
+request (the server serves open requests in turn), so what is on its way is a count, not a
+ledger: each message takes one off, and a status that ends a request takes off its undelivered
+part (`Nats-Pending-Messages`, or the request's whole batch when the status has no such header).
+The count errs low (a status without that header), so the Pull may ask for a little more than it
+keeps ahead; it errs high only when the server loses a request without a word, which the
+heartbeats reveal. A reconnect forgets every open request (a restarted server has none), and
+nothing is requested while disconnected: nats-py would buffer the request and send it after the
+reconnect, beside the ones asked for then.
 
 One consumer per stream. Two workers on one consumer would split the stream between two logs,
 and re-creating the consumer at start would pull inputs from under a running worker. So before
@@ -29,8 +86,6 @@ refresh proves the holder alive, and the starting worker refuses (`LeaseHeld`); 
 it gone, and the lease is free. A lease whose holder names this host and this event log belongs
 to a dead predecessor, because a worker holds an exclusive lock on its log while it lives; it
 is taken over at once, by compare-and-set, instead of after the TTL.
-
-nats-py errors are translated to `BusError` here and nowhere else.
 """
 
 from __future__ import annotations
@@ -44,7 +99,8 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +109,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
@@ -64,13 +121,13 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from worker.config import NatsSettings
-from worker.errors import BusError, BusRefused, LeaseHeld
+from worker.errors import BusError, BusRefused, ConfigError, LeaseHeld, PinMismatch
 
 logger = logging.getLogger(__name__)
 
 
 def connect_options(settings: NatsSettings, name: str) -> dict[str, Any]:
-    """Keyword arguments for `nats.connect` from the shared NATS settings."""
+    """Keyword arguments for nats-py's `Client.connect` from the shared NATS settings."""
     options: dict[str, Any] = {
         "servers": [url.strip() for url in settings.url.split(",")],
         "name": name,
@@ -144,9 +201,12 @@ def _refusal(exc: BaseException, settings: NatsSettings) -> str | None:
     return None
 
 
-async def _connect_once(settings: NatsSettings, name: str) -> Client:
+async def _connect_once(
+    settings: NatsSettings, name: str, reconnected: Callable[[], None]
+) -> Client:
     """One client's first connection: the client once connected, `BusRefused` if NATS
-    refused us, `BusError` once every server in the pool failed in some other way."""
+    refused us, `BusError` once every server in the pool failed in some other way.
+    `reconnected` is called after every reconnect."""
     try:
         options = connect_options(settings, name)
     except (ssl.SSLError, OSError) as exc:
@@ -174,6 +234,7 @@ async def _connect_once(settings: NatsSettings, name: str) -> Client:
 
     async def on_reconnect() -> None:
         logger.info("reconnected to NATS at %s", client.connected_url)
+        reconnected()
 
     connecting = asyncio.ensure_future(
         client.connect(
@@ -340,51 +401,422 @@ class Lease:
         )
 
 
+def _why(exc: BaseException) -> str:
+    """An exception's message, or its type when it has none (nats-py's timeouts)."""
+    return str(exc) or type(exc).__name__
+
+
+# --- Core NATS ------------------------------------------------------------------------------
+
+
+class Message:
+    """A core NATS message, as a subscriber's handler gets it."""
+
+    __slots__ = ("data", "reply", "subject")
+
+    def __init__(self, subject: str, data: bytes, reply: str) -> None:
+        self.subject = subject
+        self.data = data
+        self.reply = reply  # "" when the sender expects no answer
+
+
+Handler = Callable[[Message], Awaitable[None]]
+
+
+class Subscription:
+    """A subscription made by `Bus.subscribe`, until `unsubscribe`."""
+
+    def __init__(self, subscription: NatsSubscription, subject: str) -> None:
+        self._subscription = subscription
+        self.subject = subject
+
+    async def unsubscribe(self) -> None:
+        try:
+            await self._subscription.unsubscribe()
+        except nats.errors.Error as exc:
+            raise BusError(f"unsubscribe from {self.subject} failed: {_why(exc)}") from exc
+
+
+# --- JetStream: one input and its settling ---------------------------------------------------
+
+_ACK = b"+ACK"
+_TERM = b"+TERM"
+_NAK = b"-NAK"
+# A `$JS.ACK...` reply subject has 9 tokens,
+# $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>,
+# or, with <domain>.<account hash> before <stream>, 11 or more (ADR-15 lets servers append
+# tokens). The delivery count is at 4 or 6, and the stream sequence follows it.
+_V1_TOKENS = 9
+_V2_MIN_TOKENS = 11
+
+
 class Inbound:
-    """One input message from the stream, with the three ways to settle it."""
+    """One input message from the stream, with the three ways to settle it.
 
-    __slots__ = ("_msg", "data", "subject")
+    Its metadata is read once, from the `$JS.ACK...` subject the server gave it as its reply
+    subject; settling it is a core publish to that subject. Settling fails with `BusError`
+    (without NATS, or with nats-py's write buffer full while it reconnects): JetStream then
+    redelivers the input after the ack wait, and the log drops it as a duplicate.
+    """
 
-    def __init__(self, msg: Msg) -> None:
-        self._msg = msg
-        self.data = msg.data
-        self.subject = msg.subject
+    __slots__ = ("_nc", "_reply", "data", "deliveries", "stream_seq", "subject")
 
-    @property
-    def deliveries(self) -> int:
-        """How many times JetStream has delivered this input, this time included."""
-        return int(self._msg.metadata.num_delivered)
-
-    @property
-    def stream_seq(self) -> int:
-        """The input's position in the stream: the same on every delivery."""
-        return int(self._msg.metadata.sequence.stream)
+    def __init__(self, client: Client, subject: str, data: bytes, reply: str) -> None:
+        tokens = reply.split(".")
+        at = 4 if len(tokens) == _V1_TOKENS else 6 if len(tokens) >= _V2_MIN_TOKENS else 0
+        if not at or tokens[0] != "$JS" or tokens[1] != "ACK":
+            raise BusError(f"message on {subject} is not a JetStream delivery (reply {reply!r})")
+        try:
+            # How many times JetStream delivered this input, this time included.
+            self.deliveries = int(tokens[at])
+            # Its position in the stream: the same on every delivery.
+            self.stream_seq = int(tokens[at + 1])
+        except ValueError as exc:
+            raise BusError(f"message on {subject} has a malformed reply {reply!r}") from exc
+        self._nc = client
+        self._reply = reply
+        self.subject = subject
+        self.data = data
 
     async def ack(self) -> None:
-        await self._settle(self._msg.ack(), "ack")
+        """Done: JetStream never delivers it again (and drops it, with work-queue retention)."""
+        await self._settle(_ACK, "ack")
 
     async def term(self) -> None:
         """Never redeliver: the input was rejected, and redelivering changes nothing."""
-        await self._settle(self._msg.term(), "term")
+        await self._settle(_TERM, "term")
 
     async def nak(self, delay_s: float | None = None) -> None:
         """Redeliver, after `delay_s` if given."""
-        await self._settle(self._msg.nak(delay=delay_s), "nak")
+        payload = _NAK
+        if delay_s:
+            payload += b' {"delay": %d}' % int(delay_s * 1e9)
+        await self._settle(payload, "nak")
 
-    async def _settle(self, settling: Awaitable[None], how: str) -> None:
-        # An ack during a disconnect fails in nats-py's terms; JetStream redelivers the input
-        # after the ack wait, and the log drops it as a duplicate, so it is only a BusError.
+    async def _settle(self, payload: bytes, how: str) -> None:
         try:
-            await settling
+            await self._nc.publish(self._reply, payload)
         except (nats.errors.Error, OSError) as exc:
-            raise BusError(f"{how} of input {self.subject} failed: {exc}") from exc
+            raise BusError(
+                f"{how} of input {self.subject} (stream seq {self.stream_seq}) failed: {_why(exc)}"
+            ) from exc
+
+
+# --- JetStream: the lean pull ----------------------------------------------------------------
+
+_STATUS = "Status"
+_DESCRIPTION = "Description"
+_PENDING_MESSAGES = "Nats-Pending-Messages"
+_PENDING_BYTES = "Nats-Pending-Bytes"
+_PIN_ID = "Nats-Pin-Id"
+_REQUESTS_KEPT = 64  # open requests remembered by reply token, newest first
+# Without heartbeats, an open request is counted lost once nothing was heard of it for its
+# whole expiry and this much more.
+_LOST_GRACE_S = 5.0
+_S_TO_NS = 1_000_000_000
+
+
+class PullRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A pull request's body (ADR-13), published to `$JS.API.CONSUMER.MSG.NEXT.<stream>.
+    <consumer>` with the reply subject that its messages and statuses are to go to. Durations
+    are nanoseconds; a zero or absent field leaves the server's default."""
+
+    batch: int
+    expires: int = 0  # then the server ends the request with 408
+    max_bytes: int = 0  # the request ends before a message that would exceed it (409)
+    no_wait: bool = False  # answer 404 at once instead of waiting for messages
+    idle_heartbeat: int = 0  # a 100 status this often while the request waits
+    # Priority groups (ADR-42): the consumer's group this request pulls for, and the pin id
+    # that the server gave this client (for a consumer with the `pinned_client` policy).
+    group: str | None = None
+    id: str | None = None
+
+
+_PULL_REQUEST_ENCODER = msgspec.json.Encoder()
+
+
+class Pull:
+    """A durable consumer's messages, pulled ahead over one inbox of `bus` (see "The pull" in
+    the module docstring). `start` it, `fetch` from it, `close` it; or `async with` it.
+
+    `max_ahead` bounds the messages requested or ready at once. With `no_wait`, each request
+    asks only for what the consumer holds now, one request at a time, and `fetch` returns []
+    as soon as the server says it holds nothing: for readers that must leave no request
+    waiting on the server. `heartbeat_s=0` asks for no heartbeats, and so notices a lost
+    request only after its expiry. `group` and `pin_id` are sent with every request; the pin id
+    is then the one the server attached to the last message (`Nats-Pin-Id`).
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        stream: str,
+        consumer: str,
+        *,
+        max_ahead: int,
+        expires_s: float = 30.0,
+        heartbeat_s: float = 5.0,
+        max_bytes: int = 0,
+        no_wait: bool = False,
+        group: str | None = None,
+        pin_id: str | None = None,
+    ) -> None:
+        if max_ahead < 1 or expires_s <= 0 or heartbeat_s < 0 or max_bytes < 0:
+            raise ConfigError(
+                f"pull from {stream} / {consumer}: max_ahead ({max_ahead}) and expires_s "
+                f"({expires_s}) must be positive, heartbeat_s ({heartbeat_s}) and max_bytes "
+                f"({max_bytes}) not negative"
+            )
+        if not no_wait and 2 * heartbeat_s > expires_s:
+            # The server refuses such a request (400 "heartbeat value too large").
+            raise ConfigError(
+                f"pull from {stream} / {consumer}: heartbeat_s ({heartbeat_s}) must be at most "
+                f"half of expires_s ({expires_s})"
+            )
+        self.consumer = f"{stream} / {consumer}"
+        self.group = group
+        self.pin_id = pin_id
+        self._bus = bus
+        self._nc = bus._nc
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._inbox = self._nc.new_inbox()
+        self._max_ahead = self._ahead = max_ahead
+        self._no_wait = no_wait
+        self._expires_ns = 0 if no_wait else int(expires_s * _S_TO_NS)
+        self._heartbeat_s = 0.0 if no_wait else heartbeat_s
+        # How long nothing may be heard of open requests before they count as lost.
+        self._lost_after_s = (
+            2 * self._heartbeat_s
+            if self._heartbeat_s
+            else (0.0 if no_wait else expires_s) + _LOST_GRACE_S
+        )
+        self._max_bytes = max_bytes
+        self._ready: deque[Inbound] = deque()
+        self._pending = 0  # messages requested and neither delivered nor released
+        self._open: dict[str, int] = {}  # reply token -> batch, of requests that may be open
+        self._tokens = itertools.count()
+        self._heard_at = 0.0  # the last message or status, or the last request
+        self._failure: BusError | None = None
+        self._empty = False  # no_wait: the server said that it holds nothing more
+        self._changed = asyncio.Event()
+        self._subscription: NatsSubscription | None = None
+
+    @property
+    def pending(self) -> int:
+        """Messages requested and not yet delivered, as far as the Pull can tell."""
+        return self._pending
+
+    async def start(self) -> None:
+        """Subscribe to the inbox. Nothing is requested before the first `fetch`."""
+        try:
+            self._subscription = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_message)
+        except nats.errors.Error as exc:
+            raise BusError(f"pull from {self.consumer}: cannot subscribe: {_why(exc)}") from exc
+        self._bus._pulls.add(self)  # so that a reconnect resets it
+
+    async def close(self) -> None:
+        """Unsubscribe; the server drops the open requests once it cannot deliver to them."""
+        self._bus._pulls.discard(self)
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()
+            except nats.errors.Error as exc:
+                raise BusError(f"pull from {self.consumer}: {_why(exc)}") from exc
+
+    async def __aenter__(self) -> Pull:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
+        """Up to `max_messages` messages in stream order: at once those ready, if any; else the
+        first to arrive within `timeout_s`, or []. Raises the `BusError` that a status reported
+        since the last call (the next call asks again)."""
+        if self._subscription is None:
+            raise BusError(f"pull from {self.consumer}: fetch before start or after close")
+        self._ahead = min(self._max_ahead, 2 * max_messages)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # Cleared before looking, so that whatever arrives while we ask wakes the wait.
+            self._changed.clear()
+            self._raise_failure()
+            if self._ready:
+                break
+            if self._empty:
+                self._empty = False
+                return []
+            now = time.monotonic()
+            self._check_heard(now)
+            await self._ask(max_messages)
+            wait_s = deadline - now
+            if wait_s <= 0:
+                return []
+            if self._pending:
+                wait_s = min(wait_s, self._lost_after_s / 2)  # to notice a lost request
+            # Not `wait_for`: Python 3.11's drops a cancellation that coincides with the
+            # event, which arrives all the time here; `timeout` runs no task either.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._changed.wait()
+        ready = self._ready
+        taken = [ready.popleft() for _ in range(min(max_messages, len(ready)))]
+        await self._ask(max_messages)
+        return taken
+
+    def reset(self) -> None:
+        """Forget every open request (after a reconnect: a restarted server has none, and one
+        that stayed up resumes them, which costs at most a batch more than `max_ahead`)."""
+        self._pending = 0
+        self._open.clear()
+        self._changed.set()
+
+    async def _ask(self, batch_hint: int) -> None:
+        """Request more if less than half of what the Pull keeps ahead is on its way."""
+        if not self._nc.is_connected:
+            return  # `reset` asks again once reconnected
+        if self._no_wait:
+            if self._pending or self._ready:
+                return
+            batch = batch_hint
+        else:
+            batch = self._ahead - self._pending - len(self._ready)
+            if 2 * batch < self._ahead:
+                return
+        token = str(next(self._tokens))
+        request = PullRequest(
+            batch=batch,
+            expires=self._expires_ns,
+            max_bytes=self._max_bytes,
+            no_wait=self._no_wait,
+            idle_heartbeat=int(self._heartbeat_s * _S_TO_NS),
+            group=self.group,
+            id=self.pin_id,
+        )
+        try:
+            await self._nc.publish(
+                self._next_subject,
+                _PULL_REQUEST_ENCODER.encode(request),
+                reply=f"{self._inbox}.{token}",
+            )
+        except nats.errors.Error as exc:
+            raise BusError(f"pull request to {self.consumer} failed: {_why(exc)}") from exc
+        self._open[token] = batch
+        if len(self._open) > _REQUESTS_KEPT:
+            # The oldest have long ended: a request that is served in full ends silently.
+            del self._open[next(iter(self._open))]
+        self._pending += batch
+        self._empty = False
+        self._heard_at = time.monotonic()
+
+    def _check_heard(self, now: float) -> None:
+        if self._pending and now - self._heard_at > self._lost_after_s:
+            logger.warning(
+                "pull from %s: nothing heard of the open requests for %.1fs; asking again",
+                self.consumer,
+                now - self._heard_at,
+            )
+            self.reset()
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _fail(self, failure: BusError) -> None:
+        if self._failure is None:  # the first is the cause; the others follow from it
+            self._failure = failure
+
+    async def _on_message(self, msg: Msg) -> None:
+        self._heard_at = time.monotonic()
+        if msg.reply:  # a message of the stream; statuses have no reply subject
+            try:
+                inbound = Inbound(self._nc, msg.subject, msg.data, msg.reply)
+            except BusError as exc:
+                logger.warning("pull from %s: ignored %s", self.consumer, exc)
+                return
+            if self._pending:
+                self._pending -= 1
+            if msg.headers:
+                self.pin_id = msg.headers.get(_PIN_ID, self.pin_id)
+            self._ready.append(inbound)
+        else:
+            self._on_status(msg.subject.rpartition(".")[2], msg.headers or {})
+        self._changed.set()
+
+    def _on_status(self, token: str, headers: dict[str, str]) -> None:
+        status = headers.get(_STATUS, "")
+        description = headers.get(_DESCRIPTION, "").strip()
+        if status == "100":
+            return  # idle heartbeat: our requests are alive
+        self._release(token, headers)
+        refused = f"pull from {self.consumer}: {status} {description}"
+        match status, description:
+            case "404", _:
+                self._empty = self._no_wait
+            case "408", _:
+                pass  # expired: the next fetch asks again
+            case "409", "Leadership Change" | "Server Shutdown":
+                self.reset()
+            case "409", "Consumer Deleted":
+                self.reset()
+                self._fail(BusError(f"{refused}: the consumer is gone"))
+            case "409", _ if description.startswith("Message Size Exceeds MaxBytes"):
+                if headers.get(_PENDING_BYTES) == str(self._max_bytes):
+                    self._fail(
+                        BusError(
+                            f"{refused}: the next message is larger than max_bytes "
+                            f"({self._max_bytes}), so no request can ever take it"
+                        )
+                    )
+            case "423", _:
+                self.pin_id = None
+                self._fail(
+                    PinMismatch(
+                        f"{refused}: another client holds the pin of priority group "
+                        f"{self.group!r}; the next fetch asks to be pinned anew"
+                    )
+                )
+            case "503", _:
+                self._fail(BusError(f"pull from {self.consumer}: no responders: no such consumer"))
+            case _:
+                self._fail(BusError(f"{refused}: the server refused the pull request"))
+
+    def _release(self, token: str, headers: dict[str, str]) -> None:
+        """Take what an ended request will never deliver off the count (see the docstring)."""
+        batch = self._open.pop(token, 0)
+        try:
+            undelivered = int(headers[_PENDING_MESSAGES])
+        except (KeyError, ValueError):
+            undelivered = batch
+        self._pending = max(0, self._pending - undelivered)
+
+
+# --- The bus --------------------------------------------------------------------------------
+
+# JetStream does not answer while a stream is created or NATS reconnects: retried.
+_RETRYABLE = (
+    TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+)
+_PUBLISH_ACK_TIMEOUT_S = 2.0
+_PUBLISH_BACKOFF_S = (0.05, 2.0)  # first and longest pause between attempts
+_BARRIER_TIMEOUT_S = 5.0
 
 
 class Bus:
+    """One connection to NATS and everything kvhandoff does with it. Make one with `connect`
+    (or `connect_unless`), `close` it when done."""
+
     def __init__(self, client: Client) -> None:
         self._nc = client
         self._js = client.jetstream()
-        self._inbox: Any = None
+        self._inbox_pull: Pull | None = None  # the worker's, made by `open_inbox`
+        self._pulls: set[Pull] = set()  # every started Pull, reset on a reconnect
         self._barrier_subject = client.new_inbox()
         self._barriers: dict[bytes, asyncio.Future[None]] = {}
         self._barrier_count = itertools.count()
@@ -399,6 +831,10 @@ class Bus:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _reconnected(self) -> None:
+        for pull in self._pulls:
+            pull.reset()
+
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str) -> Bus:
         """Connect, retrying with backoff while no server answers (NATS may start after us).
@@ -406,10 +842,16 @@ class Bus:
         Raises `BusRefused` at once if NATS refuses our credentials or TLS, which no retry
         can fix. Cancel the call to give up: the client of the attempt in flight is closed.
         """
+        bus: Bus | None = None
+
+        def reconnected() -> None:
+            if bus is not None:
+                bus._reconnected()
+
         delay = _CONNECT_BACKOFF_FIRST_S
         while True:
             try:
-                client = await _connect_once(settings, name)
+                client = await _connect_once(settings, name, reconnected)
             except BusRefused:
                 raise
             except BusError as exc:
@@ -418,12 +860,146 @@ class Bus:
                 delay = min(2 * delay, _CONNECT_BACKOFF_MAX_S)
                 continue
             bus = cls(client)
-            await bus._start()
+            try:
+                await bus._start()
+            except nats.errors.Error as exc:
+                await client.close()
+                raise BusError(f"cannot subscribe on NATS at {settings.url}: {exc}") from exc
+            except asyncio.CancelledError:
+                await client.close()
+                raise
             return bus
+
+    @classmethod
+    async def connect_unless(
+        cls, stop: asyncio.Event, settings: NatsSettings, name: str
+    ) -> Bus | None:
+        """`connect`, or None if `stop` is set first (a signal while NATS does not answer)."""
+        connecting = asyncio.ensure_future(cls.connect(settings, name))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            while not connecting.done():  # `connect` closes what it opened
+                # Python 3.11's wait_for, which nats-py uses, can drop a cancellation.
+                connecting.cancel()
+                await asyncio.wait([connecting], timeout=_CANCEL_AGAIN_S)
+        if connecting.cancelled():
+            return None
+        return connecting.result()  # connected just as the stop came, or BusRefused
 
     @property
     def is_connected(self) -> bool:
         return bool(self._nc.is_connected)
+
+    # --- Core NATS ------------------------------------------------------------------------
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        """Core NATS publish: buffered, in order with everything else on this connection."""
+        try:
+            await self._nc.publish(subject, payload)
+        except nats.errors.Error as exc:
+            raise BusError(f"publish to {subject} failed: {_why(exc)}") from exc
+
+    async def subscribe(self, subject: str, handler: Handler) -> Subscription:
+        """Call `handler` with every message on `subject`, one at a time, in order. The
+        subscription is registered once the next `flush` returns. A handler's exception is
+        logged, and the next message is handled."""
+
+        async def deliver(msg: Msg) -> None:
+            await handler(Message(msg.subject, msg.data, msg.reply))
+
+        try:
+            subscription = await self._nc.subscribe(subject, cb=deliver)
+        except nats.errors.Error as exc:
+            raise BusError(f"subscribe to {subject} failed: {_why(exc)}") from exc
+        return Subscription(subscription, subject)
+
+    async def gather(
+        self, subject: str, payload: bytes, *, first_reply_s: float, quiet_s: float
+    ) -> list[bytes]:
+        """Scatter-gather: publish `payload` to `subject` with a reply inbox, and collect every
+        reply, waiting up to `first_reply_s` for the first, then until `quiet_s` passes
+        without one."""
+        replies: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def collect(msg: Msg) -> None:
+            replies.put_nowait(msg.data)
+
+        inbox = self._nc.new_inbox()
+        try:
+            subscription = await self._nc.subscribe(inbox, cb=collect)
+            try:
+                await self._nc.publish(subject, payload, reply=inbox)
+                gathered: list[bytes] = []
+                wait_s = first_reply_s
+                while True:
+                    try:
+                        async with asyncio.timeout(wait_s):
+                            gathered.append(await replies.get())
+                    except TimeoutError:
+                        return gathered
+                    wait_s = quiet_s
+            finally:
+                await subscription.unsubscribe()
+        except nats.errors.Error as exc:
+            raise BusError(f"gathering replies on {subject} failed: {_why(exc)}") from exc
+
+    async def flush(self) -> None:
+        """Return once the server has everything published so far (subscriptions included),
+        and the streams have stored every `publish_stored` message (see "The barrier")."""
+        token = str(next(self._barrier_count)).encode()
+        waiter = self._barriers[token] = asyncio.get_running_loop().create_future()
+        unconfirmed, self._unconfirmed = self._unconfirmed, []
+        try:
+            await self._nc.publish(self._barrier_subject, token)
+            await asyncio.wait_for(waiter, timeout=_BARRIER_TIMEOUT_S)
+            if unconfirmed:
+                await asyncio.wait_for(asyncio.gather(*unconfirmed), timeout=_BARRIER_TIMEOUT_S)
+        except (TimeoutError, nats.errors.Error) as exc:
+            for future in unconfirmed:
+                future.cancel()
+            raise BusError(f"flush failed: {_why(exc)}") from exc
+        finally:
+            self._barriers.pop(token, None)
+
+    # --- JetStream publishing -------------------------------------------------------------
+
+    async def publish_durable(
+        self, subject: str, payload: bytes, *, give_up_after_s: float = 5.0
+    ) -> None:
+        """JetStream publish: returns once the stream stored the message. Retried with backoff
+        while no stream answers; `BusError` after `give_up_after_s`, or at once on an error
+        that no retry can fix (the stream refused the message)."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + give_up_after_s
+        # One id for every attempt: the stream stores a retried message once.
+        headers = {"Nats-Msg-Id": uuid.uuid4().hex}
+        backoff_s = _PUBLISH_BACKOFF_S[0]
+        while True:
+            attempt_s = max(min(_PUBLISH_ACK_TIMEOUT_S, give_up_at - loop.time()), 0.05)
+            try:
+                await self._js.publish(subject, payload, timeout=attempt_s, headers=headers)
+                return
+            except _RETRYABLE as exc:
+                if loop.time() + backoff_s >= give_up_at:
+                    raise BusError(
+                        f"durable publish to {subject} failed for {give_up_after_s:g}s: {_why(exc)}"
+                    ) from exc
+            except nats.errors.Error as exc:
+                raise BusError(f"durable publish to {subject} failed: {_why(exc)}") from exc
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, _PUBLISH_BACKOFF_S[1])
+
+    async def publish_stored(self, subject: str, payload: bytes) -> None:
+        """JetStream publish whose ack the next `flush` awaits: many can be in flight at once."""
+        try:
+            self._unconfirmed.append(await self._js.publish_async(subject, payload))
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"durable publish to {subject} failed: {_why(exc)}") from exc
+
+    # --- The worker's streams ---------------------------------------------------------------
 
     async def acquire_lease(self, stream: str, consumer: str, holder: LeaseHolder) -> Lease:
         """Take the lease on `consumer` of `stream` for `holder`, creating the bucket if absent.
@@ -504,7 +1080,7 @@ class Bus:
     async def open_inbox(
         self, stream: str, subjects: str, consumer: str, ack_wait_s: float, max_pending: int
     ) -> None:
-        """Create the input stream if absent, re-create the durable consumer, and bind to them.
+        """Create the input stream if absent, re-create the durable consumer, and pull from it.
 
         Re-creating the consumer takes every unacknowledged input from whoever consumes it, so
         call this only while holding the consumer's lease (`acquire_lease`).
@@ -524,11 +1100,12 @@ class Bus:
                 logger.info("created stream %s for %s", stream, subjects)
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await self._js.delete_consumer(stream, consumer)
-            self._inbox = await self._js.pull_subscribe(
-                subjects,
-                durable=consumer,
-                stream=stream,
-                config=ConsumerConfig(
+            await self._js.add_consumer(
+                stream,
+                ConsumerConfig(
+                    durable_name=consumer,
+                    name=consumer,
+                    filter_subject=subjects,
                     ack_policy=AckPolicy.EXPLICIT,
                     deliver_policy=DeliverPolicy.ALL,
                     ack_wait=ack_wait_s,
@@ -537,7 +1114,14 @@ class Bus:
                 ),
             )
         except (TimeoutError, nats.errors.Error) as exc:
-            raise BusError(f"cannot open stream {stream} / consumer {consumer}: {exc}") from exc
+            raise BusError(
+                f"cannot open stream {stream} / consumer {consumer}: {_why(exc)}"
+            ) from exc
+        if self._inbox_pull is not None:
+            await self._inbox_pull.close()
+        pull = Pull(self, stream, consumer, max_ahead=max_pending)
+        await pull.start()
+        self._inbox_pull = pull
 
     async def open_completions(self, stream: str, subjects: str, max_age_s: float) -> None:
         """Create (or update) the stream that keeps the last completion of every handoff, so a
@@ -561,58 +1145,11 @@ class Bus:
             raise BusError(f"cannot open completion stream {stream}: {exc}") from exc
 
     async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
-        """Whatever inputs are ready, up to `max_messages`; waits up to `timeout_s` for one."""
-        try:
-            messages = await self._inbox.fetch(max_messages, timeout=timeout_s)
-        except (TimeoutError, nats.errors.TimeoutError):
-            return []
-        except nats.errors.Error as exc:
-            raise BusError(f"fetch failed: {exc}") from exc
-        return [Inbound(m) for m in messages]
-
-    async def publish(self, subject: str, payload: bytes) -> None:
-        """Core NATS publish: buffered, in order with everything else on this connection."""
-        try:
-            await self._nc.publish(subject, payload)
-        except nats.errors.Error as exc:
-            raise BusError(f"publish to {subject} failed: {exc}") from exc
-
-    async def publish_durable(self, subject: str, payload: bytes) -> None:
-        """JetStream publish: returns once the stream stored the message."""
-        try:
-            await self._js.publish(subject, payload, timeout=5.0)
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise BusError(f"durable publish to {subject} failed: {exc}") from exc
-
-    async def publish_stored(self, subject: str, payload: bytes) -> None:
-        """JetStream publish whose ack the next `flush` awaits: many can be in flight at once."""
-        try:
-            self._unconfirmed.append(await self._js.publish_async(subject, payload))
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise BusError(f"durable publish to {subject} failed: {exc}") from exc
-
-    async def flush(self) -> None:
-        """Return once the server has everything published so far, and the streams have
-        stored every `publish_stored` message.
-
-        nats-py's own flush() writes its PING straight to the socket, ahead of commands still
-        in its write buffer, so its PONG proves nothing about them. A message to our own inbox
-        travels behind them: when it comes back, everything before it reached the server.
-        """
-        token = str(next(self._barrier_count)).encode()
-        waiter = self._barriers[token] = asyncio.get_running_loop().create_future()
-        unconfirmed, self._unconfirmed = self._unconfirmed, []
-        try:
-            await self._nc.publish(self._barrier_subject, token)
-            await asyncio.wait_for(waiter, timeout=5)
-            if unconfirmed:
-                await asyncio.wait_for(asyncio.gather(*unconfirmed), timeout=5)
-        except (TimeoutError, nats.errors.Error) as exc:
-            for future in unconfirmed:
-                future.cancel()
-            raise BusError(f"flush failed: {exc}") from exc
-        finally:
-            self._barriers.pop(token, None)
+        """Inputs from the inbox, in stream order: at once whatever is ready, up to
+        `max_messages`; waits up to `timeout_s` only when nothing is (see `Pull.fetch`)."""
+        if self._inbox_pull is None:
+            raise BusError("fetch before open_inbox: there is no consumer to pull from")
+        return await self._inbox_pull.fetch(max_messages, timeout_s)
 
     async def close(self) -> None:
         """Flush what was published (actions, acks), then disconnect."""

@@ -1,8 +1,8 @@
 """Mock prefill (source) and decode (destination) engines that speak only the wire vocabulary.
 
 They play the engines of Dynamo's mocker on the bus, and they double as the reference client
-for anyone writing a real engine: this module imports nothing from the worker, only `events`,
-msgspec and nats-py.
+for anyone writing a real engine: this module imports nothing from the worker but its NATS
+client, `worker.bus.Bus`; otherwise only `events` and msgspec.
 
 The contract an engine keeps
 ----------------------------
@@ -13,7 +13,7 @@ The contract an engine keeps
   effect.
 - Outcomes (`ActionOutcome`) and facts (`SourceHeld`, `DestinationReserved`, `TransferCompleted`,
   `Failed`) go to the handoff's input subject with a JetStream publish, retried with backoff
-  until the input stream has stored them (`publish_input`).
+  until the input stream has stored them (`Bus.publish_durable`).
 - The actions of one handoff run one at a time, in arrival order, and a fact is published under
   the same per-handoff lock: an outcome always precedes the facts that follow from it, and a
   cancel never overtakes the action it cancels.
@@ -97,14 +97,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
-import nats.errors
-import nats.js.errors
 from msgspec import Struct
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
-from nats.js.api import PubAck
 
 from events.codec import decode_action, encode
 from events.ids import HandoffId
@@ -137,6 +130,8 @@ from events.messages import (
     TransferCompleted,
 )
 from events.subjects import Subjects
+from worker.bus import Bus, Message, Subscription
+from worker.errors import BusError
 
 logger = logging.getLogger(__name__)
 
@@ -360,92 +355,23 @@ def settled(reports: list[EnginesReport]) -> bool:
 
 
 async def request_reports(
-    nc: Client, subjects: Subjects, *, first_reply_s: float = 1.0, quiet_s: float = 0.2
+    bus: Bus, subjects: Subjects, *, first_reply_s: float = 1.0, quiet_s: float = 0.2
 ) -> list[EnginesReport]:
-    """Ask every engine process for its report; scatter-gather over one inbox.
+    """Ask every engine process for its report (scatter-gather, `Bus.gather`).
 
     Waits up to `first_reply_s` for the first reply, then gathers replies until `quiet_s`
     passes without one. An undecodable reply is logged and skipped.
     """
-    replies: asyncio.Queue[Msg] = asyncio.Queue()
-    inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox, cb=replies.put)
-    try:
-        await nc.publish(subjects.engines_report, b"", reply=inbox)
-        reports: list[EnginesReport] = []
-        wait = first_reply_s
-        while True:
-            try:
-                reply = await asyncio.wait_for(replies.get(), wait)
-            except TimeoutError:
-                return reports
-            try:
-                reports.append(_report_decoder.decode(reply.data))
-            except msgspec.DecodeError as exc:
-                logger.warning("skipped an undecodable engines report: %s", exc)
-            wait = quiet_s
-    finally:
-        await subscription.unsubscribe()
-
-
-# --- Client helpers ------------------------------------------------------------------------
-
-
-async def sync_with_server(nc: Client, timeout_s: float = 5.0) -> None:
-    """Return once the server has processed every command this client sent before the call.
-
-    `Client.flush()` does not promise that in nats-py 2.16: its PING is written straight to the
-    socket, ahead of commands still in the client's buffer, so a SUB sent just before it can
-    reach the server after the PONG. A message to ourselves takes the same buffer as the SUBs,
-    so its echo proves they arrived.
-    """
-    echoed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    async def on_echo(_: Msg) -> None:
-        if not echoed.done():
-            echoed.set_result(None)
-
-    inbox = nc.new_inbox()
-    subscription = await nc.subscribe(inbox, cb=on_echo)
-    try:
-        await nc.publish(inbox, b"")
-        await asyncio.wait_for(echoed, timeout_s)
-    finally:
-        await subscription.unsubscribe()
-
-
-# The stream may not exist yet while the worker starts, and a reconnecting client times out.
-_RETRYABLE = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.NoStreamResponseError,
-)
-
-
-async def publish_input(
-    js: JetStreamContext,
-    subject: str,
-    payload: bytes,
-    *,
-    ack_timeout_s: float = 2.0,
-    give_up_after_s: float = 30.0,
-) -> PubAck:
-    """Store one input in the input stream, retrying with backoff until it is stored.
-
-    Returns the stream's acknowledgement. After `give_up_after_s` of failed attempts, or on an
-    error that a retry cannot fix, the last nats error propagates.
-    """
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + give_up_after_s
-    backoff_s = 0.05
-    while True:
+    reports: list[EnginesReport] = []
+    replies = await bus.gather(
+        subjects.engines_report, b"", first_reply_s=first_reply_s, quiet_s=quiet_s
+    )
+    for reply in replies:
         try:
-            return await js.publish(subject, payload, timeout=ack_timeout_s)
-        except _RETRYABLE:
-            if loop.time() + backoff_s >= give_up_at:
-                raise
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 2.0)
+            reports.append(_report_decoder.decode(reply))
+        except msgspec.DecodeError as exc:
+            logger.warning("skipped an undecodable engines report: %s", exc)
+    return reports
 
 
 # --- Engines --------------------------------------------------------------------------------
@@ -548,21 +474,28 @@ class _Handoff:
     work: asyncio.Task[None] | None = None  # the prefill, reservation, transfer or decode
 
 
-class _Bus:
-    """What the engines of a process share: one connection and one JetStream context."""
+# How long an engine keeps trying to store an outcome or a fact while NATS or the input stream
+# does not answer, before it gives the message up.
+_PUBLISH_GIVE_UP_S = 30.0
 
-    def __init__(self, nc: Client, subjects: Subjects) -> None:
-        self.js = nc.jetstream()
+
+class _Inputs:
+    """Where the engines of a process send their outcomes and facts: the handoff's input subject,
+    over the one connection they share."""
+
+    def __init__(self, bus: Bus, subjects: Subjects) -> None:
+        self.bus = bus
         self.subjects = subjects
 
     async def send(self, message: Input, payload: bytes) -> None:
+        subject = self.subjects.input(message.handoff_id)
         try:
-            await publish_input(self.js, self.subjects.input(message.handoff_id), payload)
-        except nats.errors.Error as exc:
+            await self.bus.publish_durable(subject, payload, give_up_after_s=_PUBLISH_GIVE_UP_S)
+        except BusError as exc:
             # The worker republishes the action and gets the stored outcome again; a lost fact
             # is recovered by the handoff's deadline.
             logger.error(
-                "handoff %s: could not store %s: %r",
+                "handoff %s: could not store %s: %s",
                 message.handoff_id,
                 type(message).__struct_config__.tag,
                 exc,
@@ -582,7 +515,7 @@ class MockEngine(abc.ABC):
         index: int,
         model: EngineModel,
         faults: Faults,
-        bus: _Bus,
+        inputs: _Inputs,
     ) -> None:
         self.engine_id = engine_id
         self.engine_type = engine_type
@@ -591,15 +524,15 @@ class MockEngine(abc.ABC):
         self.silent = faults.silences(index)
         self.capacity = KvCapacity(model.kv_blocks, model.max_slots)
         self.counters = EngineCounters()
-        self._bus = bus
+        self._inputs = inputs
         self._handoffs: dict[HandoffId, _Handoff] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._silent_until: float | None = None
 
     # --- Receipt ------------------------------------------------------------------------
 
-    async def on_message(self, msg: Msg) -> None:
-        """The subscription callback: decode, apply receipt faults, run the action in a task."""
+    async def on_message(self, msg: Message) -> None:
+        """The subscription handler: decode, apply receipt faults, run the action in a task."""
         try:
             action = decode_action(msg.data)
         except msgspec.DecodeError as exc:
@@ -733,10 +666,10 @@ class MockEngine(abc.ABC):
 
     async def _emit(self, message: Input) -> None:
         payload = encode(message)
-        await self._bus.send(message, payload)
+        await self._inputs.send(message, payload)
         if self.faults.duplicates(self.engine_id, payload):
             self.counters.duplicated += 1
-            await self._bus.send(message, payload)
+            await self._inputs.send(message, payload)
 
     def _start(self, record: _Handoff, work: Coroutine[Any, Any, None]) -> None:
         record.work = self._spawn(work)
@@ -958,13 +891,14 @@ class EnginesConfig:
 
 
 class MockEngines:
-    """Every engine of one process, on one NATS connection and one event loop."""
+    """Every engine of one process, on one `Bus` (which the caller connects and closes) and one
+    event loop."""
 
-    def __init__(self, nc: Client, config: EnginesConfig) -> None:
+    def __init__(self, bus: Bus, config: EnginesConfig) -> None:
         self.config = config
         self.process = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._nc = nc
-        self._bus = _Bus(nc, config.subjects)
+        self._bus = bus
+        inputs = _Inputs(bus, config.subjects)
         self.engines: dict[str, MockEngine] = {}
         roster = config.roster
         for engine_type in roster.engine_types:
@@ -979,7 +913,7 @@ class MockEngines:
                         index=index,
                         model=config.model,
                         faults=config.faults,
-                        bus=self._bus,
+                        inputs=inputs,
                     )
         self._completed: OrderedDict[HandoffId, None] = OrderedDict()
         self._subscriptions: list[Subscription] = []
@@ -989,13 +923,13 @@ class MockEngines:
         subjects = self.config.subjects
         for engine in self.engines.values():
             self._subscriptions.append(
-                await self._nc.subscribe(subjects.engine(engine.engine_id), cb=engine.on_message)
+                await self._bus.subscribe(subjects.engine(engine.engine_id), engine.on_message)
             )
-        self._subscriptions.append(await self._nc.subscribe(subjects.all_done, cb=self._on_done))
+        self._subscriptions.append(await self._bus.subscribe(subjects.all_done, self._on_done))
         self._subscriptions.append(
-            await self._nc.subscribe(subjects.engines_report, cb=self._on_report_request)
+            await self._bus.subscribe(subjects.engines_report, self._on_report_request)
         )
-        await sync_with_server(self._nc)
+        await self._bus.flush()
         logger.info("%d mock engines listening: %s", len(self.engines), ", ".join(self.engines))
 
     async def stop(self) -> EnginesReport:
@@ -1016,7 +950,7 @@ class MockEngines:
             leaks=[leak for engine in self.engines.values() for leak in engine.leaks()],
         )
 
-    async def _on_done(self, msg: Msg) -> None:
+    async def _on_done(self, msg: Message) -> None:
         try:
             action = decode_action(msg.data)
         except msgspec.DecodeError as exc:
@@ -1034,6 +968,6 @@ class MockEngines:
             for engine in self.engines.values():
                 engine.forget(oldest)
 
-    async def _on_report_request(self, msg: Msg) -> None:
+    async def _on_report_request(self, msg: Message) -> None:
         if msg.reply:
-            await self._nc.publish(msg.reply, encode(self.report()))
+            await self._bus.publish(msg.reply, encode(self.report()))

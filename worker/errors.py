@@ -8,7 +8,8 @@ into these at exactly one seam per adapter, with `raise ... from exc`.
     │   └── StoreLocked    another worker holds the log's writer lock
     ├── BusError           NATS / JetStream failed (translated in worker.bus)
     │   ├── BusRefused     NATS refused our credentials or TLS: retrying cannot help
-    │   └── LeaseHeld      another worker holds the lease on the stream's consumer
+    │   ├── LeaseHeld      another worker holds the lease on the stream's consumer
+    │   └── PinMismatch    another client holds the pin of a consumer's priority group
     ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.testing)
@@ -55,6 +56,11 @@ class LogDiverges(WorkerError):
     """Recovery replayed an open handoff and this build's coordinator issued other actions
     than the log holds: the build, not the log, is the likely culprit, so the worker refuses
     to start instead of acting differently from what it logged."""
+
+
+class PinMismatch(BusError):
+    """A pull for a consumer's priority group was refused (status 423): another client holds
+    the group's pin. Whoever acted for that group must stop; the message names the consumer."""
 
 
 class NatsServerError(WorkerError):

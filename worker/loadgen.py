@@ -10,8 +10,8 @@ The model
   cancel_within_ms. Handoff ids are fresh uuid4s whatever the seed: the worker de-duplicates
   inputs durably, so a second run must never reuse an id.
 - It subscribes to `<prefix>.done.>` and `<prefix>.rejected.>` before it publishes anything, so
-  no `Complete` can slip past it. Inputs are stored with JetStream (`publish_input`), retried
-  while the input stream does not exist yet.
+  no `Complete` can slip past it. Inputs are stored with JetStream (`Bus.publish_durable`),
+  retried while the input stream does not exist yet.
 - Pacing is a closed loop (`concurrency` handoffs open at once; the next starts when one ends)
   or, when `rate_per_s` is set, an open loop (starts at that rate however many are open).
 - A handoff ends at its first `Complete`: completed (success) or canceled (any cleanup: a
@@ -51,11 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-import nats
-import nats.errors
 from msgspec import Struct
-from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from events.codec import decode_action, decode_input, decode_rejection, encode
 from events.ids import MAX_TIMER_MS, HandoffId
@@ -68,17 +64,9 @@ from events.messages import (
     StartHandoff,
 )
 from events.subjects import Subjects
-from worker.bus import connect_options
+from worker.bus import Bus, Message
 from worker.config import NatsSettings
-from worker.engines import (
-    EnginesReport,
-    Leak,
-    Roster,
-    publish_input,
-    request_reports,
-    settled,
-    sync_with_server,
-)
+from worker.engines import EnginesReport, Leak, Roster, request_reports, settled
 from worker.errors import BusError, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -280,33 +268,29 @@ def plan_handoffs(config: LoadConfig) -> list[HandoffPlan]:
 async def run_load(
     config: LoadConfig, *, progress: Callable[[LoadProgress], None] | None = None
 ) -> LoadReport:
-    """Run one load against the bus at `config.nats.url` and report. NATS failures (cannot
-    connect, an input that could not be stored in time) raise `BusError`."""
+    """Run one load against the bus at `config.nats.url` and report. NATS failures raise
+    `BusError`: no server answered within `connect_give_up_s`, an input could not be stored
+    within `publish_give_up_s`; `BusRefused` if NATS refused our credentials or TLS."""
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(**connect_options(config.nats, "kvhandoff-load"), error_cb=_log_error),
-            config.connect_give_up_s,
+        bus = await asyncio.wait_for(
+            Bus.connect(config.nats, "kvhandoff-load"), config.connect_give_up_s
         )
-    except (TimeoutError, nats.errors.Error, OSError) as exc:
-        raise BusError(f"cannot connect to NATS at {config.nats.url}: {exc!r}") from exc
+    except TimeoutError as exc:
+        raise BusError(
+            f"cannot connect to NATS at {config.nats.url}: no answer within "
+            f"{config.connect_give_up_s:g}s"
+        ) from exc
     try:
-        return await _LoadRun(nc, config, progress).run()
-    except nats.errors.Error as exc:
-        raise BusError(f"load generation failed on the bus: {exc!r}") from exc
+        return await _LoadRun(bus, config, progress).run()
     finally:
-        await nc.close()
-
-
-async def _log_error(exc: Exception) -> None:
-    logger.warning("NATS: %s", exc)
+        await bus.close()
 
 
 class _LoadRun:
     def __init__(
-        self, nc: Client, config: LoadConfig, progress: Callable[[LoadProgress], None] | None
+        self, bus: Bus, config: LoadConfig, progress: Callable[[LoadProgress], None] | None
     ) -> None:
-        self._nc = nc
-        self._js = nc.jetstream()
+        self._bus = bus
         self._config = config
         self._progress = progress
         self._plans = plan_handoffs(config)
@@ -325,11 +309,11 @@ class _LoadRun:
     async def run(self) -> LoadReport:
         subjects = self._config.subjects
         subscriptions = [
-            await self._nc.subscribe(subjects.all_done, cb=self._on_done),
-            await self._nc.subscribe(subjects.all_rejected, cb=self._on_rejected),
+            await self._bus.subscribe(subjects.all_done, self._on_done),
+            await self._bus.subscribe(subjects.all_rejected, self._on_rejected),
         ]
         # Both must be registered before the first StartHandoff goes out.
-        await sync_with_server(self._nc)
+        await self._bus.flush()
         self._began = self._last_end = self._loop.time()
         try:
             if self._config.rate_per_s is None:
@@ -402,11 +386,11 @@ class _LoadRun:
 
     async def _publish(self, message: Input) -> None:
         subject = self._config.subjects.input(message.handoff_id)
-        await publish_input(
-            self._js, subject, encode(message), give_up_after_s=self._config.publish_give_up_s
+        await self._bus.publish_durable(
+            subject, encode(message), give_up_after_s=self._config.publish_give_up_s
         )
 
-    async def _on_done(self, msg: Msg) -> None:
+    async def _on_done(self, msg: Message) -> None:
         try:
             action = decode_action(msg.data)
         except msgspec.DecodeError as exc:
@@ -433,7 +417,7 @@ class _LoadRun:
             handoff.ended.set_result((Ending.COMPLETED, now))
         # Otherwise a success crossed the frontend's cancel, which reopens it: wait on.
 
-    async def _on_rejected(self, msg: Msg) -> None:
+    async def _on_rejected(self, msg: Message) -> None:
         try:
             rejection = decode_rejection(msg.data)
         except msgspec.DecodeError as exc:
@@ -459,7 +443,7 @@ class _LoadRun:
     async def _settle(self) -> tuple[list[EnginesReport], bool]:
         give_up_at = self._loop.time() + self._config.settle_timeout_s
         while True:
-            reports = await request_reports(self._nc, self._config.subjects)
+            reports = await request_reports(self._bus, self._config.subjects)
             if settled(reports):
                 return reports, True
             if self._loop.time() >= give_up_at:

@@ -60,6 +60,11 @@ class EmbeddedNats:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (a test pauses it with SIGSTOP)."""
+        return None if self._process is None else self._process.pid
+
     def start(self, timeout: float = 15.0) -> None:
         """Start the server and return once it accepts connections."""
         command = [

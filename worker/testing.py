@@ -28,11 +28,11 @@ Example, a test module of a downstream project (a frontend) that starts one hand
 
     os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")  # before the first start
 
-    import nats
-
     from events.codec import decode_action, encode
     from events.messages import Action, EngineType, StartHandoff
     from events.subjects import Subjects
+    from worker.bus import Bus, Message
+    from worker.config import NatsSettings
     from worker.testing import KvhandoffWorkerContainer, MockEnginesContainer, NatsContainer
 
     def test_a_handoff_completes() -> None:
@@ -52,14 +52,15 @@ Example, a test module of a downstream project (a frontend) that starts one hand
 
     async def hand_off(url: str, start: StartHandoff) -> Action:
         # Publish a StartHandoff as a frontend does, and wait for its Complete.
-        nc = await nats.connect(url)
+        frontend = await Bus.connect(NatsSettings(url=url), "frontend")
         subjects = Subjects()
+        done: asyncio.Queue[Message] = asyncio.Queue()
         try:
-            done = await nc.subscribe(subjects.done(start.handoff_id))
-            await nc.jetstream().publish(subjects.input(start.handoff_id), encode(start))
-            return decode_action((await done.next_msg(timeout=30)).data)
+            await frontend.subscribe(subjects.done(start.handoff_id), done.put)
+            await frontend.publish_durable(subjects.input(start.handoff_id), encode(start))
+            return decode_action((await asyncio.wait_for(done.get(), 30)).data)
         finally:
-            await nc.close()
+            await frontend.close()
 
 The worker's data directory is bind-mounted from the host so that `db_path` is an ordinary
 file there. Pass `data_dir=` to choose it (and to start a second worker container on the log

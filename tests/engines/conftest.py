@@ -13,10 +13,11 @@ from pathlib import Path
 
 import nats
 import pytest
-from nats.aio.client import Client
 
 from events.subjects import Subjects
 from tests.engines.harness import FAST, ONE_PAIR, WorkerSide
+from worker.bus import Bus
+from worker.config import NatsSettings
 from worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
 from worker.natsserver import EmbeddedNats
 
@@ -38,9 +39,11 @@ async def worker_side(nats_server: EmbeddedNats, subjects: Subjects) -> AsyncIte
     js = nc.jetstream()
     stream = f"IN_{subjects.prefix}"
     await js.add_stream(name=stream, subjects=[subjects.inputs])
-    side = WorkerSide(nc, subjects)
+    bus = await Bus.connect(NatsSettings(url=nats_server.url), "worker-side")
+    side = WorkerSide(bus, subjects)
     await side.start()
     yield side
+    await bus.close()
     await js.delete_stream(stream)
     await nc.close()
 
@@ -53,24 +56,24 @@ async def start_engines(
     nats_server: EmbeddedNats, subjects: Subjects
 ) -> AsyncIterator[StartEngines]:
     """Starts mock engines on their own connection; stopped at the end of the test."""
-    started: list[tuple[Client, MockEngines]] = []
+    started: list[tuple[Bus, MockEngines]] = []
 
     async def start(
         model: EngineModel = FAST, faults: Faults | None = None, roster: Roster = ONE_PAIR
     ) -> MockEngines:
-        nc = await nats.connect(nats_server.url)
+        bus = await Bus.connect(NatsSettings(url=nats_server.url), "test-engines")
         config = EnginesConfig(
             roster=roster, model=model, faults=faults or Faults(), subjects=subjects
         )
-        engines = MockEngines(nc, config)
+        engines = MockEngines(bus, config)
         await engines.start()
-        started.append((nc, engines))
+        started.append((bus, engines))
         return engines
 
     yield start
-    for nc, engines in started:
+    for bus, engines in started:
         await engines.stop()
-        await nc.close()
+        await bus.close()
 
 
 @pytest.fixture

@@ -10,20 +10,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from uuid import UUID
 
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-
 from events.codec import decode_input, encode
 from events.messages import Action, Complete, EngineType, HandoffCompletion, Input
 from events.subjects import Subjects
-from worker.engines import (
-    EngineModel,
-    EnginesReport,
-    MockEngine,
-    Roster,
-    request_reports,
-    sync_with_server,
-)
+from worker.bus import Bus, Message
+from worker.engines import EngineModel, EnginesReport, MockEngine, Roster, request_reports
 
 SOURCE = "vllm-prefill-0"
 DESTINATION = "vllm-decode-0"
@@ -38,27 +29,27 @@ FAST = EngineModel(shortest_prompt=PROMPT, longest_prompt=PROMPT, speedup=1000.0
 class WorkerSide:
     """The worker's half of the bus, scripted by a test."""
 
-    def __init__(self, nc: Client, subjects: Subjects) -> None:
-        self.nc = nc
+    def __init__(self, bus: Bus, subjects: Subjects) -> None:
+        self.bus = bus
         self.subjects = subjects
         self._inputs: defaultdict[UUID, asyncio.Queue[Input]] = defaultdict(asyncio.Queue)
 
     async def start(self) -> None:
-        await self.nc.subscribe(self.subjects.inputs, cb=self._on_input)
-        await sync_with_server(self.nc)
+        await self.bus.subscribe(self.subjects.inputs, self._on_input)
+        await self.bus.flush()
 
-    async def _on_input(self, msg: Msg) -> None:
+    async def _on_input(self, msg: Message) -> None:
         message = decode_input(msg.data)
         self._inputs[message.handoff_id].put_nowait(message)
 
     async def send(self, engine_id: str, action: Action) -> None:
-        await self.nc.publish(self.subjects.engine(engine_id), encode(action))
+        await self.bus.publish(self.subjects.engine(engine_id), encode(action))
 
     async def complete(
         self, handoff_id: UUID, completion: HandoffCompletion = HandoffCompletion.SUCCESS
     ) -> None:
         action = Complete(handoff_id, 99, completion)
-        await self.nc.publish(self.subjects.done(handoff_id), encode(action))
+        await self.bus.publish(self.subjects.done(handoff_id), encode(action))
 
     async def next(self, handoff_id: UUID, wait_s: float = 5.0) -> Input:
         """The next input an engine published for the handoff."""
@@ -80,7 +71,7 @@ class WorkerSide:
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + wait_s
         while True:
-            reports = await request_reports(self.nc, self.subjects, quiet_s=0.05)
+            reports = await request_reports(self.bus, self.subjects, quiet_s=0.05)
             assert len(reports) == 1
             if condition(reports[0]):
                 return reports[0]

@@ -196,9 +196,9 @@ async def test_malformed_actions_are_ignored_and_the_engine_carries_on(
 ) -> None:
     engines = await start_engines()
     subject = worker_side.subjects.engine(SOURCE)
-    await worker_side.nc.publish(subject, b"not json")
-    await worker_side.nc.publish(subject, b'{"type": "submit_prefill", "handoff_id": "nope"}')
-    await worker_side.nc.publish(subject, b'{"type": "explode", "action_id": 0}')
+    await worker_side.bus.publish(subject, b"not json")
+    await worker_side.bus.publish(subject, b'{"type": "submit_prefill", "handoff_id": "nope"}')
+    await worker_side.bus.publish(subject, b'{"type": "explode", "action_id": 0}')
     h = uuid.uuid4()
     await worker_side.send(SOURCE, SubmitPrefill(h, 0))
     await worker_side.expect(h, ActionOutcome(h, 0, SUBMITTED))

@@ -11,6 +11,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 from events.messages import ActionOutcome, SourceHeld, SubmitPrefill
 from events.subjects import Subjects
 from tests.engines.harness import FAST, SOURCE, WorkerSide
@@ -91,3 +93,20 @@ async def test_engines_exit_1_and_name_the_leak_when_stopped_holding_a_completed
     out, _ = await asyncio.wait_for(engines.communicate(), 30)
     assert engines.returncode == 1
     assert str(h) in out.decode()
+
+
+@pytest.mark.parametrize("command", [["engines", *FAST_ENGINES], ["load", "--handoffs", "1"]])
+def test_credentials_that_nats_refuses_exit_2_at_once_naming_the_setting(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # Like the worker: a refusal is final, where nats-py alone would retry it for ever.
+    config = "authorization { user: worker, password: secret }"
+    with EmbeddedNats(tmp_path, config=config) as server:
+        result = subprocess.run(
+            [*KVHANDOFF, command[0], "--nats-url", server.url,
+             "--nats-user", "worker", "--nats-password", "wrong", *command[1:]],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"NATS at {server.url} refused the connection" in result.stderr
+    assert "check --nats-user/--nats-password" in result.stderr

@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import nats
 from rich.console import Console
 
 from events.subjects import Subjects
+from worker.bus import Bus
 from worker.commands.load import print_summary, run_with_progress
 from worker.config import NatsSettings
 from worker.engines import Roster, request_reports
@@ -171,14 +171,14 @@ def _wait_healthy(port: int, children: _Children) -> None:
 
 
 async def _wait_for_engines(url: str) -> None:
-    client = await nats.connect(url)
+    bus = await Bus.connect(NatsSettings(url=url), "kvhandoff-demo")
     try:
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while not await request_reports(client, Subjects()):
+        while not await request_reports(bus, Subjects()):
             if time.monotonic() > deadline:
                 raise _DemoError(f"the engines did not answer within {_READY_TIMEOUT_S:.0f}s")
     finally:
-        await client.close()
+        await bus.close()
 
 
 def _point_at_the_log(db: Path, console: Console) -> None:

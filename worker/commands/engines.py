@@ -1,28 +1,25 @@
 """`kvhandoff engines`: mock source and destination engines on the bus, until SIGINT or SIGTERM.
 
 On stop it prints each engine's accounting and the leaks it found, and exits 0 if there were
-none, 1 otherwise. The roster options (`--engine-types`, `--sources`, `--destinations`) are also
-the load generator's, so that both name the same engines.
+none, 1 otherwise. A NATS that is not up yet is waited for (a signal ends the wait, exit 1); one
+that refuses our credentials or TLS ends the command at once with exit 2 and one line naming the
+setting to check, as for the worker. The roster options (`--engine-types`, `--sources`,
+`--destinations`) are also the load generator's, so that both name the same engines.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import logging
 import signal
 import sys
 
-import nats
-import nats.errors
-from nats.aio.client import Client
 from rich.console import Console
 from rich.table import Table
 
 from events.messages import EngineType, KvTransferTimingMode
 from events.subjects import Subjects
-from worker.bus import connect_options
+from worker.bus import Bus
 from worker.config import NatsSettings, add_nats_arguments, nats_settings
 from worker.engines import (
     DEFAULT_DESTINATIONS,
@@ -36,10 +33,8 @@ from worker.engines import (
     MockEngines,
     Roster,
 )
-from worker.errors import ConfigError
+from worker.errors import BusError, BusRefused, ConfigError
 from worker.logs import configure_logging
-
-logger = logging.getLogger("worker.engines.command")
 
 
 def _engine_types(text: str) -> tuple[EngineType, ...]:
@@ -231,7 +226,11 @@ def execute(args: argparse.Namespace) -> int:
         print(f"kvhandoff engines: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, args.log_format)
-    report = asyncio.run(serve(settings, config))
+    try:
+        report = asyncio.run(serve(settings, config))
+    except BusError as exc:
+        print(f"kvhandoff engines: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, BusRefused) else 1
     if report is None:
         return 1
     print_report(report, Console())
@@ -245,41 +244,16 @@ async def serve(settings: NatsSettings, config: EnginesConfig) -> EnginesReport 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    nc = await _connect(settings, stop)
-    if nc is None:
+    bus = await Bus.connect_unless(stop, settings, "kvhandoff-engines")
+    if bus is None:
         return None
-    engines = MockEngines(nc, config)
+    engines = MockEngines(bus, config)
     try:
         await engines.start()
         await stop.wait()
         return await engines.stop()
     finally:
-        await nc.close()
-
-
-async def _connect(settings: NatsSettings, stop: asyncio.Event) -> Client | None:
-    """Connect, waiting for NATS as long as it takes (it may start after us), or None if a
-    signal came first."""
-
-    async def log_error(exc: Exception) -> None:
-        logger.warning("NATS: %s", exc)
-
-    connecting = asyncio.create_task(
-        nats.connect(**connect_options(settings, "kvhandoff-engines"), error_cb=log_error)
-    )
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if not connecting.done():
-        connecting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await connecting
-        return None
-    try:
-        return connecting.result()
-    except (nats.errors.Error, OSError) as exc:
-        logger.error("cannot connect to NATS at %s: %s", settings.url, exc)
-        return None
+        await bus.close()
 
 
 def print_report(report: EnginesReport, console: Console) -> None:

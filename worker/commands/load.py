@@ -1,7 +1,8 @@
 """`kvhandoff load`: start handoffs, wait for each to end, report throughput, latency and leaks.
 
 Exits 0 when every handoff ended with a `Complete` (completed or canceled) and no engine reports
-a leak, 1 otherwise or when NATS cannot be reached, 2 on invalid options. A progress bar runs
+a leak, 1 otherwise or when NATS cannot be reached, 2 on invalid options or when NATS refuses our
+credentials or TLS (one line naming the setting to check). A progress bar runs
 while it works if stdout is a terminal (not with `--quiet`); a summary table follows, and
 `--json PATH` (or `-` for stdout) writes the report as JSON.
 """
@@ -20,7 +21,7 @@ from rich.table import Table
 
 from worker.commands.engines import add_roster_arguments, print_leaks, roster
 from worker.config import add_nats_arguments, nats_settings, parse_duration
-from worker.errors import BusError, ConfigError
+from worker.errors import BusError, BusRefused, ConfigError
 from worker.loadgen import LoadConfig, LoadProgress, LoadReport, run_load
 from worker.logs import configure_logging
 
@@ -117,7 +118,7 @@ def execute(args: argparse.Namespace) -> int:
         report = asyncio.run(run_with_progress(config, console if show_progress else None))
     except BusError as exc:
         print(f"kvhandoff load: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, BusRefused) else 1
     if args.json != "-":
         print_summary(report, console)
     if args.json is not None:
