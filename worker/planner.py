@@ -200,6 +200,8 @@ class Planner:
                 self._reject(r, index, item.handoff_id, item.reason, label=item.label)
             elif (handoff := self._apply(r, index, item)) is not None:
                 touched[item.handoff_id] = handoff
+        for handoff in touched.values():
+            r.plan.batch.upsert_handoff(handoff.row)  # its row as this batch leaves it
         for handoff in [*touched.values(), *visiting]:
             if handoff.coordinator.is_complete:
                 handoff_id = handoff.start.handoff_id
@@ -295,7 +297,6 @@ class Planner:
             plan.answered.append((handoff_id, message.action_id))
         plan.inputs[str(message.__struct_config__.tag)] += 1
         _project(handoff, seq, r.now_ms)
-        plan.batch.upsert_handoff(handoff.row)
         plan.acks.append(index)
         return handoff
 

@@ -13,7 +13,11 @@ fetched and planned. What may overlap, and why it is safe:
 
 - Planning k+1 mutates the handoffs in memory on top of k's effects before k has committed. That
   is only ever visible inside this process: nothing of k+1 is written, published or settled until
-  k's carry-out returned and k+1's own commit did.
+  k's carry-out returned and k+1's own commit did. (A batch's rows are copies taken when it was
+  planned, so k's commit writes k's state of a handoff, not k+1's.)
+- Planning reads the log only for handoffs not in memory. A handoff that k completed has left
+  memory before k committed, so a read of one waits for k's carry-out first; any other handoff
+  not in memory is not in k either, so its read may overtake k's commit.
 - Commits stay in order and one at a time (one writer): k+1's carry-out starts after k's ended.
 - An action is published only after the commit that recorded it, and an input acknowledged only
   after its commit: each within its own batch's carry-out.
@@ -68,7 +72,7 @@ from worker.bus import Bus, Inbound
 from worker.config import WorkerConfig
 from worker.errors import BusError, LogDiverges, StoreError
 from worker.metrics import Metrics
-from worker.planner import Plan, Planner
+from worker.planner import Decoded, Plan, Planner
 from worker.store import Batch, CorruptHandoff, EventLog, HandoffRow
 from worker.timers import TimerQueue
 
@@ -111,13 +115,25 @@ class Worker:
         await self._recover_when_possible(stop, first_wait_s=0.0)
         timers = asyncio.create_task(self._run_timers(stop), name="kvhandoff-timers")
         carrying: asyncio.Task[None] | None = None  # the previous batch's carry-out
+        evicted: set[UUID] = set()  # handoffs that batch completed and took out of memory
         try:
             while not stop.is_set():
                 deliveries = await self._fetch()
                 plan = None
                 if deliveries:
+                    decoded = self._planner.decode(deliveries)
+                    missing = self._planner.missing(decoded)
+                    if carrying is not None and not evicted.isdisjoint(missing):
+                        # A handoff the previous batch completed has left memory, but that
+                        # batch may not have committed yet: let it finish before reading.
+                        failure = await _failure_of(carrying)
+                        carrying = None
+                        if failure is not None:
+                            await self._give_back(deliveries, self._commit_backoff_s)
+                            await self._failed(failure, stop)
+                            continue
                     try:
-                        plan = await self._plan(deliveries)
+                        plan = await self._plan(deliveries, decoded, missing)
                     except StoreError as exc:  # the read failed before anything was applied
                         logger.error("cannot read the log (%s); inputs will be redelivered", exc)
                         await self._give_back(deliveries, self._commit_backoff_s)
@@ -131,6 +147,7 @@ class Worker:
                         continue
                 if plan is not None:
                     carrying = asyncio.create_task(self._carry_out(plan, deliveries))
+                    evicted = set(plan.left_memory)
                 elif self._published:
                     carrying = asyncio.create_task(self._carry_out(Plan(), []))
         finally:
@@ -146,7 +163,9 @@ class Worker:
 
     async def process(self, deliveries: list[Inbound]) -> None:
         """Plan one fetched batch and carry it out, without overlap (tests and benches)."""
-        await self._carry_out(await self._plan(deliveries), deliveries)
+        decoded = self._planner.decode(deliveries)
+        plan = await self._plan(deliveries, decoded, self._planner.missing(decoded))
+        await self._carry_out(plan, deliveries)
 
     async def _fetch(self) -> list[Inbound]:
         try:
@@ -275,11 +294,9 @@ class Worker:
 
     # --- A batch ------------------------------------------------------------------------
 
-    async def _plan(self, deliveries: list[Inbound]) -> Plan:
-        """Decode, load what is not in memory, and apply the batch to the handoffs in memory."""
+    async def _plan(self, deliveries: list[Inbound], decoded: Decoded, missing: list[UUID]) -> Plan:
+        """Load the handoffs the batch names that are not in memory, and apply the batch."""
         planner = self._planner
-        decoded = planner.decode(deliveries)
-        missing = planner.missing(decoded)
         loaded = await self._log.load(missing) if missing else {}
         plan = planner.plan(deliveries, decoded, loaded, _now_ms(), time.time())
         for handoff_id, due in plan.new_deadlines:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import os
 import socket
@@ -140,8 +141,9 @@ class Batch:
         )  # fmt: skip
 
     def upsert_handoff(self, row: HandoffRow) -> None:
-        """Write the handoff's projection as it stands at the end of this batch."""
-        self.handoffs[row.handoff_id] = row
+        """Write the handoff's projection as it stands now: a copy, because the worker goes on
+        changing its row (the next batch is planned before this one commits)."""
+        self.handoffs[row.handoff_id] = dataclasses.replace(row)
 
     def mark_published(self, handoff_id: UUID, seq: int, at_ms: int) -> None:
         self.published.append((at_ms, str(handoff_id), seq))

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
+from uuid import UUID
 
 from worker import service
 from worker.bus import Inbound
 from worker.cli import main
-from worker.planner import Plan
+from worker.planner import Decoded, Plan
 from worker.store import Batch
 
 _AFTER = int(os.environ.get("KVHANDOFF_CRASH_AFTER_COMMITS", "3"))
@@ -24,8 +25,10 @@ _plan = service.Worker._plan
 _commit = service.Worker._commit
 
 
-async def _counting_plan(self: service.Worker, deliveries: list[Inbound]) -> Plan:
-    plan = await _plan(self, deliveries)
+async def _counting_plan(
+    self: service.Worker, deliveries: list[Inbound], decoded: Decoded, missing: list[UUID]
+) -> Plan:
+    plan = await _plan(self, deliveries, decoded, missing)
     _seen["plans"] += 1
     return plan
 

@@ -1,5 +1,6 @@
 """The batch planner without NATS or SQLite: however a run of deliveries is cut into batches,
-the log it writes and the way it settles each delivery are those of applying them one by one.
+the log it writes and the way it settles each delivery are those of applying them one by one,
+also when each batch commits only after the next was planned, as in the worker's pipeline.
 
 The deliveries are the success paths of a few handoffs (some canceled part-way), interleaved,
 with exact duplicates, early inputs (a later input moved before an earlier one), inputs refused
@@ -55,7 +56,9 @@ class MemoryLog:
             assert seq == len(logged), "sequence numbers must follow the log without gaps"
             logged.append(LoggedEvent(seq, at_ms, decode_record(record), digest, None))
         for handoff_id, row in batch.handoffs.items():
-            self.rows[handoff_id] = dataclasses.replace(row)  # memory keeps changing it
+            # A row is the projection of its log as this commit leaves it, not a later state.
+            assert row.last_seq == len(self.events[handoff_id]) - 1, (row, "ahead of its log")
+            self.rows[handoff_id] = dataclasses.replace(row)
         self.rejections += [(hid, reason) for _, hid, reason, _ in batch.rejections]
         assert not batch.quarantined
 
@@ -118,11 +121,20 @@ def deliveries(draw: st.DrawFn) -> list[Delivery]:
     return [Delivery(data, subject, 1, seq) for seq, (subject, data) in enumerate(stream)]
 
 
-def run(stream: list[Delivery], cuts: list[int]) -> tuple[MemoryLog, list[str]]:
-    """Plan the stream in batches ending at `cuts`; the log and how each delivery was settled."""
+def run(
+    stream: list[Delivery], cuts: list[int], *, pipelined: bool = False
+) -> tuple[MemoryLog, list[str]]:
+    """Plan the stream in batches ending at `cuts`; the log and how each delivery was settled.
+
+    `pipelined` commits each batch only after the next one was planned, as the worker's loop
+    does, except that a batch that must read a handoff the previous batch took out of memory
+    waits for the previous commit first; other reads overtake it.
+    """
     planner = Planner(SUBJECTS, defer_budget=4, ack_wait_s=30.0)
     log = MemoryLog()
     settled: dict[int, str] = {}
+    uncommitted: list[Batch] = []
+    evicted: set[UUID] = set()
     begin = 0
     for end in [*sorted(set(cuts)), len(stream)]:
         batch = stream[begin:end]
@@ -130,14 +142,23 @@ def run(stream: list[Delivery], cuts: list[int]) -> tuple[MemoryLog, list[str]]:
         if not batch:
             continue
         decoded = planner.decode(batch)
-        plan = planner.plan(batch, decoded, log.load(planner.missing(decoded)), NOW_MS, 0.0)
-        log.commit(plan.batch)
+        missing = planner.missing(decoded)
+        if evicted.intersection(missing) or not pipelined:
+            for earlier in uncommitted:
+                log.commit(earlier)
+            uncommitted.clear()
+        plan = planner.plan(batch, decoded, log.load(missing), NOW_MS, 0.0)
+        for earlier in uncommitted:
+            log.commit(earlier)
+        uncommitted, evicted = [plan.batch], set(plan.left_memory)
         for i in plan.acks:
             settled[batch[i].stream_seq] = "ack"
         for i, rejection in plan.terms:
             settled[batch[i].stream_seq] = f"term: {rejection.reason}"
         for i, _ in plan.naks:
             settled[batch[i].stream_seq] = "nak"
+    for earlier in uncommitted:
+        log.commit(earlier)
     assert sorted(settled) == [d.stream_seq for d in stream], "every delivery settled once"
     return log, [settled[d.stream_seq] for d in stream]
 
@@ -148,8 +169,9 @@ def test_any_cut_into_batches_plans_what_one_by_one_does(
     stream: list[Delivery], data: st.DataObject
 ) -> None:
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=6))
+    pipelined = data.draw(st.booleans())
     one_by_one, settled_singly = run(stream, list(range(len(stream))))
-    batched, settled_batched = run(stream, cuts)
+    batched, settled_batched = run(stream, cuts, pipelined=pipelined)
     assert batched.events == one_by_one.events
     assert batched.rows == one_by_one.rows
     assert batched.rejections == one_by_one.rejections
