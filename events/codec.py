@@ -24,8 +24,9 @@ a bound existed must stay readable by the tools.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from types import NoneType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 from uuid import UUID
 
 import msgspec
@@ -34,6 +35,8 @@ import msgspec.inspect as mi
 from events.errors import LogCorrupt
 from events.messages import Action, Input, Rejection
 from events.records import SCHEMA_VERSION, LogRecord
+
+T = TypeVar("T")
 
 _json_encoder = msgspec.json.Encoder()
 _input_decoder = msgspec.json.Decoder(Input)
@@ -62,34 +65,24 @@ def _checked(data: bytes | str) -> bytes | str:
     return data
 
 
-def decode_input(data: bytes | str) -> Input:
-    """An input from its JSON; any other bytes raise `msgspec.DecodeError` (see above)."""
-    try:
-        return _input_decoder.decode(_checked(data))
-    except RecursionError as exc:
-        raise _malformed("nested too deeply", exc) from exc
-    except UnicodeDecodeError as exc:
-        raise _malformed("not UTF-8", exc) from exc
+def _total(decoder: msgspec.json.Decoder[T], what: str) -> Callable[[bytes | str], T]:
+    """`decoder.decode`, made total: any failure to decode is a `msgspec.DecodeError`."""
+
+    def decode(data: bytes | str) -> T:
+        try:
+            return decoder.decode(_checked(data))
+        except RecursionError as exc:
+            raise _malformed("nested too deeply", exc) from exc
+        except UnicodeDecodeError as exc:
+            raise _malformed("not UTF-8", exc) from exc
+
+    decode.__doc__ = f"{what} from its JSON; any other bytes raise `msgspec.DecodeError`."
+    return decode
 
 
-def decode_action(data: bytes | str) -> Action:
-    """An action from its JSON; any other bytes raise `msgspec.DecodeError` (see above)."""
-    try:
-        return _action_decoder.decode(_checked(data))
-    except RecursionError as exc:
-        raise _malformed("nested too deeply", exc) from exc
-    except UnicodeDecodeError as exc:
-        raise _malformed("not UTF-8", exc) from exc
-
-
-def decode_rejection(data: bytes | str) -> Rejection:
-    """A rejection from its JSON; any other bytes raise `msgspec.DecodeError` (see above)."""
-    try:
-        return _rejection_decoder.decode(_checked(data))
-    except RecursionError as exc:
-        raise _malformed("nested too deeply", exc) from exc
-    except UnicodeDecodeError as exc:
-        raise _malformed("not UTF-8", exc) from exc
+decode_input = _total(_input_decoder, "An input")
+decode_action = _total(_action_decoder, "An action")
+decode_rejection = _total(_rejection_decoder, "A rejection")
 
 
 def decode_record(blob: bytes) -> LogRecord:
