@@ -27,6 +27,8 @@ What is measured
 - ``commit ms/batch``: the wall time of each `EventLog.commit` (the transaction, its fsync with
   `--synchronous FULL`, the worker's default), the median over every batch of a run; and
   ``commit us/handoff``, all commits of a run divided by its handoffs.
+- ``plan us/handoff``: the planner's time (decode, load, apply, encode the rows), all batches
+  of a run divided by its handoffs, for what the layout costs before the commit.
 
 Each run writes a fresh file; the sizes are the same in every run (the traffic is seeded), the
 times are the median of `--runs` runs (default 3). `--keep PATH` keeps the last run's log there.
@@ -120,6 +122,7 @@ def traffic(handoffs: int, window: int, seed: int = 20261201) -> list[Delivery]:
 
 @dataclass(frozen=True, slots=True)
 class Run:
+    plans: float  # seconds planning, in all
     commits: list[float]  # seconds per commit
     size: int  # bytes, checkpointed
     rows: int  # events rows
@@ -128,30 +131,33 @@ class Run:
 
 def write(path: Path, deliveries: Sequence[Delivery], batch_size: int, sync: str) -> Run:
     """Write the traffic to a new log at `path` as the worker would, and measure it."""
-    commits = asyncio.run(_write(path, deliveries, batch_size, sync))
+    plans, commits = asyncio.run(_write(path, deliveries, batch_size, sync))
     with closing(sqlite3.connect(path, isolation_level=None)) as db:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         (rows,) = db.execute("SELECT count(*) FROM events").fetchone()
         tables = _tables(db)
-    return Run(commits, path.stat().st_size, int(rows), tables)
+    return Run(plans, commits, path.stat().st_size, int(rows), tables)
 
 
 async def _write(
     path: Path, deliveries: Sequence[Delivery], batch_size: int, sync: str
-) -> list[float]:
+) -> tuple[float, list[float]]:
     planner = Planner(_SUBJECTS, batch_size, _ACK_WAIT_S)
     log = await EventLog.open(path, sync)
+    plans = 0.0
     commits: list[float] = []
     marks: list[tuple[uuid.UUID, int]] = []  # the last batch's actions, published meanwhile
     clock = time.perf_counter
     try:
         for first in range(0, len(deliveries), batch_size):
             batch = deliveries[first : first + batch_size]
+            planning = clock()
             decoded = planner.decode(batch)
             missing = planner.missing(decoded)
             loaded = await log.load(missing) if missing else {}
             now_ms = time.time_ns() // 1_000_000
             plan = planner.plan(batch, decoded, loaded, now_ms, time.time())
+            plans += clock() - planning
             if plan.terms or plan.naks or plan.duplicates:
                 raise SystemExit(f"the traffic went wrong: {plan.reasons}")
             for handoff_id, seq in marks:
@@ -167,7 +173,7 @@ async def _write(
             await log.commit(last)
     finally:
         await log.close()
-    return commits
+    return plans, commits
 
 
 def _tables(db: sqlite3.Connection) -> list[tuple[str, int, int, int]]:
@@ -210,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = len(last.commits)
     per_batch_ms = statistics.median(statistics.median(r.commits) for r in runs) * 1e3
     per_handoff_us = statistics.median(sum(r.commits) for r in runs) / n * 1e6
+    plan_us = statistics.median(r.plans for r in runs) / n * 1e6
     print(
         f"python {sys.version.split()[0]}, sqlite {sqlite3.sqlite_version}, {n:,} handoffs,"
         f" {len(deliveries):,} inputs in {batches:,} batches of up to {args.batch_size},"
@@ -219,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"bytes/handoff {last.size / n:,.0f}   rows/handoff {last.rows / n:.1f}"
         f"   commit ms/batch {per_batch_ms:.2f} (median)   commit us/handoff {per_handoff_us:.0f}"
+        f"   plan us/handoff {plan_us:.0f}"
     )
     if last.tables:
         print(f"{'table or index':<32} {'bytes/handoff':>13} {'payload':>8} {'fill':>5}")

@@ -155,10 +155,12 @@ class _Split:
     """Where one message type's record is cut, and what the cut takes away."""
 
     code: int
-    record_head: bytes  # the record's map header, its tag, and the key of its time
-    message_key: bytes  # the key of the message in the record
     message_head: bytes  # the message's tag and the handoff id's key, up to the id's 16 bytes
     fields_at: int  # where the message's other fields begin in its encoding
+    record_head: bytes  # the record's map header, its tag, and the key of its time
+    # What comes between the time and the handoff id's 16 bytes: the key of the message, its
+    # map header, its tag and the id's key, by how many other fields the message has.
+    middles: tuple[bytes, ...]
 
 
 def _splits() -> dict[type, _Split]:
@@ -178,15 +180,19 @@ def _splits() -> dict[type, _Split]:
             if fields[0] != "handoff_id" or len(fields) >= _FIXMAP_MAX:
                 raise TypeError(f"{message_type.__name__} cannot be split: {fields}")
             head = _key(message.tag_field) + _key(message.tag) + _ID_ENTRY
-            code = TYPE_CODES[message.tag]
-            splits[message_type] = _Split(
-                code, record_head, _key(message_field), head, 1 + len(head) + 16
+            middles = tuple(
+                _key(message_field) + _BYTES[0x80 | (others + 2)] + head
+                for others in range(_FIXMAP_MAX - 1)
             )
+            code = TYPE_CODES[message.tag]
+            splits[message_type] = _Split(code, head, 1 + len(head) + 16, record_head, middles)
     return splits
 
 
 _SPLITS = _splits()
-_BY_CODE = {split.code: split for split in _SPLITS.values()}
+# By type number, what `join_record` puts around a record's time and fields.
+_JOINS = {split.code: (split.record_head, split.middles) for split in _SPLITS.values()}
+_LAST_HEADER = 0x80 | (_FIXMAP_MAX - 2)  # the largest map of fields a message can have
 
 
 def split_record(record: LogRecord) -> tuple[int, bytes]:
@@ -213,18 +219,18 @@ def join_record(handoff_id: bytes, code: int, at_ms: int, fields: bytes) -> byte
         raise LogCorrupt(f"log record's fields are {type(fields).__name__}, not bytes")
     if code == VERBATIM:
         return fields
-    split = _BY_CODE.get(code)
-    if split is None:
+    join = _JOINS.get(code)
+    if join is None:
         raise LogCorrupt(f"log record of unknown type {code!r}")
-    if not fields or fields[0] >> 4 != 0x8 or (fields[0] & 0xF) > _FIXMAP_MAX - 2:
+    if not fields or not 0x80 <= fields[0] <= _LAST_HEADER:
         raise LogCorrupt("log record's fields are not a msgpack map of a message's fields")
+    # `verify` joins every record it reads: one join of bytes, no more.
+    record_head, middles = join
     return b"".join(
         (
-            split.record_head,
+            record_head,
             _record_encoder.encode(at_ms),
-            split.message_key,
-            _BYTES[fields[0] + 2],
-            split.message_head,
+            middles[fields[0] & 0xF],
             handoff_id,
             fields[1:],
             _VERSION_ENTRY,

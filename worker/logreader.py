@@ -322,16 +322,30 @@ class SqliteLog(_Closing):
             yield rows
 
     def _scan(self) -> Iterator[list[StoredRecord]]:
+        # `_owned`'s merge and `_stored`, inlined into `verify`'s hot loop.
+        join = join_record
         rows: list[StoredRecord] = []
-        current = raw = None
+        current, raw = -1, b""
+        handoffs = self._db.execute(SCAN_KEYS)
+        owner_key, owner = -1, ""
         try:
-            for handoff_id, (key, seq, code, at_ms, fields) in self._owned(SCAN_EVENTS):
+            for key, seq, code, at_ms, fields in self._db.execute(SCAN_EVENTS):
                 if key != current:
                     if rows:
                         yield rows
-                    rows, current, raw = [], key, _uuid(handoff_id).bytes
-                assert raw is not None
-                rows.append((seq, None, _stored(raw, code, at_ms, fields)))
+                        rows = []
+                    current = key
+                    while owner_key < key and (following := handoffs.fetchone()) is not None:
+                        owner_key, owner = following
+                    # Events filed under a key no handoff has belong to none (see `_owned`).
+                    raw = _uuid(owner).bytes if owner_key == key else b""
+                if not raw:
+                    continue
+                try:
+                    blob = join(raw, code, at_ms, fields)
+                except LogCorrupt as exc:
+                    blob = _unjoined(exc)
+                rows.append((seq, None, blob))
         except sqlite3.Error as exc:
             raise StoreError(f"reading {self.path} failed: {exc}") from exc
         if rows:
@@ -516,13 +530,18 @@ def _decode_joined(handoff_id: UUID, seq: int, code: int, at_ms: int, fields: by
 
 
 def _stored(raw: bytes, code: int, at_ms: int, fields: bytes) -> bytes:
-    """A layout-2 record put back together, for `check_stored`. If it cannot be, a map that is
-    no record, whose kind says why: the check reports a record that does not decode, and the
-    decoder's error quotes the kind."""
+    """A layout-2 record put back together, for `check_stored` (or `_unjoined`)."""
     try:
         return join_record(raw, code, at_ms, fields)
     except LogCorrupt as exc:
-        return msgspec.msgpack.encode({"record": str(exc)})
+        return _unjoined(exc)
+
+
+def _unjoined(exc: LogCorrupt) -> bytes:
+    """For `check_stored`, a record that cannot be put back together: a map that is no record,
+    whose kind says why, so that the check reports a record that does not decode, and the
+    decoder's error quotes the kind."""
+    return msgspec.msgpack.encode({"record": str(exc)})
 
 
 def _summary(row: Sequence[object]) -> HandoffSummary:
