@@ -5,23 +5,25 @@ Run as `python bench/replay.py [--events N] [--runs N] [--db PATH]`.
 The log
 -------
 At least `--events` events (default 1,000,000), written by the worker's own writer
-(`worker.store.EventLog` and `Batch`) from copies of the golden v1 log
-(`tests/tools/golden/v1/log.sqlite3`): each copy of each golden handoff gets a fresh id and
-shifted times, so the mix of orders, successes, cancels, failures, timeouts and open handoffs is
-the golden one (about ten events per handoff). The file is kept at `--db` and reused while it
-holds enough events.
+(`worker.store.EventLog` and `Batch`, so in the layout this build writes) from copies of the
+golden log (`tests/tools/golden/v2/log.sqlite3`): each copy of each golden handoff gets a fresh
+id and shifted times, so the mix of orders, successes, cancels, failures, timeouts and open
+handoffs is the golden one (about ten events per handoff). The file is kept at `--db` and
+reused while it holds enough events (delete it after a change of layout).
 
 What is measured
 ----------------
-- ``bare read``: `SELECT record FROM events ORDER BY handoff_id, seq` and one msgpack decode of
-  every row into a `LogRecord`, with a decoder built for the purpose: the floor any replay of
-  this table pays, in the same process, on the same file, in the same run.
+- ``bare read``: `SELECT type, at_ms, record FROM events ORDER BY handoff_key, seq`, and per
+  row the record put back together (`events.codec.join_record`, with any handoff id) and one
+  msgpack decode into a `LogRecord`, with a decoder built for the purpose: the floor any replay
+  of this table pays, in the same process, on the same file, in the same run.
 - ``verify``: `worker.commands.verify.verify_log` over the whole log, the exact work of
-  `kvhandoff verify LOG` minus printing: one ordered scan (`SELECT seq, digest, record ...`)
-  grouped by handoff, a fresh coordinator per handoff, every input decoded through the codec's
-  upcasting `decode_record`, its digest recomputed and compared with the stored one, and
-  re-applied, and every logged action compared with the re-derived one (by its stored bytes,
-  decoding only on a difference: `events.replay.check_stored`).
+  `kvhandoff verify LOG` minus printing: one ordered scan of the events beside one of the
+  handoffs' ids (`worker.logreader.SqliteLog.scan`), every record put back together, grouped by
+  handoff, a fresh coordinator per handoff, every input decoded through the codec's upcasting
+  `decode_record` and re-applied, and every logged action compared with the re-derived one (by
+  its bytes, decoding only on a difference: `events.replay.check_stored`). A layout-2 log keeps
+  no input digests, so none is recomputed or compared (a layout-1 log's verify does both).
 - ``timeline``: `events.replay.timeline` (the `replay` command's data, with a state snapshot
   and diff per step) over the first `--timeline` handoffs, for scale; it is not on the hot path.
 
@@ -52,15 +54,15 @@ import msgspec
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
-from events.codec import input_digest  # noqa: E402
+from events.codec import join_record  # noqa: E402
 from events.records import ActionRecord, InputRecord, LogRecord  # noqa: E402
 from events.replay import timeline  # noqa: E402
 from worker.commands.verify import verify_log  # noqa: E402
 from worker.logreader import HandoffLog, SqliteLog  # noqa: E402
 from worker.store import Batch, EventLog, HandoffRow  # noqa: E402
 
-GOLDEN = _ROOT / "tests" / "tools" / "golden" / "v1" / "log.sqlite3"
-BARE_QUERY = "SELECT record FROM events ORDER BY handoff_id, seq"
+GOLDEN = _ROOT / "tests" / "tools" / "golden" / "v2" / "log.sqlite3"
+BARE_QUERY = "SELECT type, at_ms, record FROM events ORDER BY handoff_key, seq"
 
 
 def _rekeyed(log: HandoffLog, handoff_id: uuid.UUID, shift_ms: int, batch: Batch) -> None:
@@ -71,7 +73,7 @@ def _rekeyed(log: HandoffLog, handoff_id: uuid.UUID, shift_ms: int, batch: Batch
         at_ms = e.at_ms + shift_ms
         if isinstance(record, InputRecord):
             message = replace(record.input, handoff_id=handoff_id)
-            batch.append_input(e.seq, InputRecord(at_ms, message), input_digest(message))
+            batch.append_input(e.seq, InputRecord(at_ms, message))
         else:
             action = replace(record.action, handoff_id=handoff_id)
             batch.append_action(e.seq, ActionRecord(at_ms, action))
@@ -158,8 +160,9 @@ def run_bare(path: Path) -> Timing:
 
     def work() -> int:
         n = 0
-        for (blob,) in db.execute(BARE_QUERY):
-            decode(blob)
+        handoff_id = bytes(16)
+        for code, at_ms, fields in db.execute(BARE_QUERY):
+            decode(join_record(handoff_id, code, at_ms, fields))
             n += 1
         return n
 

@@ -29,8 +29,9 @@ synchronous=FULL), one group commit per fetched batch of `--batch-size` (default
   The timers task does not run (nothing is due).
 - ``bare``: per batch, one `EventLog.commit(Batch)` of one row per input (the raw payload in
   the `events` table under its handoff id, which the bench knows as a router reading the
-  subject would), then the very actions the worker publishes for those inputs (same subjects,
-  same bytes, precomputed), then an ack per input. No decoding, no coordinator, no dedupe, no
+  subject would, and once the handoff's row, which the log files events under), then the very
+  actions the worker publishes for those inputs (same subjects, same bytes, precomputed), then
+  an ack per input. No decoding, no coordinator, no dedupe, no
   projections, no outbox marks.
 
 `--handoffs` (default 3,000) handoffs per run. The clock runs from the first fetch until every
@@ -124,15 +125,16 @@ from events.messages import (  # noqa: E402
     Role,
     StartHandoff,
 )
+from events.records import VERBATIM  # noqa: E402
 from events.subjects import Subjects  # noqa: E402
 from tests.worker.scripted_engine import ScriptedEngines, success_script  # noqa: E402
 from worker.bus import Bus, Inbound  # noqa: E402
 from worker.config import NatsSettings, WorkerConfig  # noqa: E402
 from worker.metrics import Metrics  # noqa: E402
 from worker.natsserver import EmbeddedNats, free_port  # noqa: E402
-from worker.schema import EventKind  # noqa: E402
+from worker.schema import HandoffState  # noqa: E402
 from worker.service import Worker  # noqa: E402
-from worker.store import Batch, EventLog  # noqa: E402
+from worker.store import Batch, EventLog, HandoffRow  # noqa: E402
 
 _SUBJECTS = Subjects()
 _DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out
@@ -390,6 +392,12 @@ def _remove_db(path: Path) -> None:
         Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
+def _raw_handoff(handoff_id: str, now_ms: int) -> HandoffRow:
+    """A handoffs row for raw rows to be filed under."""
+    return HandoffRow(uuid.UUID(handoff_id), "raw", "", "", now_ms, now_ms, HandoffState.OPEN, None,
+                      0, now_ms)  # fmt: skip
+
+
 class BarePipeline:
     """The floor: commit each raw input, publish what the worker would, ack; nothing else."""
 
@@ -403,9 +411,10 @@ class BarePipeline:
         now = _now_ms()
         batch = Batch()
         steps = [self._by_payload[d.data] for d in deliveries]
-        batch.events.extend(
-            (s.handoff_id, s.index, EventKind.INPUT, "raw", now, None, s.payload) for s in steps
-        )
+        for s in steps:
+            if s.index == 0:
+                batch.upsert_handoff(_raw_handoff(s.handoff_id, now))
+        batch.events.extend((s.handoff_id, s.index, VERBATIM, now, s.payload) for s in steps)
         began = time.perf_counter()
         await self._log.commit(batch)
         self.commit_s += time.perf_counter() - began
@@ -750,6 +759,7 @@ async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
     log = None if db is None else await EventLog.open(db)
     out = f"{prefix}.out"
     seq = 0
+    raw_id = str(uuid.uuid5(uuid.NAMESPACE_URL, prefix))
     await asyncio.to_thread(ready_file.touch)
     try:
         while not stop.is_set():
@@ -760,7 +770,9 @@ async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
                 batch = Batch()
                 now = _now_ms()
                 for d in deliveries:
-                    batch.events.append((prefix, seq, EventKind.INPUT, "raw", now, None, d.data))
+                    if seq == 0:
+                        batch.upsert_handoff(_raw_handoff(raw_id, now))
+                    batch.events.append((raw_id, seq, VERBATIM, now, d.data))
                     seq += 1
                 await log.commit(batch)
             for d in deliveries:

@@ -19,14 +19,22 @@ A message that decodes can always be digested (`input_digest`) and encoded again
 `decode_record` reads the log. It raises `LogCorrupt` for anything it cannot read, but reads a
 value outside today's bounds as it was written: the log is history, and a record logged before
 a bound existed must stay readable by the tools.
+
+`split_record` and `join_record` convert a record between its self-contained form and the parts
+the SQLite log's layout 2 stores (see `events.records`). They work on the encoded bytes, so
+that the worker and `verify` pay one ordinary encode or decode per record and a join of bytes,
+not a second pass through msgspec. The join is the exact inverse: a record that went through
+`split_record` comes back as the bytes `encode_record` makes of it, so layout 2 changes nothing
+that reads a record, `verify`'s comparison of encodings included.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import NoneType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, get_args
 from uuid import UUID
 
 import msgspec
@@ -34,7 +42,14 @@ import msgspec.inspect as mi
 
 from events.errors import LogCorrupt
 from events.messages import Action, Input, Rejection
-from events.records import SCHEMA_VERSION, LogRecord
+from events.records import (
+    SCHEMA_VERSION,
+    TYPE_CODES,
+    VERBATIM,
+    ActionRecord,
+    InputRecord,
+    LogRecord,
+)
 
 T = TypeVar("T")
 
@@ -104,6 +119,116 @@ def decode_record(blob: bytes) -> LogRecord:
         # Upcasters for older versions go here, keyed by `record.v`; there are none yet.
         raise LogCorrupt(f"log record has schema version {record.v}, this build reads 1")
     return record
+
+
+# --- Split records (the SQLite log's layout 2) ----------------------------------------------
+#
+# msgspec encodes a Struct as a map: its tag first, then its fields in the order they are
+# declared. Every message declares `handoff_id` first, so its encoding is a one-byte map header
+# (a msgpack fixmap, at most 15 entries), the tag, the handoff id, then the other fields, and a
+# record's encoding is its tag, its time, the message and its version. The parts below are those
+# prefixes, built once from the Structs themselves.
+
+
+_FIXMAP_MAX = 15  # entries in a map whose header is one byte, 0x80 | entries
+_BYTES = [bytes((b,)) for b in range(256)]
+
+
+def _key(name: str) -> bytes:
+    return _record_encoder.encode(name)
+
+
+# The handoff id's key and the header of its 16 bytes.
+_ID_ENTRY = _key("handoff_id") + _record_encoder.encode(bytes(16))[:-16]
+_VERSION_ENTRY = _key("v") + _record_encoder.encode(SCHEMA_VERSION)
+
+
+@dataclass(frozen=True, slots=True)
+class _Split:
+    """Where one message type's record is cut, and what the cut takes away."""
+
+    code: int
+    message_head: bytes  # the message's tag and the handoff id's key, up to the id's 16 bytes
+    fields_at: int  # where the message's other fields begin in its encoding
+    record_head: bytes  # the record's map header, its tag, and the key of its time
+    # What comes between the time and the handoff id's 16 bytes: the key of the message, its
+    # map header, its tag and the id's key, by how many other fields the message has.
+    middles: tuple[bytes, ...]
+
+
+def _splits() -> dict[type, _Split]:
+    splits: dict[type, _Split] = {}
+    for record_type, union in ((InputRecord, Input), (ActionRecord, Action)):
+        config = record_type.__struct_config__
+        at_ms, message_field, version = record_type.__struct_fields__
+        assert (at_ms, version) == ("at_ms", "v"), record_type
+        assert isinstance(config.tag_field, str) and isinstance(config.tag, str)
+        entries = 1 + len(record_type.__struct_fields__)
+        record_head = _BYTES[0x80 | entries] + _key(config.tag_field) + _key(config.tag)
+        record_head += _key(at_ms)
+        for message_type in get_args(union):
+            message = message_type.__struct_config__
+            assert isinstance(message.tag_field, str) and isinstance(message.tag, str)
+            fields = message_type.__struct_fields__
+            if fields[0] != "handoff_id" or len(fields) >= _FIXMAP_MAX:
+                raise TypeError(f"{message_type.__name__} cannot be split: {fields}")
+            head = _key(message.tag_field) + _key(message.tag) + _ID_ENTRY
+            middles = tuple(
+                _key(message_field) + _BYTES[0x80 | (others + 2)] + head
+                for others in range(_FIXMAP_MAX - 1)
+            )
+            code = TYPE_CODES[message.tag]
+            splits[message_type] = _Split(code, head, 1 + len(head) + 16, record_head, middles)
+    return splits
+
+
+_SPLITS = _splits()
+# By type number, what `join_record` puts around a record's time and fields.
+_JOINS = {split.code: (split.record_head, split.middles) for split in _SPLITS.values()}
+_LAST_HEADER = 0x80 | (_FIXMAP_MAX - 2)  # the largest map of fields a message can have
+
+
+def split_record(record: LogRecord) -> tuple[int, bytes]:
+    """The parts of a record that the log's layout 2 stores beside its handoff id and its time:
+    the number of its message's type (`events.records.TYPE_CODES`) and the message's other
+    fields, a msgpack map without the tag and the handoff id."""
+    message = record.input if isinstance(record, InputRecord) else record.action
+    split = _SPLITS[type(message)]
+    encoded = _record_encoder.encode(message)
+    if not encoded.startswith(split.message_head, 1):
+        raise AssertionError(f"{type(message).__name__} is not encoded tag and id first")
+    return split.code, _BYTES[encoded[0] - 2] + encoded[split.fields_at :]
+
+
+def join_record(handoff_id: bytes, code: int, at_ms: int, fields: bytes) -> bytes:
+    """A record from the parts layout 2 stores (the 16 bytes of its handoff id, its type
+    number, its time, its other fields), in its self-contained form: exactly the bytes
+    `encode_record` makes of the record. A `VERBATIM` record is its fields as they are.
+
+    Raises `LogCorrupt` when the parts cannot make a record: an unknown type number, or fields
+    that are not a msgpack map. (A time that is not one makes bytes that do not decode.)
+    """
+    if not isinstance(fields, bytes):  # a column of the wrong type, in a damaged log
+        raise LogCorrupt(f"log record's fields are {type(fields).__name__}, not bytes")
+    if code == VERBATIM:
+        return fields
+    join = _JOINS.get(code)
+    if join is None:
+        raise LogCorrupt(f"log record of unknown type {code!r}")
+    if not fields or not 0x80 <= fields[0] <= _LAST_HEADER:
+        raise LogCorrupt("log record's fields are not a msgpack map of a message's fields")
+    # `verify` joins every record it reads: one join of bytes, no more.
+    record_head, middles = join
+    return b"".join(
+        (
+            record_head,
+            _record_encoder.encode(at_ms),
+            middles[fields[0] & 0xF],
+            handoff_id,
+            fields[1:],
+            _VERSION_ENTRY,
+        )
+    )
 
 
 def _as_written(info: mi.Type, value: Any) -> Any:

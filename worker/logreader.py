@@ -6,7 +6,9 @@ A log comes in two forms, read through one interface (`LogSource`):
 - the worker's SQLite file (`SqliteLog`), opened read-only (`file:...?mode=ro`) with the
   standard library's sqlite3, so a running worker can keep writing while a tool reads. Every
   read of one `SqliteLog` sees the same snapshot of the file (one read transaction), so what
-  one query says agrees with the next;
+  one query says agrees with the next. It reads both layouts (`worker.schema`): layout 2,
+  which this build writes, and layout 1, as an older worker left it and as the tools find it
+  until the worker migrates it, with the input digests layout 1 keeps (layout 2 keeps none);
 - one handoff exported as self-contained JSONL (`JsonlLog`), for bug reports: a header line,
   then one line per event with the record as JSON. `write_jsonl` writes it. An export keeps no
   input digests.
@@ -17,7 +19,9 @@ says, so that each command can say which handoff it is.
 
 `open_log` tells them apart by content (SQLite's magic header), not by extension. Records are
 decoded by `events.codec.decode_record`, the one place that upcasts older schema versions,
-whichever form they were read from. sqlite errors are translated to `StoreError` here.
+whichever form they were read from; a layout-2 record is first put back together by
+`events.codec.join_record`, into the bytes a layout-1 log would hold. sqlite errors are
+translated to `StoreError` here.
 """
 
 from __future__ import annotations
@@ -34,21 +38,26 @@ from uuid import UUID
 import msgspec
 from msgspec import Struct
 
-from events.codec import decode_record, encode_record
+from events.codec import decode_record, encode_record, join_record
 from events.errors import LogCorrupt
-from events.records import SCHEMA_VERSION, LogRecord
+from events.records import SCHEMA_VERSION, ActionRecord, LogRecord
 from events.replay import LoggedRecord, StoredRecord
 from worker.errors import StoreError
 from worker.schema import (
+    LAYOUT_1,
+    LAYOUT_1_SCAN,
+    LAYOUT_1_SCAN_OWNERS,
+    LAYOUT_1_SELECT_EVENTS,
+    LAYOUT_1_SELECT_STORED,
     LAYOUT_VERSION,
-    SCAN_OWNERS,
-    SCAN_RECORDS,
+    SCAN_EVENT_KEYS,
+    SCAN_EVENTS,
+    SCAN_KEYS,
     SELECT_EVENTS,
     SELECT_HANDOFF,
     SELECT_HANDOFF_IDS_BETWEEN,
     SELECT_HANDOFFS,
     SELECT_QUARANTINE,
-    SELECT_STORED,
     HandoffState,
 )
 
@@ -121,7 +130,10 @@ class LogSource(Protocol):
     """What the offline tools read, from either form of the log."""
 
     path: Path
-    #: Whether the log keeps each input's digest (the SQLite log does, an export does not).
+    #: What the log is, for messages: "a layout-1 log", "a layout-2 log", "an export".
+    form: str
+    #: Whether the log keeps each input's digest (a layout-1 log does; a layout-2 log and an
+    #: export do not).
     keeps_digests: bool
 
     def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
@@ -146,11 +158,11 @@ class LogSource(Protocol):
         ...
 
     def scan(self) -> Iterator[list[StoredRecord]]:
-        """Every record as stored, in one pass in (handoff id, seq) order, in runs of rising seq.
+        """Every record as stored, in one pass in handoff order, in runs of rising seq.
 
         A handoff's log is one run, and a run is one handoff's log unless the log is damaged
-        (a handoff that lost its first events can run on from the one before): check each run,
-        and ask `owners` whose rows are in one that fails.
+        (in layout 1, a handoff that lost its first events can run on from the one before):
+        check each run, and ask `owners` whose rows are in one that fails.
         """
         ...
 
@@ -200,9 +212,7 @@ class _Closing:
 
 
 class SqliteLog(_Closing):
-    """The worker's SQLite event log, read-only."""
-
-    keeps_digests = True
+    """The worker's SQLite event log, read-only, of either layout."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -219,12 +229,15 @@ class SqliteLog(_Closing):
         except sqlite3.Error as exc:
             self._db.close()
             raise StoreError(f"{path} is not a kvhandoff event log: {exc}") from exc
-        if found is None or found[0] != LAYOUT_VERSION:
+        self.layout = None if found is None else found[0]
+        if self.layout not in (LAYOUT_1, LAYOUT_VERSION):
             self._db.close()
-            layout = None if found is None else found[0]
             raise StoreError(
-                f"event log {path} has layout {layout}, this build reads {LAYOUT_VERSION}"
+                f"event log {path} has layout {self.layout}, this build reads {LAYOUT_1} and"
+                f" {LAYOUT_VERSION}"
             )
+        self.form = f"a layout-{self.layout} log"
+        self.keeps_digests = self.layout == LAYOUT_1
 
     def close(self) -> None:
         self._db.close()
@@ -258,24 +271,46 @@ class SqliteLog(_Closing):
 
     def load(self, handoff_id: UUID) -> HandoffLog:
         summary = self.summary(handoff_id)
-        events = tuple(
-            LoggedEvent(seq, at_ms, _decode(handoff_id, seq, record), published)
-            for _, seq, _, at_ms, _, published, record in self._fetch(
-                SELECT_EVENTS, (str(handoff_id),)
+        if self.layout == LAYOUT_1:
+            events = tuple(
+                LoggedEvent(seq, at_ms, _decode(handoff_id, seq, record), published)
+                for seq, at_ms, published, record in self._fetch(
+                    LAYOUT_1_SELECT_EVENTS, (str(handoff_id),)
+                )
             )
-        )
-        return HandoffLog(summary, events)
+            return HandoffLog(summary, events)
+        logged = []
+        for seq, code, at_ms, fields, published_seq, marked_at in self._fetch(
+            SELECT_EVENTS, (str(handoff_id),)
+        ):
+            record = _decode_joined(handoff_id, seq, code, at_ms, fields)
+            # The handoff's one outbox mark covers every action up to its seq.
+            marked = isinstance(record, ActionRecord) and seq <= published_seq
+            logged.append(LoggedEvent(seq, at_ms, record, marked_at if marked else None))
+        return HandoffLog(summary, tuple(logged))
 
     def stored(self, handoff_id: UUID) -> list[StoredRecord]:
-        return self._fetch(SELECT_STORED, (str(handoff_id),))
+        if self.layout == LAYOUT_1:
+            return self._fetch(LAYOUT_1_SELECT_STORED, (str(handoff_id),))
+        raw = handoff_id.bytes
+        return [
+            (seq, None, _stored(raw, code, at_ms, fields))
+            for seq, code, at_ms, fields, _, _ in self._fetch(SELECT_EVENTS, (str(handoff_id),))
+        ]
 
     def scan(self) -> Iterator[list[StoredRecord]]:
-        # `verify`'s read of a whole log, kept lean: within a handoff seq only grows, so a run
-        # ends where it does not, and neither the handoff id nor a new tuple is made per row.
+        # `verify`'s read of a whole log, kept lean: no handoff id per row. In layout 1, within
+        # a handoff seq only grows, so a run ends where it does not, and no new tuple is made
+        # per row; in layout 2, a run is the rows of one handoff key.
+        if self.layout == LAYOUT_1:
+            return self._scan_layout_1()
+        return self._scan()
+
+    def _scan_layout_1(self) -> Iterator[list[StoredRecord]]:
         rows: list[StoredRecord] = []
         last = -1
         try:
-            for row in self._db.execute(SCAN_RECORDS):
+            for row in self._db.execute(LAYOUT_1_SCAN):
                 if row[0] <= last:
                     yield rows
                     rows = []
@@ -286,20 +321,68 @@ class SqliteLog(_Closing):
         if rows:
             yield rows
 
+    def _scan(self) -> Iterator[list[StoredRecord]]:
+        # `_owned`'s merge and `_stored`, inlined into `verify`'s hot loop.
+        join = join_record
+        rows: list[StoredRecord] = []
+        current, raw = -1, b""
+        handoffs = self._db.execute(SCAN_KEYS)
+        owner_key, owner = -1, ""
+        try:
+            for key, seq, code, at_ms, fields in self._db.execute(SCAN_EVENTS):
+                if key != current:
+                    if rows:
+                        yield rows
+                        rows = []
+                    current = key
+                    while owner_key < key and (following := handoffs.fetchone()) is not None:
+                        owner_key, owner = following
+                    # Events filed under a key no handoff has belong to none (see `_owned`).
+                    raw = _uuid(owner).bytes if owner_key == key else b""
+                if not raw:
+                    continue
+                try:
+                    blob = join(raw, code, at_ms, fields)
+                except LogCorrupt as exc:
+                    blob = _unjoined(exc)
+                rows.append((seq, None, blob))
+        except sqlite3.Error as exc:
+            raise StoreError(f"reading {self.path} failed: {exc}") from exc
+        if rows:
+            yield rows
+
     def owners(self, spans: Sequence[tuple[int, int]]) -> list[list[UUID]]:
         found: list[list[UUID]] = []
         position = 0
         try:
-            cursor = self._db.execute(SCAN_OWNERS)
+            if self.layout == LAYOUT_1:
+                ids: Iterator[str] = (hid for (hid,) in self._db.execute(LAYOUT_1_SCAN_OWNERS))
+            else:
+                ids = (hid for hid, _ in self._owned(SCAN_EVENT_KEYS))
             for first, length in spans:
-                collections.deque(itertools.islice(cursor, first - position), maxlen=0)
-                found.append([_uuid(hid) for (hid,) in itertools.islice(cursor, length)])
+                collections.deque(itertools.islice(ids, first - position), maxlen=0)
+                found.append([_uuid(hid) for hid in itertools.islice(ids, length)])
                 position = first + length
         except sqlite3.Error as exc:
             raise StoreError(f"reading {self.path} failed: {exc}") from exc
         if [len(ids) for ids in found] != [length for _, length in spans]:
             raise StoreError(f"{self.path} has fewer events than a moment ago")
         return found
+
+    def _owned(self, sql: str) -> Iterator[tuple[str, tuple[Any, ...]]]:
+        """The rows of a layout-2 scan of `events` (the handoff key first, in key order), each
+        with its handoff's id, read alongside from `handoffs` in the same order. A row whose key
+        no handoff has belongs to no handoff, and is left out."""
+        handoffs = self._db.execute(SCAN_KEYS)
+        key, handoff_id = -1, ""
+        for row in self._db.execute(sql):
+            while key < row[0]:
+                following = handoffs.fetchone()
+                if following is None:
+                    return
+                key, handoff_id = following
+            if key == row[0]:
+                yield handoff_id, row
 
     def _quarantined(self, handoff: HandoffSummary) -> HandoffSummary:
         if handoff.state is not HandoffState.QUARANTINED:
@@ -320,6 +403,7 @@ class SqliteLog(_Closing):
 class JsonlLog(_Closing):
     """One handoff's log, as `kvhandoff export` wrote it."""
 
+    form = "an export"
     keeps_digests = False
 
     def __init__(self, path: Path) -> None:
@@ -434,6 +518,30 @@ def _decode(handoff_id: object, seq: object, blob: object) -> LogRecord:
         return decode_record(blob)
     except LogCorrupt as exc:
         raise LogCorrupt(f"handoff {handoff_id} seq {seq}: {exc}") from exc
+
+
+def _decode_joined(handoff_id: UUID, seq: int, code: int, at_ms: int, fields: bytes) -> LogRecord:
+    """A layout-2 record put back together and decoded, or `LogCorrupt` naming where it is."""
+    try:
+        blob = join_record(handoff_id.bytes, code, at_ms, fields)
+    except LogCorrupt as exc:
+        raise LogCorrupt(f"handoff {handoff_id} seq {seq}: {exc}") from exc
+    return _decode(handoff_id, seq, blob)
+
+
+def _stored(raw: bytes, code: int, at_ms: int, fields: bytes) -> bytes:
+    """A layout-2 record put back together, for `check_stored` (or `_unjoined`)."""
+    try:
+        return join_record(raw, code, at_ms, fields)
+    except LogCorrupt as exc:
+        return _unjoined(exc)
+
+
+def _unjoined(exc: LogCorrupt) -> bytes:
+    """For `check_stored`, a record that cannot be put back together: a map that is no record,
+    whose kind says why, so that the check reports a record that does not decode, and the
+    decoder's error quotes the kind."""
+    return msgspec.msgpack.encode({"record": str(exc)})
 
 
 def _summary(row: Sequence[object]) -> HandoffSummary:

@@ -280,7 +280,7 @@ class Planner:
                 return None
             handoff.digests.add(digest)
             seq = handoff.row.last_seq + 1
-            plan.batch.append_input(seq, InputRecord(r.now_ms, message), digest)
+            plan.batch.append_input(seq, InputRecord(r.now_ms, message))
             for action in actions:
                 seq += 1
                 plan.batch.append_action(seq, ActionRecord(r.now_ms, action))

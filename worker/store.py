@@ -11,6 +11,17 @@ handoffs, events, rejections, outbox marks) into a `Batch` and commits it in one
 When a transaction fails, the error is SQLite's own ("database or disk is full"), never that of
 the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
 
+The layout is `worker.schema`'s layout 2. A log of layout 1 is migrated when the worker opens
+it (`EventLog.open(..., migrate=True)`, which only `kvhandoff run` asks for, under its
+`WriterLock`): in one transaction, so a log is either layout 1 or layout 2, never half of each.
+Every record is carried over as it decodes: split, filed under its handoff's new key; one that
+does not decode (or names another handoff than its row) is kept whole, as written, so the
+handoff is quarantined when loaded, as it would have been before. An event with no handoff row
+has nowhere to go in layout 2, so such a log is refused rather than converted. The stored input
+digests are dropped (layout 2 derives them); the outbox marks become one per handoff, up to the
+first action that was not published. Other tools open a layout-1 log read-only
+(`worker.logreader`) and leave it as it is.
+
 The file. A new log is built under a temporary name and linked into place once its layout is
 written, so a log at the path is never a half-made one: an empty file there is a log that was
 truncated or lost, and it is refused rather than adopted (adopting it would forget every open
@@ -30,11 +41,13 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import logging
 import os
 import socket
 import sqlite3
 import tempfile
-from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+import time
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -43,20 +56,25 @@ from uuid import UUID
 
 import aiosqlite
 
-from events.codec import decode_record, encode_record
+from events.codec import decode_record, input_digest, join_record, split_record
 from events.errors import LogCorrupt
-from events.records import ActionRecord, InputRecord, LogRecord
+from events.records import VERBATIM, ActionRecord, InputRecord, LogRecord
 from worker.errors import StoreConflict, StoreError, StoreLocked
 from worker.schema import (
-    DDL,
+    ACTION_TYPES,
     HANDOFF_COLUMNS,
+    INDEXES,
+    INSERT_RECORD_TYPES,
+    LAYOUT_1,
     LAYOUT_VERSION,
     QUARANTINE_PREFIX,
+    RECORD_TYPE_VALUES,
     SELECT_EVENTS,
-    SELECT_HANDOFFS,
-    EventKind,
+    TABLES,
     HandoffState,
 )
+
+logger = logging.getLogger(__name__)
 
 # SQLite's default limit on host parameters is 32766; stay far below it.
 _CHUNK = 500
@@ -81,6 +99,14 @@ class HandoffRow:
 
 @dataclass(frozen=True, slots=True)
 class LoggedEvent:
+    """One event of a handoff's log as the worker reads it back.
+
+    `digest` is `events.codec.input_digest` of an input (None for an action), computed from the
+    record. `published_at_ms` is None for an input and for an action not yet published, and
+    otherwise the time of the handoff's outbox mark that covers the action (layout 2 keeps one
+    mark per handoff: the action was published by then).
+    """
+
     seq: int
     at_ms: int
     record: LogRecord
@@ -116,29 +142,23 @@ class UnpublishedAction:
 class Batch:
     """Everything one group commit writes, already encoded as rows."""
 
-    events: list[tuple[str, int, str, str, int, bytes | None, bytes]] = field(default_factory=list)
+    # (handoff id, seq, type, at_ms, record): the record split as layout 2 stores it.
+    events: list[tuple[str, int, int, int, bytes]] = field(default_factory=list)
     handoffs: dict[UUID, HandoffRow] = field(default_factory=dict)
-    published: list[tuple[int, str, int]] = field(default_factory=list)
+    # handoff -> (the highest seq marked, when): one outbox mark per handoff.
+    published: dict[UUID, tuple[int, int]] = field(default_factory=dict)
     rejections: list[tuple[int, str | None, str, bytes]] = field(default_factory=list)
     quarantined: list[tuple[int, str]] = field(default_factory=list)
 
-    def append_input(self, seq: int, record: InputRecord, digest: bytes) -> None:
-        message = record.input
-        tag = message.__struct_config__.tag
-        assert isinstance(tag, str)
-        self.events.append(
-            (str(message.handoff_id), seq, EventKind.INPUT, tag, record.at_ms, digest,
-             encode_record(record))
-        )  # fmt: skip
+    def append_input(self, seq: int, record: InputRecord) -> None:
+        self._append(record.input.handoff_id, seq, record)
 
     def append_action(self, seq: int, record: ActionRecord) -> None:
-        action = record.action
-        tag = action.__struct_config__.tag
-        assert isinstance(tag, str)
-        self.events.append(
-            (str(action.handoff_id), seq, EventKind.ACTION, tag, record.at_ms, None,
-             encode_record(record))
-        )  # fmt: skip
+        self._append(record.action.handoff_id, seq, record)
+
+    def _append(self, handoff_id: UUID, seq: int, record: LogRecord) -> None:
+        code, fields = split_record(record)
+        self.events.append((str(handoff_id), seq, code, record.at_ms, fields))
 
     def upsert_handoff(self, row: HandoffRow) -> None:
         """Write the handoff's projection as it stands now: a copy, because the worker goes on
@@ -146,7 +166,12 @@ class Batch:
         self.handoffs[row.handoff_id] = dataclasses.replace(row)
 
     def mark_published(self, handoff_id: UUID, seq: int, at_ms: int) -> None:
-        self.published.append((at_ms, str(handoff_id), seq))
+        """The handoff's action at `seq`, and so every action before it, has been published:
+        the worker publishes a handoff's actions in seq order, and marks them after the server
+        confirmed them."""
+        marked = self.published.get(handoff_id)
+        if marked is None or seq > marked[0]:
+            self.published[handoff_id] = (seq, at_ms)
 
     def reject(self, at_ms: int, handoff_id: UUID | None, reason: str, payload: bytes) -> None:
         hid = None if handoff_id is None else str(handoff_id)
@@ -171,12 +196,15 @@ ON CONFLICT (handoff_id) DO UPDATE SET
     state = excluded.state, completed_at_ms = excluded.completed_at_ms,
     last_seq = excluded.last_seq, updated_at_ms = excluded.updated_at_ms
 """
+# An event without its handoff's row has no key: NOT NULL refuses it.
 _INSERT_EVENT = """
-INSERT INTO events (handoff_id, seq, kind, type, at_ms, digest, record)
-VALUES (?, ?, ?, ?, ?, ?, ?)
+INSERT INTO events (handoff_key, seq, type, at_ms, record)
+VALUES ((SELECT handoff_key FROM handoffs WHERE handoff_id = ?), ?, ?, ?, ?)
 """
+# A mark only moves forward: a republished action keeps the time it was first marked.
 _MARK_PUBLISHED = """
-UPDATE events SET published_at_ms = ? WHERE handoff_id = ? AND seq = ? AND published_at_ms IS NULL
+UPDATE handoffs SET published_seq = ?1, published_at_ms = ?2
+WHERE handoff_id = ?3 AND published_seq < ?1
 """
 _QUARANTINE = (
     f"UPDATE handoffs SET state = '{HandoffState.QUARANTINED}', updated_at_ms = ?"
@@ -185,10 +213,21 @@ _QUARANTINE = (
 _INSERT_REJECTION = (
     "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, ?, ?, ?)"
 )
+_LOADED_COLUMNS = f"{HANDOFF_COLUMNS}, published_seq, published_at_ms"
+_EVENT_COLUMNS = "h.handoff_id, e.seq, e.type, e.at_ms, e.record"
+# The backlog: actions past their handoff's mark (and records kept whole, which may be actions).
+_UNPUBLISHED = f"""
+SELECT {", ".join(f"h.{c.strip()}" for c in HANDOFF_COLUMNS.split(","))}, e.seq, e.type, e.at_ms,
+       e.record
+FROM handoffs h JOIN events e ON e.handoff_key = h.handoff_key AND e.seq > h.published_seq
+WHERE h.published_seq < h.last_seq AND h.state != '{HandoffState.QUARANTINED}'
+  AND e.type IN ({", ".join(map(str, (*ACTION_TYPES, VERBATIM)))})
+ORDER BY h.handoff_key, e.seq
+"""
 # A quarantined handoff waits for an operator, with its rejections as the evidence: compaction
 # keeps both, however old.
 _DOOM_HANDOFFS = """
-INSERT INTO doomed SELECT handoff_id FROM handoffs
+INSERT INTO doomed SELECT handoff_key FROM handoffs
 WHERE state != 'open' AND state != 'quarantined' AND completed_at_ms < ?
 """
 _DELETE_REJECTIONS = """
@@ -300,7 +339,9 @@ def _create(path: Path) -> None:
     try:
         # No transaction needed: nobody sees the draft until it is complete.
         with contextlib.closing(sqlite3.connect(draft, isolation_level=None)) as db:
-            db.executescript(DDL)
+            for statement in (*TABLES, *INDEXES):
+                db.execute(statement)
+            db.execute(INSERT_RECORD_TYPES, RECORD_TYPE_VALUES)
             db.execute("INSERT INTO meta (key, value) VALUES ('layout', ?)", (LAYOUT_VERSION,))
             db.execute("PRAGMA journal_mode=WAL")
         # A link, unlike a rename, never replaces: if another process created the log
@@ -314,6 +355,125 @@ def _create(path: Path) -> None:
             os.close(directory)
     finally:
         draft.unlink()
+
+
+# --- Layout 1 to layout 2 -------------------------------------------------------------------
+
+# Keys in start order. A handoff is marked published up to its first action that was not,
+# at the time of the last action up to there that was.
+_COPY_HANDOFFS = """
+INSERT INTO handoffs (handoff_id, engine_type, source, destination, started_at_ms,
+                      deadline_at_ms, state, completed_at_ms, last_seq, updated_at_ms,
+                      published_seq, published_at_ms)
+SELECT h.handoff_id, h.engine_type, h.source, h.destination, h.started_at_ms, h.deadline_at_ms,
+       h.state, h.completed_at_ms, h.last_seq, h.updated_at_ms, h.upto,
+       (SELECT max(e.published_at_ms) FROM layout_1_events e
+        WHERE e.handoff_id = h.handoff_id AND e.kind = 'action' AND e.seq <= h.upto)
+FROM (
+    SELECT *, coalesce(
+        (SELECT min(e.seq) - 1 FROM layout_1_events e
+         WHERE e.handoff_id = l.handoff_id AND e.kind = 'action' AND e.published_at_ms IS NULL),
+        l.last_seq) AS upto
+    FROM layout_1_handoffs l
+) h
+ORDER BY h.started_at_ms, h.handoff_id
+"""
+_LAYOUT_1_EVENTS = """
+SELECT h.handoff_key, h.handoff_id, e.seq, e.at_ms, e.record
+FROM handoffs h JOIN layout_1_events e USING (handoff_id) ORDER BY h.handoff_key, e.seq
+"""
+
+
+@dataclass(slots=True)
+class _Migrated:
+    handoffs: int = 0
+    events: int = 0
+    kept_whole: int = 0
+
+
+def _migrate(path: Path) -> None:
+    """Convert the layout-1 log at `path` to layout 2, in one transaction (module docstring)."""
+    began = time.perf_counter()
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
+        db.execute("PRAGMA busy_timeout=5000")
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            migrated = _migrate_in(db, path)
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+    logger.info(
+        "event log %s: migrated from layout %s to %s in %.1fs: %d handoffs, %d events, %d of"
+        " them kept whole as they do not read as records of their handoff; run VACUUM on the"
+        " stopped log to give the space back to the file system",
+        path, LAYOUT_1, LAYOUT_VERSION, time.perf_counter() - began, migrated.handoffs,
+        migrated.events, migrated.kept_whole,
+    )  # fmt: skip
+
+
+def _migrate_in(db: sqlite3.Connection, path: Path) -> _Migrated:
+    (layout,) = db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+    if layout != LAYOUT_1:
+        raise StoreError(f"event log {path} changed layout to {layout!r} while being migrated")
+    for statement in (
+        "ALTER TABLE handoffs RENAME TO layout_1_handoffs",
+        "ALTER TABLE events RENAME TO layout_1_events",
+        *TABLES,
+    ):
+        db.execute(statement)
+    migrated = _Migrated(handoffs=db.execute(_COPY_HANDOFFS).rowcount)
+    db.executemany(
+        "INSERT INTO events (handoff_key, seq, type, at_ms, record) VALUES (?, ?, ?, ?, ?)",
+        _split_layout_1(db.execute(_LAYOUT_1_EVENTS), migrated),
+    )
+    (events,) = db.execute("SELECT count(*) FROM layout_1_events").fetchone()
+    if events != migrated.events:
+        (orphan,) = db.execute(
+            "SELECT handoff_id FROM layout_1_events WHERE handoff_id NOT IN"
+            " (SELECT handoff_id FROM layout_1_handoffs) LIMIT 1"
+        ).fetchone()
+        raise StoreError(
+            f"event log {path} cannot be migrated to layout {LAYOUT_VERSION}:"
+            f" {events - migrated.events} of its events belong to no row of the handoffs table"
+            f" (handoff {orphan}, for one), and layout {LAYOUT_VERSION} files events under their"
+            " handoff's row; restore the rows or delete those events, then start again"
+        )
+    for statement in (
+        "DROP TABLE layout_1_events",
+        "DROP TABLE layout_1_handoffs",
+        *INDEXES,
+    ):
+        db.execute(statement)
+    db.execute(INSERT_RECORD_TYPES, RECORD_TYPE_VALUES)
+    db.execute("UPDATE meta SET value = ? WHERE key = 'layout'", (LAYOUT_VERSION,))
+    return migrated
+
+
+def _split_layout_1(
+    rows: Iterable[tuple[int, str, int, int, bytes]], migrated: _Migrated
+) -> Iterator[tuple[int, int, int, int, bytes]]:
+    """Layout-1 events as layout-2 rows: split, or kept whole if they do not decode as a record
+    of the handoff they are filed under."""
+    for key, handoff_id, seq, at_ms, blob in rows:
+        migrated.events += 1
+        try:
+            if not isinstance(blob, bytes):
+                raise LogCorrupt(f"a record stored as {type(blob).__name__}")
+            record = decode_record(blob)
+            message = record.input if isinstance(record, InputRecord) else record.action
+            if str(message.handoff_id) != handoff_id:
+                raise LogCorrupt(f"a record of handoff {message.handoff_id}")
+        except LogCorrupt:
+            migrated.kept_whole += 1
+            yield key, seq, VERBATIM, at_ms, blob
+            continue
+        code, fields = split_record(record)
+        yield key, seq, code, record.at_ms, fields
+
+
+# --- Reading rows back ----------------------------------------------------------------------
 
 
 def _handoff_row(values: Sequence[Any]) -> HandoffRow:
@@ -332,6 +492,21 @@ def _row_values(row: HandoffRow) -> tuple[object, ...]:
     )  # fmt: skip
 
 
+def _record(handoff_id: UUID, code: int, at_ms: int, blob: bytes) -> LogRecord:
+    """A stored record of the handoff, decoded; `LogCorrupt` if it cannot be."""
+    return decode_record(join_record(handoff_id.bytes, code, at_ms, blob))
+
+
+def _event(
+    handoff_id: UUID, row: tuple[int, int, int, bytes], published_seq: int, marked_at: int | None
+) -> LoggedEvent:
+    seq, code, at_ms, blob = row
+    record = _record(handoff_id, code, at_ms, blob)
+    if isinstance(record, InputRecord):
+        return LoggedEvent(seq, at_ms, record, input_digest(record.input), None)
+    return LoggedEvent(seq, at_ms, record, None, marked_at if seq <= published_seq else None)
+
+
 class EventLog:
     """The append-only log of every accepted input and issued action, per handoff in order."""
 
@@ -340,9 +515,13 @@ class EventLog:
         self.path = path
 
     @classmethod
-    async def open(cls, path: Path, synchronous: str = "FULL") -> EventLog:
+    async def open(
+        cls, path: Path, synchronous: str = "FULL", *, migrate: bool = False
+    ) -> EventLog:
         """Open the log at `path`, creating it if absent. An existing file must be a log of this
-        layout; an empty one is refused (see the module docstring). Takes no `WriterLock`."""
+        layout, or, with `migrate`, of layout 1, which is then migrated (see the module
+        docstring: only the holder of the `WriterLock` may ask for it). An empty file is
+        refused. Takes no `WriterLock`."""
         if synchronous.upper() not in _SYNCHRONOUS:
             # SQLite silently reads an unknown level as NORMAL, which is not what was asked.
             raise StoreError(
@@ -355,7 +534,7 @@ class EventLog:
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open event log {path}: {exc}") from exc
         try:
-            await cls._configure(db, path, synchronous)
+            await cls._configure(db, path, synchronous, migrate)
         except BaseException:
             # An unclosed connection keeps its thread alive, and the process with it.
             await db.close()
@@ -363,24 +542,24 @@ class EventLog:
         return cls(db, path)
 
     @staticmethod
-    async def _configure(db: aiosqlite.Connection, path: Path, synchronous: str) -> None:
+    async def _configure(
+        db: aiosqlite.Connection, path: Path, synchronous: str, migrate: bool
+    ) -> None:
         try:
             # An offline `compact` may hold the write lock briefly; wait rather than fail.
             await db.execute("PRAGMA busy_timeout=5000")
             # Checked before anything is written: another application's database, or a log of
             # another layout, must be left as it is.
-            tables = {
-                name
-                for (name,) in await db.execute_fetchall(
-                    "SELECT name FROM sqlite_master WHERE type = 'table'"
+            layout = await _layout(db)
+            if layout == LAYOUT_1 and migrate:
+                await asyncio.to_thread(_migrate, path)
+                layout = await _layout(db)
+            if layout == LAYOUT_1:
+                raise StoreError(
+                    f"event log {path} has layout {LAYOUT_1!r}, which this build reads but does"
+                    f" not write: the worker (kvhandoff run) of this build migrates it to layout"
+                    f" {LAYOUT_VERSION!r} when it starts"
                 )
-            }
-            layout = None
-            if "meta" in tables:
-                rows = list(
-                    await db.execute_fetchall("SELECT value FROM meta WHERE key = 'layout'")
-                )
-                layout = rows[0][0] if rows else None
             if layout != LAYOUT_VERSION:
                 raise StoreError(
                     f"event log {path} has layout {layout!r}, this build reads and writes layout"
@@ -388,6 +567,8 @@ class EventLog:
                 )
             await db.execute("PRAGMA journal_mode=WAL")
             await db.execute(f"PRAGMA synchronous={synchronous}")
+            # The numbers of message types this build knows, for people reading the file.
+            await db.execute(INSERT_RECORD_TYPES, RECORD_TYPE_VALUES)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open event log {path}: {exc}") from exc
 
@@ -405,7 +586,10 @@ class EventLog:
                 if batch.events:
                     await db.executemany(_INSERT_EVENT, batch.events)
                 if batch.published:
-                    await db.executemany(_MARK_PUBLISHED, batch.published)
+                    await db.executemany(
+                        _MARK_PUBLISHED,
+                        [(seq, at, str(h)) for h, (seq, at) in batch.published.items()],
+                    )
                 if batch.rejections:
                     await db.executemany(_INSERT_REJECTION, batch.rejections)
                 if batch.quarantined:
@@ -422,11 +606,13 @@ class EventLog:
         for start in range(0, len(ids), _CHUNK):
             chunk = ids[start : start + _CHUNK]
             marks = ",".join("?" * len(chunk))
-            rows = await self._fetch(f"{SELECT_HANDOFFS} WHERE handoff_id IN ({marks})", chunk)
+            rows = await self._fetch(
+                f"SELECT {_LOADED_COLUMNS} FROM handoffs WHERE handoff_id IN ({marks})", chunk
+            )
             if rows:
                 events = await self._fetch(
-                    "SELECT handoff_id, seq, at_ms, digest, published_at_ms, record FROM events"
-                    f" WHERE handoff_id IN ({marks}) ORDER BY handoff_id, seq",
+                    f"SELECT {_EVENT_COLUMNS} FROM handoffs h JOIN events e USING (handoff_key)"
+                    f" WHERE h.handoff_id IN ({marks}) ORDER BY h.handoff_key, e.seq",
                     chunk,
                 )
                 loaded.update(self._assemble(rows, events))
@@ -434,11 +620,10 @@ class EventLog:
 
     async def open_handoffs(self) -> dict[UUID, Loaded]:
         """Every handoff that has not completed, with its log: what recovery rebuilds."""
-        rows = await self._fetch(f"{SELECT_HANDOFFS} WHERE state = 'open'")
+        rows = await self._fetch(f"SELECT {_LOADED_COLUMNS} FROM handoffs WHERE state = 'open'")
         events = await self._fetch(
-            "SELECT e.handoff_id, e.seq, e.at_ms, e.digest, e.published_at_ms, e.record"
-            " FROM events e JOIN handoffs h USING (handoff_id)"
-            " WHERE h.state = 'open' ORDER BY e.handoff_id, e.seq"
+            f"SELECT {_EVENT_COLUMNS} FROM handoffs h JOIN events e USING (handoff_key)"
+            " WHERE h.state = 'open' ORDER BY h.handoff_key, e.seq"
         )
         return self._assemble(rows, events)
 
@@ -451,30 +636,24 @@ class EventLog:
 
     async def unpublished_actions(self) -> list[UnpublishedAction | CorruptHandoff]:
         """Actions that were committed but never marked published (the outbox's backlog)."""
-        columns = ", ".join(f"h.{c.strip()}" for c in HANDOFF_COLUMNS.split(","))
-        rows = await self._fetch(
-            f"SELECT {columns}, e.seq, e.record FROM events e JOIN handoffs h USING (handoff_id)"
-            " WHERE e.kind = 'action' AND e.published_at_ms IS NULL"
-            f" AND h.state != '{HandoffState.QUARANTINED}' ORDER BY e.handoff_id, e.seq"
-        )
         backlog: list[UnpublishedAction | CorruptHandoff] = []
-        for values in rows:
+        for values in await self._fetch(_UNPUBLISHED):
+            seq, code, at_ms, blob = values[-4:]
             try:
-                row = _handoff_row(values[:-2])
-                record = decode_record(values[-1])
-                if not isinstance(record, ActionRecord):
-                    raise LogCorrupt(f"seq {values[-2]} is marked an action but holds {record}")
+                row = _handoff_row(values[:-4])
+                record = _record(row.handoff_id, code, at_ms, blob)
             except (LogCorrupt, ValueError) as exc:
-                backlog.append(CorruptHandoff(UUID(values[0]), str(exc)))
+                backlog.append(CorruptHandoff(UUID(values[0]), f"seq {seq}: {exc}"))
                 continue
-            backlog.append(UnpublishedAction(row, values[-2], record))
+            if isinstance(record, ActionRecord):  # not an input kept whole
+                backlog.append(UnpublishedAction(row, seq, record))
         return backlog
 
     async def events_of(self, handoff_id: UUID) -> list[LoggedEvent]:
         rows = await self._fetch(SELECT_EVENTS, (str(handoff_id),))
         return [
-            LoggedEvent(seq, at_ms, decode_record(record), digest, published)
-            for _, seq, _, at_ms, digest, published, record in rows
+            _event(handoff_id, (seq, code, at_ms, blob), published_seq, marked_at)
+            for seq, code, at_ms, blob, published_seq, marked_at in rows
         ]
 
     async def compact(self, before_ms: int) -> Compacted:
@@ -483,15 +662,15 @@ class EventLog:
         try:
             async with self._transaction() as db:
                 await db.execute(
-                    "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_id TEXT PRIMARY KEY)"
+                    "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_key INTEGER PRIMARY KEY)"
                 )
                 await db.execute("DELETE FROM doomed")
                 await db.execute(_DOOM_HANDOFFS, (before_ms,))
                 await db.execute(
-                    "DELETE FROM events WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
+                    "DELETE FROM events WHERE handoff_key IN (SELECT handoff_key FROM doomed)"
                 )
                 handoffs = await db.execute(
-                    "DELETE FROM handoffs WHERE handoff_id IN (SELECT handoff_id FROM doomed)"
+                    "DELETE FROM handoffs WHERE handoff_key IN (SELECT handoff_key FROM doomed)"
                 )
                 rejections = await db.execute(_DELETE_REJECTIONS, (before_ms,))
         except sqlite3.Error as exc:
@@ -527,25 +706,39 @@ class EventLog:
 
     @staticmethod
     def _assemble(rows: list[sqlite3.Row], events: list[sqlite3.Row]) -> dict[UUID, Loaded]:
-        """Handoff rows and their events (ordered by handoff, seq) as loaded handoffs; a row or
-        record that cannot be read makes that one handoff corrupt, not the whole load."""
+        """Handoff rows (with their outbox mark) and their events (ordered by handoff, seq) as
+        loaded handoffs; a row or record that cannot be read makes that one handoff corrupt,
+        not the whole load."""
         loaded: dict[UUID, Loaded] = {}
+        marks: dict[UUID, tuple[int, int | None]] = {}
         for values in rows:
             hid = UUID(values[0])
+            marks[hid] = (values[-2], values[-1])
             try:
-                loaded[hid] = LoadedHandoff(_handoff_row(values), [])
+                loaded[hid] = LoadedHandoff(_handoff_row(values[:-2]), [])
             except ValueError as exc:  # e.g. a state this build does not know
                 loaded[hid] = CorruptHandoff(hid, f"unreadable handoff row: {exc}")
-        for hid_text, seq, at_ms, digest, published, record in events:
-            handoff = loaded[UUID(hid_text)]
+        for hid_text, seq, code, at_ms, blob in events:
+            hid = UUID(hid_text)
+            handoff = loaded[hid]
             if isinstance(handoff, CorruptHandoff):
                 continue
             try:
-                handoff.events.append(
-                    LoggedEvent(seq, at_ms, decode_record(record), digest, published)
-                )
+                handoff.events.append(_event(hid, (seq, code, at_ms, blob), *marks[hid]))
             except LogCorrupt as exc:
-                loaded[handoff.row.handoff_id] = CorruptHandoff(
-                    handoff.row.handoff_id, f"seq {seq}: {exc}"
-                )
+                loaded[hid] = CorruptHandoff(hid, f"seq {seq}: {exc}")
         return loaded
+
+
+async def _layout(db: aiosqlite.Connection) -> str | None:
+    """The layout the file's meta table names, or None (a new file is created with one)."""
+    tables = {
+        name
+        for (name,) in await db.execute_fetchall(
+            "SELECT name FROM sqlite_master WHERE type = 'table'"
+        )
+    }
+    if "meta" not in tables:
+        return None
+    rows = list(await db.execute_fetchall("SELECT value FROM meta WHERE key = 'layout'"))
+    return str(rows[0][0]) if rows else None

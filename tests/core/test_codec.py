@@ -1,4 +1,5 @@
-"""The codec: strict decoding, round trips, the de-duplication digest, log records, the schema."""
+"""The codec: strict decoding, round trips, the de-duplication digest, log records (whole and
+split), the schema."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from events.messages import (
     TimedOut,
     TransferCompleted,
 )
-from events.records import SCHEMA_VERSION, ActionRecord, InputRecord
+from events.records import SCHEMA_VERSION, TYPE_CODES, VERBATIM, ActionRecord, InputRecord
 from worker.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -268,6 +269,74 @@ def test_an_undecodable_record_is_log_corrupt(blob: bytes) -> None:
     with pytest.raises(LogCorrupt) as excinfo:
         codec.decode_record(blob)
     assert isinstance(excinfo.value.__cause__, msgspec.DecodeError)
+
+
+# --- split records (the log's layout 2) -----------------------------------------------------
+
+RECORDS = [
+    *(InputRecord(at_ms=1_700_000_000_000 + i, input=m) for i, m in enumerate(INPUTS)),
+    *(ActionRecord(at_ms=1_700_000_000_000 + i, action=a) for i, a in enumerate(ACTIONS)),
+    # Read as written: a bound that postdates the record, and a time before the epoch.
+    InputRecord(at_ms=-1, input=StartHandoff(H, EngineType.VLLM, "p", "d", deadline_ms=0)),
+    ActionRecord(at_ms=0, action=StartTransfer(H, 2, -1.0)),
+]
+
+
+def test_every_message_type_has_a_type_number_of_its_own() -> None:
+    tags = [kind.__struct_config__.tag for kind in (*get_args(Input), *get_args(Action))]
+    assert sorted(TYPE_CODES) == sorted(tags)
+    numbers = [*TYPE_CODES.values(), VERBATIM]
+    assert len(set(numbers)) == len(numbers)
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=repr)
+def test_a_split_record_joins_back_into_its_very_bytes(record: InputRecord | ActionRecord) -> None:
+    message = record.input if isinstance(record, InputRecord) else record.action
+    code, fields = codec.split_record(record)
+    assert code == TYPE_CODES[str(message.__struct_config__.tag)]
+    assert message.handoff_id.bytes not in fields and b"handoff_id" not in fields
+    joined = codec.join_record(message.handoff_id.bytes, code, record.at_ms, fields)
+    assert joined == codec.encode_record(record)
+    assert codec.decode_record(joined) == record
+
+
+def test_a_record_kept_whole_is_joined_as_it_is() -> None:
+    blob = codec.encode_record(InputRecord(at_ms=1, input=Canceled(OTHER)))
+    assert codec.join_record(H.bytes, VERBATIM, 2, blob) == blob
+    assert codec.join_record(H.bytes, VERBATIM, 2, b"\xc1") == b"\xc1"
+
+
+@pytest.mark.parametrize(
+    ("code", "fields", "error"),
+    [
+        (99, b"\x80", "unknown type 99"),
+        ("8", b"\x80", "unknown type '8'"),
+        (8, b"", "not a msgpack map"),
+        (8, b"\xc1", "not a msgpack map"),
+        (8, b"\x8e", "not a msgpack map"),  # too many fields for a message
+        (8, "\x80", "are str, not bytes"),
+    ],
+)
+def test_parts_that_cannot_make_a_record_are_log_corrupt(
+    code: Any, fields: Any, error: str
+) -> None:
+    with pytest.raises(LogCorrupt, match=error):
+        codec.join_record(H.bytes, code, 1, fields)
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.sampled_from([VERBATIM, *TYPE_CODES.values()]), st.integers(-(2**63), 2**63 - 1),
+       st.binary())  # fmt: skip
+def test_any_parts_are_a_record_or_log_corrupt(code: int, at_ms: int, fields: bytes) -> None:
+    try:
+        record = codec.decode_record(codec.join_record(H.bytes, code, at_ms, fields))
+    except LogCorrupt:
+        return
+    # What reads splits and joins again into its own bytes (compared as bytes: it may hold NaN).
+    message = record.input if isinstance(record, InputRecord) else record.action
+    again, rest = codec.split_record(record)
+    joined = codec.join_record(message.handoff_id.bytes, again, record.at_ms, rest)
+    assert joined == codec.encode_record(record)
 
 
 # --- the de-duplication digest --------------------------------------------------------------

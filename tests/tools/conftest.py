@@ -1,5 +1,6 @@
-"""Fixtures for the offline log tools: the golden logs (checked in under `golden/v1/`, read in
-place or copied when a test may write), and the `kvhandoff` CLI run in-process."""
+"""Fixtures for the offline log tools: the golden logs (checked in under `golden/v1/` and
+`golden/v2/`, one directory per layout, read in place or copied when a test may write), and the
+`kvhandoff` CLI run in-process."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from worker.cli import main
 
 GOLDEN = Path(__file__).parent / "golden"
 V1 = GOLDEN / "v1"
+V2 = GOLDEN / "v2"
 
-#: The golden v1 handoffs by scenario (golden/generate.py). Spelled out, not recomputed: the v1
-#: files are frozen, whatever the generator becomes.
+#: The golden handoffs by scenario (golden/generate.py), the same in every layout's files.
+#: Spelled out, not recomputed: the files are frozen, whatever the generator becomes.
 IDS = {
     "source-first-success": "c0619bee-b518-5110-b32c-809289541a87",
     "destination-first-success": "c94a9acc-7ce0-5c05-9198-93191b12d549",
@@ -55,7 +57,23 @@ def kvhandoff(capsys: pytest.CaptureFixture[str]) -> Run:
 
 @pytest.fixture
 def writable_log(tmp_path: Path) -> Path:
-    """A copy of the golden v1 log that a test may change."""
+    """A copy of the golden layout-1 log that a test may change."""
     path = tmp_path / "log.sqlite3"
     shutil.copyfile(V1 / "log.sqlite3", path)
+    return path
+
+
+@pytest.fixture
+def writable_log_v2(tmp_path: Path) -> Path:
+    """A copy of the golden layout-2 log that a test may change."""
+    path = tmp_path / "log.sqlite3"
+    shutil.copyfile(V2 / "log.sqlite3", path)
+    return path
+
+
+@pytest.fixture(params=[V1, V2], ids=["v1", "v2"])
+def writable_golden(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """A copy of the golden log of each layout in turn, for what must hold for both."""
+    path = tmp_path / "log.sqlite3"
+    shutil.copyfile(request.param / "log.sqlite3", path)
     return path

@@ -1,6 +1,8 @@
 """Changing a copy of a golden log with sqlite3, the way damage, a hand edit or another build of
-the worker would leave it: records rewritten with or without their digest, a state this build
-does not know, a quarantined handoff with its rejection row, copies of a handoff under new ids.
+the worker would leave it: records rewritten with or without their digest, events lost, a state
+this build does not know, a quarantined handoff with its rejection row, copies of a handoff
+under new ids. `rewrite` and `delete_events` take a log of either layout; the rest that touch
+events take layout 1's, the layout with most to go wrong (digests, ids in every row).
 """
 
 from __future__ import annotations
@@ -12,9 +14,19 @@ from uuid import UUID
 
 import msgspec
 
-from events.codec import decode_record, encode_record, input_digest
+from events.codec import decode_record, encode_record, input_digest, join_record, split_record
 from events.messages import Action, Input
 from events.records import InputRecord, LogRecord
+from worker.schema import LAYOUT_1
+
+#: Layout 2's key of a handoff, by its id (the first parameter).
+KEY_OF = "(SELECT handoff_key FROM handoffs WHERE handoff_id = ?1)"
+
+
+def layout(path: Path) -> str:
+    with sqlite3.connect(path) as db:
+        (value,) = db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+    return str(value)
 
 
 def rewrite(
@@ -25,8 +37,23 @@ def rewrite(
     *,
     digest: bool = True,
 ) -> None:
-    """Replace one record by `change(record)`; with `digest`, store the new input's digest as
-    the worker would have, else keep the old one (an edit the digest gives away)."""
+    """Replace one record by `change(record)`; in layout 1, with `digest`, store the new input's
+    digest as the worker would have, else keep the old one (an edit the digest gives away)."""
+    if layout(path) != LAYOUT_1:
+        with sqlite3.connect(path) as db:
+            code, at_ms, fields = db.execute(
+                f"SELECT type, at_ms, record FROM events WHERE handoff_key = {KEY_OF} AND seq = ?2",
+                (handoff_id, seq),
+            ).fetchone()
+            old = decode_record(join_record(UUID(handoff_id).bytes, code, at_ms, fields))
+            record = change(old)
+            code, fields = split_record(record)
+            db.execute(
+                f"UPDATE events SET type = ?3, at_ms = ?4, record = ?5"
+                f" WHERE handoff_key = {KEY_OF} AND seq = ?2",
+                (handoff_id, seq, code, record.at_ms, fields),
+            )
+        return
     with sqlite3.connect(path) as db:
         (blob,) = db.execute(
             "SELECT record FROM events WHERE handoff_id = ? AND seq = ?", (handoff_id, seq)
@@ -41,6 +68,22 @@ def rewrite(
                 "UPDATE events SET digest = ? WHERE handoff_id = ? AND seq = ?",
                 (input_digest(record.input), handoff_id, seq),
             )
+
+
+def set_record(path: Path, handoff_id: str, seq: int, stored: bytes) -> None:
+    """Overwrite what is stored of one record (in layout 2, the message's fields)."""
+    where = "handoff_id = ?1" if layout(path) == LAYOUT_1 else f"handoff_key = {KEY_OF}"
+    execute(
+        path, f"UPDATE events SET record = ?3 WHERE {where} AND seq = ?2", handoff_id, seq, stored
+    )
+
+
+def delete_events(path: Path, handoff_id: str, *seqs: int) -> None:
+    """Lose some of a handoff's events, as a damaged file would."""
+    where = "handoff_id = ?1" if layout(path) == LAYOUT_1 else f"handoff_key = {KEY_OF}"
+    with sqlite3.connect(path) as db:
+        for seq in seqs:
+            db.execute(f"DELETE FROM events WHERE {where} AND seq = ?2", (handoff_id, seq))
 
 
 def execute(path: Path, sql: str, *params: object) -> None:

@@ -2,7 +2,9 @@
 
 JSON outputs are decoded strictly into the report Structs that generate their JSON Schema, and
 re-encoded to the same document, so every field is known, typed, and nothing is left over. Text
-outputs are checked for their key lines; the JSON forms carry the content.
+outputs are checked for their key lines; the JSON forms carry the content. The checks run on the
+layout-1 golden log; every command prints the same for the layout-2 one, which holds the same
+handoffs (`test_every_command_reads_both_layouts_alike`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from events.codec import decode_record, encode_record
 from events.messages import APPLIED, ActionOutcome
-from events.records import InputRecord
-from tests.tools.conftest import IDS, V1, Run
+from events.records import InputRecord, LogRecord
+from tests.tools import logedit
+from tests.tools.conftest import IDS, V1, V2, Run
 from worker.commands import _text
 from worker.reports import REPORTS, ListReport, ReplayReport, StuckReport, VerifyReport, json_schema
 
@@ -191,21 +193,18 @@ def test_stuck_without_an_age_lists_every_waiting_open_handoff(kvhandoff: Run) -
     assert waits.action is not None and waits.action.__struct_config__.tag == "submit_prefill"
 
 
-def test_stuck_shows_a_handoff_this_build_cannot_replay(kvhandoff: Run, writable_log: Path) -> None:
+def test_stuck_shows_a_handoff_this_build_cannot_replay(
+    kvhandoff: Run, writable_golden: Path
+) -> None:
     # Make stuck-on-reserve's last input answer an action that was never issued.
     stuck_id = IDS["stuck-on-reserve"]
-    with sqlite3.connect(writable_log) as db:
-        (blob,) = db.execute(
-            "SELECT record FROM events WHERE handoff_id = ? AND seq = 3", (stuck_id,)
-        ).fetchone()
-        record = decode_record(blob)
+
+    def bogus(record: LogRecord) -> LogRecord:
         assert isinstance(record, InputRecord)
-        bogus = ActionOutcome(record.input.handoff_id, 7, APPLIED)
-        db.execute(
-            "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = 3",
-            (encode_record(InputRecord(record.at_ms, bogus)), stuck_id),
-        )
-    result = kvhandoff("stuck", writable_log, "--now", "2025-01-01T00:15:20Z", "--json")
+        return InputRecord(record.at_ms, ActionOutcome(record.input.handoff_id, 7, APPLIED))
+
+    logedit.rewrite(writable_golden, stuck_id, 3, bogus)
+    result = kvhandoff("stuck", writable_golden, "--now", "2025-01-01T00:15:20Z", "--json")
     assert result.code == 0
     handoffs = {str(h.handoff.handoff_id): h for h in report(StuckReport, result.out).handoffs}
     broken = handoffs[stuck_id]
@@ -452,11 +451,11 @@ def test_export_writes_the_golden_jsonl(kvhandoff: Run, tmp_path: Path) -> None:
 
 
 def test_compact_removes_completed_handoffs_older_than_the_age(
-    kvhandoff: Run, writable_log: Path
+    kvhandoff: Run, writable_log_v2: Path
 ) -> None:
     minute = 60_000
     midnight = 1_735_689_600_000  # 2025-01-01T00:00:00Z
-    with closing(sqlite3.connect(writable_log)) as db, db:
+    with closing(sqlite3.connect(writable_log_v2)) as db, db:
         db.executemany(
             "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, NULL, ?, ?)",
             [
@@ -465,22 +464,33 @@ def test_compact_removes_completed_handoffs_older_than_the_age(
             ],
         )
     result = kvhandoff(
-        "compact", writable_log, "--older-than", "1m", "--now", "2025-01-01T00:04:00Z"
+        "compact", writable_log_v2, "--older-than", "1m", "--now", "2025-01-01T00:04:00Z"
     )
     assert result.code == 0
     assert result.out == (
         "removed 3 handoffs completed and 1 rejection logged before 2025-01-01T00:03:00.000Z\n"
     )
-    with closing(sqlite3.connect(writable_log)) as db:
+    with closing(sqlite3.connect(writable_log_v2)) as db:
         assert db.execute("SELECT reason FROM rejections").fetchall() == [("not expected",)]
-    left = report(ListReport, kvhandoff("list", writable_log, "--json").out)
+    left = report(ListReport, kvhandoff("list", writable_log_v2, "--json").out)
     assert [str(h.handoff.handoff_id) for h in left.handoffs] == list(IDS.values())[3:]
-    assert kvhandoff("verify", writable_log).out == "verified 6 handoffs, 52 events: all match\n"
+    assert kvhandoff("verify", writable_log_v2).out == (
+        "verified 6 handoffs, 52 events (no input digests in a layout-2 log): all match\n"
+    )
 
-    everything = kvhandoff("compact", writable_log, "--older-than", "0", "--now", "2030-01-01")
+    everything = kvhandoff("compact", writable_log_v2, "--older-than", "0", "--now", "2030-01-01")
     assert everything.out.startswith("removed 3 handoffs completed and 1 rejection logged")
-    left = report(ListReport, kvhandoff("list", writable_log, "--json").out)
+    left = report(ListReport, kvhandoff("list", writable_log_v2, "--json").out)
     assert {h.handoff.state for h in left.handoffs} == {"open"}
+
+
+def test_compact_leaves_a_layout_1_log_to_the_worker(kvhandoff: Run, writable_log: Path) -> None:
+    """Only the worker, under its lock, migrates a log: an older worker may still be writing."""
+    before = writable_log.read_bytes()
+    result = kvhandoff("compact", writable_log, "--older-than", "0")
+    assert result.code == 2
+    assert "has layout '1', which this build reads but does not write: the worker" in result.err
+    assert writable_log.read_bytes() == before
 
 
 def test_compact_does_not_create_a_log(kvhandoff: Run, tmp_path: Path) -> None:
@@ -488,6 +498,56 @@ def test_compact_does_not_create_a_log(kvhandoff: Run, tmp_path: Path) -> None:
     result = kvhandoff("compact", missing, "--older-than", "7d")
     assert result.code == 2 and "no event log at" in result.err
     assert not missing.exists()
+
+
+# --- both layouts ---------------------------------------------------------------------------
+
+NOW = "2025-01-01T00:15:20Z"
+BOTH_LAYOUTS = {
+    "list": [["list", "{log}", "--now", NOW], ["list", "{log}", "--json", "--now", NOW]],
+    "stuck": [["stuck", "{log}", "--now", NOW], ["stuck", "{log}", "--json", "--now", NOW]],
+    "replay": [
+        ["replay", "{log}", handoff_id, "--format", form]
+        for handoff_id in IDS.values()
+        for form in ("table", "json", "mermaid")
+    ]
+    + [["replay", "{tampered}", IDS["frontend-cancel"]]],
+    "verify": [
+        ["verify", log, *json] for log in ("{log}", "{tampered}") for json in ([], ["--json"])
+    ],
+    "export": [["export", "{log}", handoff_id] for handoff_id in IDS.values()],
+}
+
+
+def _published_as_one_mark(export: str) -> str:
+    """An export with every action's publication time made its handoff's last: layout 2 keeps
+    one outbox mark per handoff, not a time per action."""
+    lines = [json.loads(line) for line in export.splitlines()]
+    marks = [e["published_at_ms"] for e in lines[1:] if e["published_at_ms"] is not None]
+    for event in lines[1:]:
+        if event["published_at_ms"] is not None:
+            event["published_at_ms"] = max(marks)
+    return "\n".join(json.dumps(line) for line in lines)
+
+
+@pytest.mark.parametrize("command", sorted(BOTH_LAYOUTS))
+def test_every_command_reads_both_layouts_alike(kvhandoff: Run, command: str) -> None:
+    """The layout-2 golden log holds the layout-1 one's handoffs: every command prints the
+    same for both, but for what layout 2 does not keep (input digests, a time per action)."""
+    for args in BOTH_LAYOUTS[command]:
+        outputs = []
+        for directory in (V1, V2):
+            paths = {"log": directory / "log.sqlite3", "tampered": directory / "tampered.sqlite3"}
+            result = kvhandoff(*(a.format(**paths) for a in args))
+            outputs.append((result.code, result.out, result.err))
+        (old_code, old, old_err), (new_code, new, new_err) = outputs
+        assert (new_code, new_err) == (old_code, old_err), args
+        if command == "verify":
+            new = new.replace(" (no input digests in a layout-2 log)", "")
+            new = new.replace('"digests_checked": false', '"digests_checked": true')
+        if command == "export":
+            new, old = _published_as_one_mark(new), _published_as_one_mark(old)
+        assert new == old, args
 
 
 # --- schemas and layering -------------------------------------------------------------------

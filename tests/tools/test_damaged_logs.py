@@ -1,5 +1,7 @@
 """The offline tools on logs that are not as this build's worker would leave them: edited inputs,
-undecodable records, lost events, states this build does not know, quarantined handoffs.
+undecodable records, lost events, states this build does not know, quarantined handoffs, in
+either layout (input digests are layout 1's only; layout 2 has damage of its own: a record that
+cannot be put back together, events filed under no handoff).
 
 `verify` must name every bad handoff, each under its own id, and exit 1; `list`, `stuck` and
 `replay` must say which handoff is odd and carry on with the rest, never end in a traceback.
@@ -168,20 +170,14 @@ def test_a_handoff_whose_events_run_on_from_another_is_checked_alone(
 ) -> None:
     # reopened-after-success loses seqs 0 and 1; its seq 2 follows just-started's last (1) in
     # the scan, as if one log. just-started is fine; reopened-after-success is what is wrong.
-    for seq in (0, 1):
-        logedit.execute(
-            writable_log,
-            "DELETE FROM events WHERE handoff_id = ? AND seq = ?",
-            IDS["reopened-after-success"],
-            seq,
-        )
+    logedit.delete_events(writable_log, IDS["reopened-after-success"], 0, 1)
     (finding,) = report(VerifyReport, kvhandoff("verify", writable_log, "--json").out).findings
     assert (str(finding.handoff_id), finding.kind) == (IDS["reopened-after-success"], "sequence")
     assert finding.detail == "log begins at sequence 2, not 0"
 
 
 def test_stuck_on_a_handoff_whose_log_diverges_waits_since_its_last_input(
-    kvhandoff: Run, writable_log: Path
+    kvhandoff: Run, writable_golden: Path
 ) -> None:
     # stuck-on-reserve logged reserve_destination(1) at seq 4; make it another action id, so
     # that the action the rebuilt coordinator waits for is not in the log.
@@ -191,8 +187,8 @@ def test_stuck_on_a_handoff_whose_log_diverges_waits_since_its_last_input(
             record, action=msgspec.structs.replace(record.action, action_id=7)
         )
 
-    logedit.rewrite(writable_log, IDS["stuck-on-reserve"], 4, renumbered)
-    result = kvhandoff("stuck", writable_log, "--now", NOW, "--json")
+    logedit.rewrite(writable_golden, IDS["stuck-on-reserve"], 4, renumbered)
+    result = kvhandoff("stuck", writable_golden, "--now", NOW, "--json")
     assert result.code == 0
     reserve = report(StuckReport, result.out).handoffs[0]
     assert str(reserve.handoff.handoff_id) == IDS["stuck-on-reserve"]
@@ -204,10 +200,10 @@ def test_stuck_on_a_handoff_whose_log_diverges_waits_since_its_last_input(
 
 
 @pytest.fixture
-def frozen(writable_log: Path) -> Path:
+def frozen(writable_golden: Path) -> Path:
     """just-started, in a state a newer worker might have: "frozen"."""
-    logedit.set_state(writable_log, IDS["just-started"], "frozen")
-    return writable_log
+    logedit.set_state(writable_golden, IDS["just-started"], "frozen")
+    return writable_golden
 
 
 def _warning(command: str, name: str) -> str:
@@ -283,28 +279,23 @@ REASON = "quarantined: cannot rebuild from its log: undecodable log record at se
 
 
 @pytest.fixture
-def quarantined(writable_log: Path) -> Path:
+def quarantined(writable_golden: Path) -> Path:
     """stuck-on-transfer with an undecodable record, set aside by the worker; stuck-on-reserve
     set aside although its log reads (the worker's build could not replay it)."""
     transfer, reserve = IDS["stuck-on-transfer"], IDS["stuck-on-reserve"]
-    logedit.execute(
-        writable_log,
-        "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = 4",
-        b"\xc1",
-        transfer,
-    )
+    logedit.set_record(writable_golden, transfer, 4, b"\xc1")
     # A rejection of an input before it was set aside, which is not the reason.
     logedit.execute(
-        writable_log,
+        writable_golden,
         "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, ?, ?, ?)",
         QUARANTINED_AT - 5,
         transfer,
         "premature: transfer_completed",
         b"",
     )
-    logedit.quarantine(writable_log, transfer, QUARANTINED_AT, REASON)
-    logedit.quarantine(writable_log, reserve, QUARANTINED_AT + 1, "quarantined: diverges")
-    return writable_log
+    logedit.quarantine(writable_golden, transfer, QUARANTINED_AT, REASON)
+    logedit.quarantine(writable_golden, reserve, QUARANTINED_AT + 1, "quarantined: diverges")
+    return writable_golden
 
 
 def test_list_filters_on_the_quarantined_state_and_gives_the_reason(
@@ -374,3 +365,74 @@ def test_the_verify_schema_names_every_kind_of_finding(kvhandoff: Run) -> None:
     schema = msgspec.json.decode(kvhandoff("verify", "--print-schema").out)
     assert set(schema["$defs"]["FindingKind"]["enum"]) == set(FindingKind)
     assert {"findings", "digests_checked"} <= set(schema["$defs"]["VerifyReport"]["properties"])
+
+
+# --- layout 2 ---------------------------------------------------------------------------------
+
+
+def test_verify_finds_layout_2_records_that_cannot_be_put_back_together(
+    kvhandoff: Run, writable_log_v2: Path
+) -> None:
+    timed_out, failed = IDS["deadline-timed-out"], IDS["failed-outcome"]
+    logedit.set_record(writable_log_v2, timed_out, 4, b"\xc1 not msgpack")
+    logedit.execute(
+        writable_log_v2,
+        f"UPDATE events SET type = 99 WHERE handoff_key = {logedit.KEY_OF} AND seq = 2",
+        failed,
+    )
+
+    result = kvhandoff("verify", writable_log_v2, "--json")
+    assert result.code == 1
+    verified = report(VerifyReport, result.out)
+    wrong = [
+        (timed_out, 4, "log record's fields are not a msgpack map of a message's fields"),
+        (failed, 2, "log record of unknown type 99"),
+    ]
+    assert [(str(f.handoff_id), f.kind, f.seq) for f in verified.findings] == [
+        (handoff_id, "corrupt_record", seq) for handoff_id, seq, _ in wrong
+    ]
+    assert all(why in f.detail for f, (*_, why) in zip(verified.findings, wrong, strict=True))
+    assert (verified.handoffs, verified.events, verified.digests_checked) == (9, 93, False)
+    # The commands that read one handoff say what is wrong with the record, and where.
+    for handoff_id, seq, why in wrong:
+        replay = kvhandoff("replay", writable_log_v2, handoff_id)
+        assert replay.code == 2
+        assert replay.err == f"kvhandoff replay: handoff {handoff_id} seq {seq}: {why}\n"
+
+
+def test_a_layout_2_handoff_that_lost_events_is_the_one_reported(
+    kvhandoff: Run, writable_log_v2: Path
+) -> None:
+    # Layout 2 scans one handoff key at a time: no run of rows can hide another's.
+    logedit.delete_events(writable_log_v2, IDS["reopened-after-success"], 0, 1)
+    logedit.delete_events(writable_log_v2, IDS["frontend-cancel"], 4)
+    verified = report(VerifyReport, kvhandoff("verify", writable_log_v2, "--json").out)
+    assert [(str(f.handoff_id), f.kind, f.detail) for f in verified.findings] == [
+        (IDS["reopened-after-success"], "sequence", "log begins at sequence 2, not 0"),
+        (IDS["frontend-cancel"], "sequence", "log skips from sequence 3 to 5"),
+    ]
+
+
+def test_events_filed_under_no_handoff_belong_to_none(
+    kvhandoff: Run, writable_log_v2: Path
+) -> None:
+    """An event whose key no handoff row has (a row deleted by hand) has no handoff id to be
+    read back with: the tools leave it out, and the rest of the log reads as before."""
+    logedit.execute(
+        writable_log_v2,
+        "INSERT INTO events SELECT 99, seq, type, at_ms, record FROM events"
+        f" WHERE handoff_key = {logedit.KEY_OF}",
+        IDS["just-started"],
+    )
+    logedit.execute(
+        writable_log_v2,
+        "INSERT INTO events SELECT 0, seq, type, at_ms, record FROM events"
+        f" WHERE handoff_key = {logedit.KEY_OF}",
+        IDS["failed-outcome"],
+    )
+    verified = kvhandoff("verify", writable_log_v2)
+    assert (verified.code, verified.out) == (
+        0, "verified 9 handoffs, 93 events (no input digests in a layout-2 log): all match\n"
+    )  # fmt: skip
+    listed = report(ListReport, kvhandoff("list", writable_log_v2, "--json").out)
+    assert len(listed.handoffs) == 9

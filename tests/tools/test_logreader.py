@@ -1,5 +1,6 @@
-"""`worker.logreader`: both forms of the log behind one interface, read-only, with the JSONL
-export round-tripping exactly and every record passing the codec's version check."""
+"""`worker.logreader`: both forms of the log, and both layouts of the SQLite one, behind one
+interface, read-only, with the JSONL export round-tripping exactly and every record passing the
+codec's version check."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from events.codec import decode_record, input_digest
 from events.errors import LogCorrupt
 from events.records import InputRecord
-from tests.tools.conftest import IDS, V1
+from tests.tools.conftest import IDS, V1, V2
 from worker.commands.verify import verify_log
 from worker.errors import StoreError
 from worker.logreader import (
@@ -40,6 +41,9 @@ def test_open_log_tells_the_forms_apart_by_content(tmp_path: Path) -> None:
         # The same records; an export keeps no digests.
         assert exported == [(seq, None, blob) for seq, _, blob in db.stored(CANCEL)]
         assert (export.keeps_digests, db.keeps_digests) == (False, True)
+    with open_log(V2 / "log.sqlite3") as v2:
+        assert isinstance(v2, SqliteLog) and not v2.keeps_digests
+        assert (v2.form, db.form, export.form) == ("a layout-2 log", "a layout-1 log", "an export")
 
 
 def test_scan_gives_each_handoffs_stored_records_in_id_order() -> None:
@@ -61,6 +65,25 @@ def test_scan_gives_each_handoffs_stored_records_in_id_order() -> None:
         assert log.owners([(0, 2), (5, 3)]) == [
             [UUID(IDS["stuck-on-reserve"])] * 2,
             [UUID(IDS["stuck-on-transfer"])] * 3,
+        ]
+
+
+def test_layout_2_scans_each_handoffs_records_in_start_order() -> None:
+    with SqliteLog(V2 / "log.sqlite3") as log:
+        scanned = list(log.scan())
+        rows = log.handoffs()  # start order, which is also the order of their keys
+        assert len(scanned) == len(rows)
+        for row, stored in zip(rows, scanned, strict=True):
+            assert stored == log.stored(row.handoff_id)
+            assert [seq for seq, _, _ in stored] == list(range(row.last_seq + 1))
+            assert [decode_record(blob) for _, _, blob in stored] == [
+                e.record for e in log.load(row.handoff_id).events
+            ]
+            assert {digest for _, digest, _ in stored} == {None}
+        first, second = (len(rows) for rows in scanned[:2])
+        assert log.owners([(0, 2), (first + 1, second - 1)]) == [
+            [rows[0].handoff_id] * 2,
+            [rows[1].handoff_id] * (second - 1),
         ]
 
 
@@ -140,8 +163,9 @@ def test_resolve_refuses_an_ambiguous_or_unknown_id(text: str, error: str) -> No
         log.resolve(text)
 
 
-def test_the_sqlite_log_is_opened_read_only(writable_log: Path) -> None:
-    with SqliteLog(writable_log) as log, pytest.raises(sqlite3.OperationalError, match="readonly"):
+def test_the_sqlite_log_is_opened_read_only(writable_golden: Path) -> None:
+    readonly = pytest.raises(sqlite3.OperationalError, match="readonly")
+    with SqliteLog(writable_golden) as log, readonly:
         log._db.execute("DELETE FROM events")
 
 
@@ -155,11 +179,11 @@ def test_a_file_that_is_not_an_event_log_is_refused(tmp_path: Path) -> None:
         open_log(tmp_path / "missing.sqlite3")
 
 
-def test_a_log_of_another_layout_is_refused(writable_log: Path) -> None:
-    with sqlite3.connect(writable_log) as db:
-        db.execute("UPDATE meta SET value = '2' WHERE key = 'layout'")
-    with pytest.raises(StoreError, match="has layout 2, this build reads 1"):
-        open_log(writable_log)
+def test_a_log_of_another_layout_is_refused(writable_golden: Path) -> None:
+    with sqlite3.connect(writable_golden) as db:
+        db.execute("UPDATE meta SET value = '3' WHERE key = 'layout'")
+    with pytest.raises(StoreError, match="has layout 3, this build reads 1 and 2"):
+        open_log(writable_golden)
 
 
 def test_records_from_a_newer_schema_are_refused_in_either_form(

@@ -69,24 +69,24 @@ def renumbered(record: LogRecord) -> LogRecord:
 
 
 @pytest.fixture
-def hostile(writable_log: Path) -> Path:
+def hostile(writable_golden: Path) -> Path:
     """Control characters in every kind of string a log holds: engine ids in a start record
     and in the row, a failed outcome's reason, a state, a quarantine reason."""
     reserve, failed = IDS["stuck-on-reserve"], IDS["failed-outcome"]
-    logedit.rewrite(writable_log, reserve, 0, hostile_engines)
+    logedit.rewrite(writable_golden, reserve, 0, hostile_engines)
     logedit.execute(
-        writable_log,
+        writable_golden,
         "UPDATE handoffs SET source = ?, destination = ?, engine_type = ? WHERE handoff_id = ?",
         f"src{HOSTILE}",
         f"dst{HOSTILE}",
         f"vllm{HOSTILE}",
         reserve,
     )
-    logedit.rewrite(writable_log, failed, 2, hostile_reason)
-    logedit.rewrite(writable_log, failed, 3, renumbered)  # so that verify prints the input
-    logedit.set_state(writable_log, IDS["just-started"], f"odd{HOSTILE}")
-    logedit.quarantine(writable_log, IDS["stuck-on-transfer"], 1, f"quarantined: {HOSTILE}")
-    return writable_log
+    logedit.rewrite(writable_golden, failed, 2, hostile_reason)
+    logedit.rewrite(writable_golden, failed, 3, renumbered)  # so that verify prints the input
+    logedit.set_state(writable_golden, IDS["just-started"], f"odd{HOSTILE}")
+    logedit.quarantine(writable_golden, IDS["stuck-on-transfer"], 1, f"quarantined: {HOSTILE}")
+    return writable_golden
 
 
 def test_list_escapes_control_characters_from_the_log(kvhandoff: Run, hostile: Path) -> None:

@@ -233,8 +233,9 @@ def corrupt_record(db: Path, handoff_id: UUID, seq: int) -> None:
     """Overwrite one logged record with bytes no msgpack decoder accepts (0xc1 is never used)."""
     with closing(sqlite3.connect(db, timeout=30)) as connection, connection:
         changed = connection.execute(
-            "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = ?",
-            (b"\xc1 not a log record \xff", str(handoff_id), seq),
+            "UPDATE events SET record = ? WHERE seq = ? AND handoff_key ="
+            " (SELECT handoff_key FROM handoffs WHERE handoff_id = ?)",
+            (b"\xc1 not a log record \xff", seq, str(handoff_id)),
         ).rowcount
     assert changed == 1, f"no event {seq} of {handoff_id} to corrupt"
 

@@ -3,12 +3,14 @@ after batch k committed, before k's actions are published or its inputs acknowle
 batch k+1 is already fetched and planned (its effects in memory, nothing of it written).
 
 Run as `python -m tests.worker.crashing_worker run ...`; it crashes at the first commit after
-KVHANDOFF_CRASH_AFTER_COMMITS commits at which a later batch is in flight, and prints
-`crashing: commit N with batch M planned` first.
+KVHANDOFF_CRASH_AFTER_COMMITS commits, once a later batch is planned, and prints
+`crashing: commit N with batch M planned` first. It waits for that plan rather than hope for it:
+a commit that is quicker than the next fetch and plan would otherwise never see one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from uuid import UUID
@@ -21,6 +23,7 @@ from worker.store import Batch
 
 _AFTER = int(os.environ.get("KVHANDOFF_CRASH_AFTER_COMMITS", "3"))
 _seen = {"plans": 0, "commits": 0}
+_planned = asyncio.Event()
 _plan = service.Worker._plan
 _commit = service.Worker._commit
 
@@ -30,6 +33,7 @@ async def _counting_plan(
 ) -> Plan:
     plan = await _plan(self, deliveries, decoded, missing)
     _seen["plans"] += 1
+    _planned.set()
     return plan
 
 
@@ -37,7 +41,11 @@ async def _crashing_commit(self: service.Worker, batch: Batch) -> None:
     await _commit(self, batch)
     if batch.events:
         _seen["commits"] += 1
-        if _seen["commits"] >= _AFTER and _seen["plans"] > _seen["commits"]:
+        if _seen["commits"] >= _AFTER:
+            # The loop fetches and plans the next batch while this one is carried out.
+            while _seen["plans"] <= _seen["commits"]:
+                _planned.clear()
+                await asyncio.wait_for(_planned.wait(), 30)
             print(f"crashing: commit {_seen['commits']} with batch {_seen['plans']} planned")
             sys.stdout.flush()
             os._exit(137)

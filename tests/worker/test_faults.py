@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from events.codec import input_digest
 from events.coordinator import HandoffCoordinator
 from events.messages import Complete, EngineType, ReserveDestination, StartHandoff
 from events.records import ActionRecord, InputRecord
@@ -127,7 +126,7 @@ async def test_actions_committed_but_never_published_are_published_on_start(
     for start in [open_one]:
         coordinator = HandoffCoordinator.for_start(start)
         actions = coordinator.handle(start)
-        batch.append_input(0, InputRecord(1, start), input_digest(start))
+        batch.append_input(0, InputRecord(1, start))
         for seq, action in enumerate(actions, start=1):
             batch.append_action(seq, ActionRecord(1, action))
         batch.upsert_handoff(
@@ -146,7 +145,9 @@ async def test_actions_committed_but_never_published_are_published_on_start(
         assert worker.terminate() == 0
         with sqlite3.connect(db) as connection:
             (unpublished,) = connection.execute(
-                "SELECT count(*) FROM events WHERE kind = 'action' AND published_at_ms IS NULL"
+                "SELECT count(*) FROM events e JOIN handoffs h USING (handoff_key)"
+                " JOIN record_types t USING (type)"
+                " WHERE t.kind = 'action' AND e.seq > h.published_seq"
             ).fetchone()
         assert unpublished == 0
     finally:
@@ -192,7 +193,7 @@ async def test_an_open_handoff_whose_log_this_build_rederives_differently_stops_
     log = await EventLog.open(db)
     start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 600_000)
     batch = Batch()
-    batch.append_input(0, InputRecord(1, start), input_digest(start))
+    batch.append_input(0, InputRecord(1, start))
     # What an older coordinator might have issued first; this one submits the prefill.
     batch.append_action(1, ActionRecord(1, ReserveDestination(start.handoff_id, 0)))
     batch.upsert_handoff(

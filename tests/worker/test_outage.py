@@ -55,11 +55,14 @@ def now_ms() -> int:
 
 
 def marked_between(db: Path, since_ms: int, until_ms: int) -> list[tuple[str, int, str]]:
-    """Actions the log says were published in that window: (handoff, seq, type)."""
+    """Actions the log says were published in that window: (handoff, seq, type). The log keeps
+    one mark per handoff (its actions up to a seq were published by a time), so these are the
+    actions of the handoffs whose mark last moved in that window."""
     with closing(sqlite3.connect(db, timeout=30)) as connection:
         rows = connection.execute(
-            "SELECT handoff_id, seq, type FROM events WHERE kind = 'action'"
-            " AND published_at_ms >= ? AND published_at_ms < ? ORDER BY published_at_ms",
+            "SELECT h.handoff_id, e.seq, t.tag FROM handoffs h JOIN events e USING (handoff_key)"
+            " JOIN record_types t USING (type) WHERE t.kind = 'action' AND e.seq <= h.published_seq"
+            " AND h.published_at_ms >= ? AND h.published_at_ms < ? ORDER BY h.published_at_ms",
             (since_ms, until_ms),
         ).fetchall()
     return [(str(h), int(seq), str(kind)) for h, seq, kind in rows]

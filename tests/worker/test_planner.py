@@ -22,9 +22,10 @@ from uuid import UUID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.codec import decode_record, encode
+from events.codec import decode_record, encode, input_digest, join_record
 from events.coordinator import HandoffCoordinator
 from events.messages import Canceled, EngineType, Input, StartHandoff
+from events.records import InputRecord
 from events.subjects import Subjects
 from tests.worker.scripted_engine import success_script
 from worker.planner import Planner
@@ -51,10 +52,12 @@ class MemoryLog:
     rejections: list[tuple[str | None, str]] = field(default_factory=list)
 
     def commit(self, batch: Batch) -> None:
-        for hid, seq, _, _, at_ms, digest, record in batch.events:
+        for hid, seq, code, at_ms, fields in batch.events:
             logged = self.events.setdefault(UUID(hid), [])
             assert seq == len(logged), "sequence numbers must follow the log without gaps"
-            logged.append(LoggedEvent(seq, at_ms, decode_record(record), digest, None))
+            record = decode_record(join_record(UUID(hid).bytes, code, at_ms, fields))
+            digest = input_digest(record.input) if isinstance(record, InputRecord) else None
+            logged.append(LoggedEvent(seq, at_ms, record, digest, None))
         for handoff_id, row in batch.handoffs.items():
             # A row is the projection of its log as this commit leaves it, not a later state.
             assert row.last_seq == len(self.events[handoff_id]) - 1, (row, "ahead of its log")

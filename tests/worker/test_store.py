@@ -1,12 +1,14 @@
 """The event log's contract, against real SQLite files: what a committed batch leaves behind,
 what a colliding batch leaves behind (nothing), and what recovery, the outbox and compaction
-read back. Records come from the real coordinator, written the way the service writes them."""
+read back; and a layout-1 log (a copy of the golden one) migrated to layout 2. Records come from
+the real coordinator, written the way the service writes them."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
+import shutil
 import sqlite3
 import stat
 import threading
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from events.codec import input_digest
+from events.codec import encode_record, input_digest
 from events.coordinator import HandoffCoordinator
 from events.messages import (
     SUBMITTED,
@@ -31,10 +33,12 @@ from events.messages import (
     SubmitPrefill,
 )
 from events.records import ActionRecord, InputRecord
+from tests.tools.conftest import IDS, V1
 from tests.worker.scripted_engine import Script, success_script
 from tests.worker.tmpfs import fill, small_filesystem
 from worker.errors import StoreConflict, StoreError, StoreLocked
-from worker.schema import HandoffState
+from worker.logreader import open_log
+from worker.schema import RECORD_TYPES, HandoffState
 from worker.store import (
     Batch,
     Compacted,
@@ -52,7 +56,9 @@ from worker.store import (
 class Handoff:
     """One handoff driven through the real coordinator, logged as the service logs it.
 
-    `events` is what the log must hold for it once the batches it wrote are committed.
+    `events` is what the log must hold for it once the batches it wrote are committed, with
+    the outbox as the log keeps it: one mark per handoff, every action up to `published_seq`
+    published by `marked_at_ms`.
     """
 
     def __init__(self, engine_type: EngineType = EngineType.VLLM, started_at_ms: int = 0) -> None:
@@ -71,6 +77,8 @@ class Handoff:
             updated_at_ms=started_at_ms,
         )
         self.events: list[LoggedEvent] = []
+        self.published_seq = -1
+        self.marked_at_ms: int | None = None
 
     @property
     def id(self) -> uuid.UUID:
@@ -80,8 +88,8 @@ class Handoff:
         """Apply one input and append it, the actions it issued and the projection."""
         actions = self.coordinator.handle(message)
         seq = self.row.last_seq + 1
+        batch.append_input(seq, InputRecord(at_ms, message))
         digest = input_digest(message)
-        batch.append_input(seq, InputRecord(at_ms, message), digest)
         self.events.append(LoggedEvent(seq, at_ms, InputRecord(at_ms, message), digest, None))
         for action in actions:
             seq += 1
@@ -106,8 +114,17 @@ class Handoff:
                 pending.extend(script(action))
 
     def publish(self, batch: Batch, seq: int, at_ms: int) -> None:
+        """Mark the action at `seq`, and so every one before it, published (a mark that does
+        not move forward changes nothing)."""
         batch.mark_published(self.id, seq, at_ms)
-        self.events[seq] = dataclasses.replace(self.events[seq], published_at_ms=at_ms)
+        if seq > self.published_seq:
+            self.published_seq, self.marked_at_ms = seq, at_ms
+        self.events = [
+            dataclasses.replace(e, published_at_ms=self.marked_at_ms)
+            if isinstance(e.record, ActionRecord) and e.seq <= self.published_seq
+            else e
+            for e in self.events
+        ]
 
     def action_seqs(self) -> list[int]:
         return [e.seq for e in self.events if isinstance(e.record, ActionRecord)]
@@ -147,7 +164,8 @@ def merged(*batches: Batch) -> Batch:
     for batch in batches:
         whole.events += batch.events
         whole.handoffs.update(batch.handoffs)
-        whole.published += batch.published
+        for handoff_id, (seq, at_ms) in batch.published.items():
+            whole.mark_published(handoff_id, seq, at_ms)
         whole.rejections += batch.rejections
     return whole
 
@@ -172,10 +190,13 @@ def table(db: Path, sql: str, *parameters: object) -> list[tuple[object, ...]]:
         return connection.execute(sql, parameters).fetchall()
 
 
-def alter(db: Path, sql: str) -> None:
+def alter(db: Path, sql: str, *parameters: object) -> None:
     """Change the file behind the log's back, and commit."""
     with closing(sqlite3.connect(db)) as connection, connection:
-        connection.execute(sql)
+        connection.execute(sql, parameters)
+
+
+KEY_OF = "(SELECT handoff_key FROM handoffs WHERE handoff_id = ?)"
 
 
 @pytest.fixture
@@ -224,7 +245,7 @@ async def test_commit_then_load_round_trips_records_and_rows(log: EventLog) -> N
 async def test_published_marks_are_loaded_and_never_overwritten(log: EventLog) -> None:
     handoff, batch = completed(1_000)
     await log.commit(batch)
-    first_action = handoff.action_seqs()[0]
+    first_action, _, third_action = handoff.action_seqs()[:3]
     marks = Batch()
     handoff.publish(marks, first_action, 1_100)
     await log.commit(marks)
@@ -238,6 +259,17 @@ async def test_published_marks_are_loaded_and_never_overwritten(log: EventLog) -
     assert [e.seq for e in events if e.published_at_ms is not None] == [first_action]
     assert events[first_action].published_at_ms == 1_100
 
+    # One mark per handoff: a mark further on covers every action before it, and keeps its
+    # own time; a mark behind it changes nothing.
+    further = Batch()
+    handoff.publish(further, third_action, 2_000)
+    further.mark_published(handoff.id, first_action, 9_999)
+    await log.commit(further)
+    events = readable(await log.load([handoff.id]))[handoff.id].events
+    assert events == handoff.events
+    published = [(e.seq, e.published_at_ms) for e in events if e.published_at_ms is not None]
+    assert published == [(seq, 2_000) for seq in handoff.action_seqs()[:3]]
+
 
 async def test_a_colliding_batch_writes_nothing(log: EventLog, db: Path) -> None:
     existing, batch = started(1_000)
@@ -247,18 +279,16 @@ async def test_a_colliding_batch_writes_nothing(log: EventLog, db: Path) -> None
     # A second writer with a stale copy of `existing` (last_seq 1) appends another input at
     # seq 2, in a batch that also starts a new handoff, marks an action and logs a rejection.
     newcomer, stale = started(2_000)
-    stale.append_input(
-        2, InputRecord(2_000, Canceled(existing.id)), input_digest(Canceled(existing.id))
-    )
+    stale.append_input(2, InputRecord(2_000, Canceled(existing.id)))
     stale.upsert_handoff(dataclasses.replace(existing.row, last_seq=3, updated_at_ms=2_000))
     stale.mark_published(existing.id, 1, 2_000)
     stale.reject(2_000, None, "undecodable input", b"{")
 
-    with pytest.raises(StoreConflict, match=r"events\.handoff_id, events\.seq"):
+    with pytest.raises(StoreConflict, match=r"events\.handoff_key, events\.seq"):
         await log.commit(stale)
 
     assert table(db, "SELECT * FROM handoffs WHERE handoff_id = ?", str(newcomer.id)) == []
-    assert table(db, "SELECT * FROM events WHERE handoff_id = ?", str(newcomer.id)) == []
+    assert table(db, "SELECT count(*) FROM events") == [(len(existing.events),)]
     assert table(db, "SELECT * FROM rejections") == []
     loaded = readable(await log.load([existing.id]))[existing.id]
     assert loaded.row == existing.row  # last_seq 2, not the stale writer's 3
@@ -270,7 +300,8 @@ async def test_a_colliding_batch_writes_nothing(log: EventLog, db: Path) -> None
 
 async def test_every_input_digest_survives_a_reopen(log: EventLog, db: Path) -> None:
     """The worker de-duplicates against the digests it loads with a handoff: they must be
-    exactly the logged inputs' digests, after the log is closed and opened again."""
+    exactly the logged inputs' digests (derived from the records: layout 2 stores none), after
+    the log is closed and opened again."""
     handoff, batch = started(1_000)
     await log.commit(batch)
     await log.close()
@@ -296,7 +327,7 @@ async def test_unpublished_actions_are_the_outbox_backlog(log: EventLog) -> None
             for e in h.events
             if isinstance(e.record, ActionRecord) and e.published_at_ms is None
         ]
-        return sorted(expected, key=lambda u: (str(u.row.handoff_id), u.seq))
+        return expected  # in the order the handoffs were first logged, each in seq order
 
     assert await log.unpublished_actions() == backlog(done, waiting)
     assert len(backlog(done, waiting)) == len(done.action_seqs()) + 1
@@ -338,8 +369,9 @@ async def test_an_unreadable_handoff_is_reported_alone(log: EventLog, db: Path) 
     bad_state, second = started(1_000)
     good, third = started(2_000)
     await log.commit(merged(first, second, third))
-    alter(db, f"UPDATE events SET record = x'c1' WHERE handoff_id = '{bad_record.id}' AND seq = 1")
-    alter(db, f"UPDATE handoffs SET state = 'half-open' WHERE handoff_id = '{bad_state.id}'")
+    alter(db, f"UPDATE events SET record = x'c1' WHERE handoff_key = {KEY_OF} AND seq = 1",
+          str(bad_record.id))  # fmt: skip
+    alter(db, "UPDATE handoffs SET state = 'half-open' WHERE handoff_id = ?", str(bad_state.id))
 
     loaded = await log.load([bad_record.id, bad_state.id, good.id])
     recovered = await log.open_handoffs()
@@ -386,8 +418,8 @@ async def test_compact_removes_only_closed_handoffs_completed_before_the_cutoff(
     assert set(kept) == {at_cutoff.id, recent.id, old_open.id}
     for handoff in (at_cutoff, recent, old_open):
         assert kept[handoff.id].events == handoff.events
-    for handoff in (old, old_canceled):
-        assert table(db, "SELECT * FROM events WHERE handoff_id = ?", str(handoff.id)) == []
+    kept_events = sum(len(h.events) for h in (at_cutoff, recent, old_open))
+    assert table(db, "SELECT count(*) FROM events") == [(kept_events,)]
     assert await log.compact(3_000) == Compacted(handoffs=0, rejections=0)
 
 
@@ -455,14 +487,22 @@ async def test_events_of_decodes_one_handoffs_log(log: EventLog) -> None:
     assert await log.events_of(uuid.uuid4()) == []
 
 
+async def test_the_log_names_every_type_number_this_build_writes(db: Path) -> None:
+    """`record_types` is for people reading the file: opening the log adds what it lacks."""
+    await (await EventLog.open(db)).close()
+    alter(db, "DELETE FROM record_types WHERE kind = 'action'")
+    await (await EventLog.open(db)).close()
+    assert table(db, "SELECT * FROM record_types ORDER BY type") == sorted(RECORD_TYPES)
+
+
 @pytest.mark.usefixtures("no_leaked_threads")
 async def test_a_log_of_another_layout_is_refused(db: Path) -> None:
     await (await EventLog.open(db)).close()
-    alter(db, "UPDATE meta SET value = '2' WHERE key = 'layout'")
+    alter(db, "UPDATE meta SET value = '3' WHERE key = 'layout'")
 
-    expected = f"event log {db} has layout '2', this build reads and writes layout '1'"
+    expected = f"event log {db} has layout '3', this build reads and writes layout '2'"
     with pytest.raises(StoreError, match=re.escape(expected)):
-        await EventLog.open(db)
+        await EventLog.open(db, migrate=True)
 
 
 @pytest.mark.usefixtures("no_leaked_threads")
@@ -633,3 +673,133 @@ def test_the_writer_lock_admits_one_holder_and_names_it(tmp_path: Path) -> None:
 
     with WriterLock.acquire(alias / "kvhandoff.db") as again:
         assert again.path == lock_file
+
+
+# --- a layout-1 log -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def layout_1(db: Path) -> Path:
+    """A copy of the golden layout-1 log, which this build reads and migrates."""
+    shutil.copyfile(V1 / "log.sqlite3", db)
+    return db
+
+
+def logged_by_layout_1(path: Path) -> dict[uuid.UUID, list[tuple[int, int, object]]]:
+    """Each handoff's (seq, at_ms, record), as the offline reader reads the golden log."""
+    with open_log(path) as log:
+        return {
+            h.handoff_id: [(e.seq, e.at_ms, e.record) for e in log.load(h.handoff_id).events]
+            for h in log.handoffs()
+        }
+
+
+@pytest.mark.usefixtures("no_leaked_threads")
+async def test_a_layout_1_log_is_left_as_it_is_unless_migration_is_asked_for(
+    layout_1: Path,
+) -> None:
+    before = layout_1.read_bytes()  # noqa: ASYNC240  # a file in the test's own tmp_path
+
+    expected = (
+        f"event log {layout_1} has layout '1', which this build reads but does not write: the"
+        " worker (kvhandoff run) of this build migrates it to layout '2' when it starts"
+    )
+    with pytest.raises(StoreError, match=re.escape(expected)):
+        await EventLog.open(layout_1)
+    assert layout_1.read_bytes() == before  # noqa: ASYNC240
+
+
+async def test_a_migrated_log_reads_back_what_layout_1_held(layout_1: Path) -> None:
+    expected = logged_by_layout_1(layout_1)
+    log = await EventLog.open(layout_1, migrate=True)
+    try:
+        loaded = readable(await log.load(list(expected)))
+        recovered = readable(await log.open_handoffs())
+        assert await log.unpublished_actions() == []  # the golden log published everything
+        assert await log.quarantined() == set()
+    finally:
+        await log.close()
+
+    assert {h: [(e.seq, e.at_ms, e.record) for e in loaded[h].events] for h in loaded} == expected
+    open_ids = {IDS["stuck-on-reserve"], IDS["stuck-on-transfer"], IDS["just-started"]}
+    assert {str(h) for h in recovered} == open_ids
+    for handoff in loaded.values():
+        for e in handoff.events:
+            assert (e.digest is None) == isinstance(e.record, ActionRecord)
+            assert (e.published_at_ms is None) == isinstance(e.record, InputRecord)
+    assert table(layout_1, "SELECT value FROM meta") == [("2",)]
+    assert table(layout_1, "SELECT * FROM record_types ORDER BY type") == sorted(RECORD_TYPES)
+    # The offline reader sees the same as layout 2.
+    assert logged_by_layout_1(layout_1) == expected
+
+
+async def test_a_migrated_log_marks_published_up_to_the_first_action_that_was_not(
+    layout_1: Path,
+) -> None:
+    # stuck-on-transfer logged actions at seqs 1, 4 and 7: the one at 4 never went out.
+    handoff = IDS["stuck-on-transfer"]
+    alter(layout_1, "UPDATE events SET published_at_ms = NULL WHERE handoff_id = ? AND seq = 4",
+          handoff)  # fmt: skip
+    log = await EventLog.open(layout_1, migrate=True)
+    try:
+        backlog = await log.unpublished_actions()
+    finally:
+        await log.close()
+
+    actions = [(str(u.row.handoff_id), u.seq) for u in backlog if isinstance(u, UnpublishedAction)]
+    assert actions == [(handoff, 4), (handoff, 7)] and len(backlog) == len(actions)
+
+
+async def test_a_record_that_does_not_decode_is_kept_whole_and_its_handoff_quarantined(
+    layout_1: Path,
+) -> None:
+    handoff = IDS["stuck-on-reserve"]
+    damage = b"\xc1 not a record"
+    alter(layout_1, "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = 2",
+          damage, handoff)  # fmt: skip
+    log = await EventLog.open(layout_1, migrate=True)
+    try:
+        loaded = await log.open_handoffs()
+    finally:
+        await log.close()
+
+    corrupt = loaded[uuid.UUID(handoff)]
+    assert isinstance(corrupt, CorruptHandoff) and corrupt.reason.startswith("seq 2: ")
+    assert table(layout_1, "SELECT seq, record FROM events WHERE type = 0") == [(2, damage)]
+    assert all(isinstance(h, LoadedHandoff) for i, h in loaded.items() if str(i) != handoff)
+
+
+async def test_a_record_of_another_handoff_is_kept_as_written_not_given_a_new_owner(
+    layout_1: Path,
+) -> None:
+    """Layout 2 takes a record's handoff id from its row: carrying this one over split would
+    make it the input of the handoff it is filed under, and its replay would accept it."""
+    handoff, other = IDS["stuck-on-reserve"], uuid.UUID(IDS["source-first-success"])
+    misfiled = encode_record(InputRecord(1, Canceled(other)))
+    alter(layout_1, "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = 2",
+          misfiled, handoff)  # fmt: skip
+    log = await EventLog.open(layout_1, migrate=True)
+    try:
+        events = readable(await log.load([uuid.UUID(handoff)]))[uuid.UUID(handoff)].events
+    finally:
+        await log.close()
+
+    assert events[2].record == InputRecord(1, Canceled(other))
+    assert table(layout_1, "SELECT seq, record FROM events WHERE type = 0") == [(2, misfiled)]
+
+
+@pytest.mark.usefixtures("no_leaked_threads")
+async def test_a_log_with_events_of_no_handoff_is_not_migrated_at_all(layout_1: Path) -> None:
+    alter(layout_1, "DELETE FROM handoffs WHERE handoff_id = ?", IDS["frontend-cancel"])
+    tables = table(layout_1, "SELECT name, sql FROM sqlite_master ORDER BY name")
+    events = table(layout_1, "SELECT * FROM events ORDER BY handoff_id, seq")
+
+    orphan = IDS["frontend-cancel"]
+    orphans = rf"11 of its events belong to no row of the handoffs table \(handoff {orphan},"
+    with pytest.raises(StoreError, match=orphans):
+        await EventLog.open(layout_1, migrate=True)
+
+    # One transaction: the log is layout 1 as it was.
+    assert table(layout_1, "SELECT name, sql FROM sqlite_master ORDER BY name") == tables
+    assert table(layout_1, "SELECT * FROM events ORDER BY handoff_id, seq") == events
+    assert table(layout_1, "SELECT value FROM meta") == [("1",)]

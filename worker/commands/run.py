@@ -1,13 +1,14 @@
 """`kvhandoff run`: the worker, until SIGTERM or SIGINT, which drain it (exit 0).
 
 Start-up goes: take the log's `WriterLock` (exit 2 at once if another worker holds it), open the
-event log, connect to NATS (retried until it answers), take the lease on the input stream's
-consumer, (re)create the consumer, recover, consume. A signal at any of these steps stops the
-worker promptly with exit 0. Exit 2 when it cannot start as configured: the configuration
-cannot work, another worker holds the log, NATS refuses our credentials or TLS, another worker
-holds the lease, or this build's coordinator does not re-derive an open handoff's log. Exit 1
-when it stops on an error, which includes losing the lease while running: it stops fetching at
-once, finishes the batch in hand and exits, because another worker now consumes the stream.
+event log (migrating a log of layout 1 to layout 2, see `worker.store`), connect to NATS
+(retried until it answers), take the lease on the input stream's consumer, (re)create the
+consumer, recover, consume. A signal at any of these steps stops the worker promptly with exit
+0. Exit 2 when it cannot start as configured: the configuration cannot work, another worker
+holds the log, NATS refuses our credentials or TLS, another worker holds the lease, or this
+build's coordinator does not re-derive an open handoff's log. Exit 1 when it stops on an error,
+which includes losing the lease while running: it stops fetching at once, finishes the batch in
+hand and exits, because another worker now consumes the stream.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ async def serve(config: WorkerConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    log = await EventLog.open(config.db_path, config.synchronous)
+    log = await EventLog.open(config.db_path, config.synchronous, migrate=True)
     try:
         bus = await _unless_stopped(stop, Bus.connect(config.nats, name="kvhandoff-worker"))
         if bus is None:

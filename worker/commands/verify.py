@@ -8,9 +8,10 @@ the new coordinator would have acted differently on history, so recovery of an o
 could act differently from what the engines were told.
 
 The log itself is checked too: a record that does not decode, a sequence that skips, repeats or
-does not begin with the handoff's start, an input whose stored digest is not its own (the
-SQLite log keeps one per input; an export keeps none), and a `handoffs` row whose state this
-build does not know. Every bad handoff is reported, each under its own id, not just the first.
+does not begin with the handoff's start, an input whose stored digest is not its own (a
+layout-1 log keeps one per input; a layout-2 log and an export keep none, and the report says
+that no digest was checked), and a `handoffs` row whose state this build does not know. Every
+bad handoff is reported, each under its own id, not just the first.
 
 Without HANDOFF ids the whole log is checked in one ordered pass that does not read handoff
 ids (`LogSource.scan`); only when a run of rows fails its check are their ids read, in one
@@ -49,7 +50,7 @@ def execute(args: argparse.Namespace) -> int:
         if args.json:
             _offline.print_json(report)
         else:
-            _print(report)
+            _print(report, log.form)
     return code
 
 
@@ -156,7 +157,7 @@ def _digest_detail(stored: bytes | None, blob: bytes) -> str:
     return f"stored digest {logged}, the logged input's is {input_digest(record.input).hex()}"
 
 
-def _print(report: VerifyReport) -> None:
+def _print(report: VerifyReport, form: str) -> None:
     divergences = {d.handoff_id: d for d in report.diverged}
     for f in report.findings:
         d = divergences.get(f.handoff_id)
@@ -175,7 +176,7 @@ def _print(report: VerifyReport) -> None:
         what = f.kind.value.replace("_", " ")
         print(f"handoff {f.handoff_id}: {what}{where}: {_text.printable(f.detail)}")
     handoffs, events = _text.count(report.handoffs, "handoff"), _text.count(report.events, "event")
-    checked = "" if report.digests_checked else " (no input digests in an export)"
+    checked = "" if report.digests_checked else f" (no input digests in {form})"
     if not report.findings:
         print(f"verified {handoffs}, {events}{checked}: all match")
         return

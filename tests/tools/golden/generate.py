@@ -1,10 +1,11 @@
 """Writes the golden event logs that the offline tools' tests read, deterministically.
 
-    python tests/tools/golden/generate.py tests/tools/golden/v1
+    python tests/tools/golden/generate.py tests/tools/golden/v2
 
-The logs are written the way the worker writes them: the pure coordinator decides, and
-`worker.store.EventLog` commits each input with the actions it issued in one `Batch`, with the
-handoff's projection. Ids and times are fixed, so every run writes the same rows. Output:
+The logs are written the way the worker writes them, in the layout this build writes
+(`worker.schema.LAYOUT_VERSION`): the pure coordinator decides, and `worker.store.EventLog`
+commits each input with the actions it issued in one `Batch`, with the handoff's projection.
+Ids and times are fixed, so every run writes the same rows. Output:
 
     log.sqlite3          one handoff per scenario below (journal mode DELETE, so a read-only
                          open leaves no -wal/-shm files in the checkout)
@@ -12,8 +13,9 @@ handoff's projection. Ids and times are fixed, so every run writes the same rows
                          `kvhandoff verify` must name each at its step
     frontend-cancel.jsonl  the `frontend-cancel` handoff as `kvhandoff export` writes it
 
-A golden directory is frozen once its schema version is released: it must keep decoding and
-verifying with every later build. A new schema version gets a new directory beside it.
+A golden directory is frozen once its layout is released: it must keep decoding and verifying
+with every later build. A new layout or schema version gets a new directory beside it. `v1/`
+was written by this generator as it was before layout 2, with the same handoffs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from uuid import UUID, uuid5
 
 import msgspec
 
-from events.codec import decode_record, encode_record, input_digest
+from events.codec import decode_record, join_record, split_record
 from events.coordinator import HandoffCoordinator
 from events.messages import (
     ACCEPTED,
@@ -276,7 +278,7 @@ async def _append(path: Path, handoffs: Sequence[tuple[int, Script]]) -> None:
                 at_ms = start_ms + offset
                 batch = Batch()
                 actions = coordinator.handle(message)
-                batch.append_input(seq, InputRecord(at_ms, message), input_digest(message))
+                batch.append_input(seq, InputRecord(at_ms, message))
                 seq += 1
                 for action in actions:
                     batch.append_action(seq, ActionRecord(at_ms, action))
@@ -293,11 +295,14 @@ def tamper(path: Path, tampers: Sequence[Tamper]) -> None:
     """Alter the logged actions that `tampers` name, keeping each row's `type` consistent."""
     with sqlite3.connect(path) as db:
         for t in tampers:
-            key = (str(handoff_id(t.scenario)), t.seq)
-            (blob,) = db.execute(
-                "SELECT record FROM events WHERE handoff_id = ? AND seq = ?", key
+            h = handoff_id(t.scenario)
+            key = (str(h), t.seq)
+            code, at_ms, fields = db.execute(
+                "SELECT type, at_ms, record FROM events WHERE seq = ?2 AND handoff_key ="
+                " (SELECT handoff_key FROM handoffs WHERE handoff_id = ?1)",
+                key,
             ).fetchone()
-            record = decode_record(blob)
+            record = decode_record(join_record(h.bytes, code, at_ms, fields))
             assert isinstance(record, ActionRecord)
             action = record.action
             altered: Action
@@ -308,11 +313,10 @@ def tamper(path: Path, tampers: Sequence[Tamper]) -> None:
                     altered = CancelSource(action.handoff_id, action.action_id)
                 case _:
                     raise AssertionError(f"{t}: seq {t.seq} holds {action!r}")
-            changed = msgspec.structs.replace(record, action=altered)
-            tag = changed.action.__struct_config__.tag
             db.execute(
-                "UPDATE events SET record = ?, type = ? WHERE handoff_id = ? AND seq = ?",
-                (encode_record(changed), tag, *key),
+                "UPDATE events SET type = ?3, record = ?4 WHERE seq = ?2 AND handoff_key ="
+                " (SELECT handoff_key FROM handoffs WHERE handoff_id = ?1)",
+                (*key, *split_record(msgspec.structs.replace(record, action=altered))),
             )
     with sqlite3.connect(path, isolation_level=None) as db:
         db.execute("VACUUM")
