@@ -34,8 +34,9 @@ time its loop waited in `fetch` and the time its commits took (they overlap plan
 do not add up to the wall time). The ratio is printed from CPU time too: it moves less with the
 machine's load, but leaves out nats-server, whose share is about the same for both.
 
-`--profile` adds one worker run under cProfile (the event loop's thread only) and prints the
-top functions by own time, in µs per input.
+`--profile` adds one worker run under cProfile (the event loop's thread only, so not SQLite's
+work in aiosqlite's thread) and prints, in µs per input, the top functions by own time and the
+package's own functions (events/, worker/) by cumulative time: the stages of the loop.
 
 The machine is shared: the header prints the load average at start and the footer at the end.
 """
@@ -78,6 +79,7 @@ from worker.natsserver import EmbeddedNats
 from worker.service import Worker
 from worker.store import EventLog
 
+_ROOT = Path(__file__).resolve().parents[1]
 _FETCH_TIMEOUT_S = 2.0  # a preloaded stream never makes a fetch wait this long
 _RUN_TIMEOUT_S = 600.0
 
@@ -347,14 +349,29 @@ async def profile_worker(url: str, traffic: Traffic, batch_size: int, out: IO[st
     inputs = len(traffic.steps)
     stats = pstats.Stats(profile)
     entries = stats.stats  # type: ignore[attr-defined]
-    total = sum(tt for _, _, tt, _, _ in entries.values())
+    waiting = sum(tt for (_, _, name), (_, _, tt, _, _) in entries.items() if "poll" in name)
+    total = sum(tt for _, _, tt, _, _ in entries.values()) - waiting
     print(
-        f"\none worker run under cProfile: {run.seconds:.2f}s wall, {total / inputs * 1e6:.1f}"
-        " µs of profiled own time per input; top 30 by own time",
+        f"\none worker run under cProfile: {run.seconds:.2f}s wall; per input,"
+        f" {total / inputs * 1e6:.1f} µs of profiled own time,"
+        f" {waiting / inputs * 1e6:.1f} µs waiting in epoll",
         file=out,
     )
+    own = sorted(entries.items(), key=lambda kv: kv[1][2], reverse=True)[:30]
+    print("\ntop 30 by own time", file=out)
+    _print_entries(own, inputs, out)
+    # The stages of the loop: the package's own functions by cumulative time.
+    ours = [kv for kv in entries.items() if f"{_ROOT}/events/" in kv[0][0]
+            or f"{_ROOT}/worker/" in kv[0][0]]  # fmt: skip
+    print("\ntop 20 of events/ and worker/ by cumulative time", file=out)
+    _print_entries(sorted(ours, key=lambda kv: kv[1][3], reverse=True)[:20], inputs, out)
+
+
+_Entry = tuple[tuple[str, int, str], tuple[int, int, float, float, object]]
+
+
+def _print_entries(rows: list[_Entry], inputs: int, out: IO[str]) -> None:
     print(f"{'own µs/in':>9} {'cum µs/in':>9} {'calls/in':>8}  function", file=out)
-    rows = sorted(entries.items(), key=lambda kv: kv[1][2], reverse=True)[:30]
     for (path, line, name), (_, calls, tt, ct, _) in rows:
         where = f"{Path(path).name}:{line}" if line else path
         print(f"{tt / inputs * 1e6:>9.2f} {ct / inputs * 1e6:>9.2f} {calls / inputs:>8.2f}"
