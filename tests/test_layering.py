@@ -167,7 +167,7 @@ def test_the_log_and_the_bus_never_import_each_other() -> None:
 
 
 def test_only_the_nats_seam_imports_nats() -> None:
-    # bench.load drives the worker as a user would; bench.pull and bench.worker_pipeline set
+    # bench.load drives the worker as a user would; bench.pull and bench.drain set
     # nats-py itself beside the bus as their baseline.
     users = [*modules_of("worker"), "bench.load"]
     bad = [

