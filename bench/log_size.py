@@ -29,6 +29,10 @@ What is measured
   ``commit us/handoff``, all commits of a run divided by its handoffs.
 - ``plan us/handoff``: the planner's time (decode, load, apply, encode the rows), all batches
   of a run divided by its handoffs, for what the layout costs before the commit.
+- ``load us/handoff``: reading every handoff back and rebuilding it, as recovery does for the
+  open ones and a batch for a handoff that comes back into memory (`EventLog.load` by id, in
+  chunks of 500, then `Planner.adopt`, which also collects each input's digest), on the
+  reopened log.
 
 Each run writes a fresh file; the sizes are the same in every run (the traffic is seeded), the
 times are the median of `--runs` runs (default 3). `--keep PATH` keeps the last run's log there.
@@ -124,6 +128,7 @@ def traffic(handoffs: int, window: int, seed: int = 20261201) -> list[Delivery]:
 class Run:
     plans: float  # seconds planning, in all
     commits: list[float]  # seconds per commit
+    loads: float  # seconds reading every handoff back, in all
     size: int  # bytes, checkpointed
     rows: int  # events rows
     tables: list[tuple[str, int, int, int]]  # (name, bytes, payload bytes, unused bytes)
@@ -132,11 +137,12 @@ class Run:
 def write(path: Path, deliveries: Sequence[Delivery], batch_size: int, sync: str) -> Run:
     """Write the traffic to a new log at `path` as the worker would, and measure it."""
     plans, commits = asyncio.run(_write(path, deliveries, batch_size, sync))
+    loads = asyncio.run(_load(path, {uuid.UUID(d.subject.rsplit(".", 1)[1]) for d in deliveries}))
     with closing(sqlite3.connect(path, isolation_level=None)) as db:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         (rows,) = db.execute("SELECT count(*) FROM events").fetchone()
         tables = _tables(db)
-    return Run(plans, commits, path.stat().st_size, int(rows), tables)
+    return Run(plans, commits, loads, path.stat().st_size, int(rows), tables)
 
 
 async def _write(
@@ -174,6 +180,19 @@ async def _write(
     finally:
         await log.close()
     return plans, commits
+
+
+async def _load(path: Path, handoff_ids: set[uuid.UUID]) -> float:
+    log = await EventLog.open(path)
+    ids = sorted(handoff_ids)
+    try:
+        began = time.perf_counter()
+        for first in range(0, len(ids), 500):
+            loaded = await log.load(ids[first : first + 500])
+            Planner(_SUBJECTS, 1, _ACK_WAIT_S).adopt(loaded.values(), Batch(), 0)
+        return time.perf_counter() - began
+    finally:
+        await log.close()
 
 
 def _tables(db: sqlite3.Connection) -> list[tuple[str, int, int, int]]:
@@ -217,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_batch_ms = statistics.median(statistics.median(r.commits) for r in runs) * 1e3
     per_handoff_us = statistics.median(sum(r.commits) for r in runs) / n * 1e6
     plan_us = statistics.median(r.plans for r in runs) / n * 1e6
+    load_us = statistics.median(r.loads for r in runs) / n * 1e6
     print(
         f"python {sys.version.split()[0]}, sqlite {sqlite3.sqlite_version}, {n:,} handoffs,"
         f" {len(deliveries):,} inputs in {batches:,} batches of up to {args.batch_size},"
@@ -226,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"bytes/handoff {last.size / n:,.0f}   rows/handoff {last.rows / n:.1f}"
         f"   commit ms/batch {per_batch_ms:.2f} (median)   commit us/handoff {per_handoff_us:.0f}"
-        f"   plan us/handoff {plan_us:.0f}"
+        f"   plan us/handoff {plan_us:.0f}   load us/handoff {load_us:.0f}"
     )
     if last.tables:
         print(f"{'table or index':<32} {'bytes/handoff':>13} {'payload':>8} {'fill':>5}")

@@ -492,16 +492,13 @@ def _row_values(row: HandoffRow) -> tuple[object, ...]:
     )  # fmt: skip
 
 
-def _record(handoff_id: UUID, code: int, at_ms: int, blob: bytes) -> LogRecord:
-    """A stored record of the handoff, decoded; `LogCorrupt` if it cannot be."""
-    return decode_record(join_record(handoff_id.bytes, code, at_ms, blob))
-
-
 def _event(
-    handoff_id: UUID, row: tuple[int, int, int, bytes], published_seq: int, marked_at: int | None
+    handoff_id: bytes, row: tuple[int, int, int, bytes], published_seq: int, marked_at: int | None
 ) -> LoggedEvent:
+    """One stored event of the handoff whose id's 16 bytes are `handoff_id`, decoded, with the
+    digest of an input and, for an action, the handoff's outbox mark if it covers it."""
     seq, code, at_ms, blob = row
-    record = _record(handoff_id, code, at_ms, blob)
+    record = decode_record(join_record(handoff_id, code, at_ms, blob))
     if isinstance(record, InputRecord):
         return LoggedEvent(seq, at_ms, record, input_digest(record.input), None)
     return LoggedEvent(seq, at_ms, record, None, marked_at if seq <= published_seq else None)
@@ -610,9 +607,10 @@ class EventLog:
                 f"SELECT {_LOADED_COLUMNS} FROM handoffs WHERE handoff_id IN ({marks})", chunk
             )
             if rows:
+                # Grouped by handoff in the order of the id's index, which needs no sort.
                 events = await self._fetch(
                     f"SELECT {_EVENT_COLUMNS} FROM handoffs h JOIN events e USING (handoff_key)"
-                    f" WHERE h.handoff_id IN ({marks}) ORDER BY h.handoff_key, e.seq",
+                    f" WHERE h.handoff_id IN ({marks}) ORDER BY h.handoff_id, e.seq",
                     chunk,
                 )
                 loaded.update(self._assemble(rows, events))
@@ -621,9 +619,11 @@ class EventLog:
     async def open_handoffs(self) -> dict[UUID, Loaded]:
         """Every handoff that has not completed, with its log: what recovery rebuilds."""
         rows = await self._fetch(f"SELECT {_LOADED_COLUMNS} FROM handoffs WHERE state = 'open'")
+        # Grouped by handoff in the order of the open handoffs' index: in key order, SQLite
+        # would read every handoff row instead.
         events = await self._fetch(
             f"SELECT {_EVENT_COLUMNS} FROM handoffs h JOIN events e USING (handoff_key)"
-            " WHERE h.state = 'open' ORDER BY h.handoff_key, e.seq"
+            " WHERE h.state = 'open' ORDER BY h.deadline_at_ms, h.handoff_key, e.seq"
         )
         return self._assemble(rows, events)
 
@@ -641,7 +641,7 @@ class EventLog:
             seq, code, at_ms, blob = values[-4:]
             try:
                 row = _handoff_row(values[:-4])
-                record = _record(row.handoff_id, code, at_ms, blob)
+                record = decode_record(join_record(row.handoff_id.bytes, code, at_ms, blob))
             except (LogCorrupt, ValueError) as exc:
                 backlog.append(CorruptHandoff(UUID(values[0]), f"seq {seq}: {exc}"))
                 continue
@@ -651,8 +651,9 @@ class EventLog:
 
     async def events_of(self, handoff_id: UUID) -> list[LoggedEvent]:
         rows = await self._fetch(SELECT_EVENTS, (str(handoff_id),))
+        raw = handoff_id.bytes
         return [
-            _event(handoff_id, (seq, code, at_ms, blob), published_seq, marked_at)
+            _event(raw, (seq, code, at_ms, blob), published_seq, marked_at)
             for seq, code, at_ms, blob, published_seq, marked_at in rows
         ]
 
@@ -710,23 +711,28 @@ class EventLog:
         loaded handoffs; a row or record that cannot be read makes that one handoff corrupt,
         not the whole load."""
         loaded: dict[UUID, Loaded] = {}
-        marks: dict[UUID, tuple[int, int | None]] = {}
+        marks: dict[str, tuple[int, int | None]] = {}
         for values in rows:
             hid = UUID(values[0])
-            marks[hid] = (values[-2], values[-1])
+            marks[values[0]] = (values[-2], values[-1])
             try:
                 loaded[hid] = LoadedHandoff(_handoff_row(values[:-2]), [])
             except ValueError as exc:  # e.g. a state this build does not know
                 loaded[hid] = CorruptHandoff(hid, f"unreadable handoff row: {exc}")
+        # A handoff's events come together: what they share is worked out once per handoff.
+        current, hid, raw = "", UUID(int=0), b""
+        mark: tuple[int, int | None] = (-1, None)
+        handoff: Loaded | None = None
         for hid_text, seq, code, at_ms, blob in events:
-            hid = UUID(hid_text)
-            handoff = loaded[hid]
-            if isinstance(handoff, CorruptHandoff):
+            if hid_text != current:
+                current, hid = hid_text, UUID(hid_text)
+                raw, mark, handoff = hid.bytes, marks[hid_text], loaded[hid]
+            if not isinstance(handoff, LoadedHandoff):
                 continue
             try:
-                handoff.events.append(_event(hid, (seq, code, at_ms, blob), *marks[hid]))
+                handoff.events.append(_event(raw, (seq, code, at_ms, blob), *mark))
             except LogCorrupt as exc:
-                loaded[hid] = CorruptHandoff(hid, f"seq {seq}: {exc}")
+                handoff = loaded[hid] = CorruptHandoff(hid, f"seq {seq}: {exc}")
         return loaded
 
 
