@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import fcntl
 import logging
 import os
@@ -95,6 +94,14 @@ class HandoffRow:
     completed_at_ms: int | None
     last_seq: int
     updated_at_ms: int
+
+    def copy(self) -> HandoffRow:
+        # Spelled out: `dataclasses.replace` costs six times as much, once per handoff per batch.
+        return HandoffRow(
+            self.handoff_id, self.engine_type, self.source, self.destination,
+            self.started_at_ms, self.deadline_at_ms, self.state, self.completed_at_ms,
+            self.last_seq, self.updated_at_ms,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +170,7 @@ class Batch:
     def upsert_handoff(self, row: HandoffRow) -> None:
         """Write the handoff's projection as it stands now: a copy, because the worker goes on
         changing its row (the next batch is planned before this one commits)."""
-        self.handoffs[row.handoff_id] = dataclasses.replace(row)
+        self.handoffs[row.handoff_id] = row.copy()
 
     def mark_published(self, handoff_id: UUID, seq: int, at_ms: int) -> None:
         """The handoff's action at `seq`, and so every action before it, has been published:

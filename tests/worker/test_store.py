@@ -803,3 +803,14 @@ async def test_a_log_with_events_of_no_handoff_is_not_migrated_at_all(layout_1: 
     assert table(layout_1, "SELECT name, sql FROM sqlite_master ORDER BY name") == tables
     assert table(layout_1, "SELECT * FROM events ORDER BY handoff_id, seq") == events
     assert table(layout_1, "SELECT value FROM meta") == [("1",)]
+
+
+def test_a_batch_keeps_the_row_as_it_was_when_upserted() -> None:
+    """The worker plans the next batch before this one commits, changing the same row."""
+    handoff, _ = started(1_000)
+    row = dataclasses.replace(handoff.row)
+    batch = Batch()
+    batch.upsert_handoff(row)
+    row.last_seq, row.state = 99, HandoffState.CANCELED
+    assert batch.handoffs[handoff.id] == handoff.row  # every field copied, none shared
+    assert batch.handoffs[handoff.id] is not row
