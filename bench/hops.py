@@ -65,13 +65,13 @@ from traffic import (
     new_start,
     now_ms,
     percentile,
-    success_script,
 )
 
 from events.codec import decode_action, encode
 from events.messages import ActionOutcome, Input, StartHandoff
 from worker.bus import Bus
 from worker.config import NatsSettings
+from worker.healthy import success_script
 from worker.natsserver import EmbeddedNats
 
 _WAIT_S = 60.0  # the longest any closed-loop step may take before the bench gives up

@@ -57,7 +57,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
-# Runnable from a checkout (`python bench/log_size.py`), with the scripted engines from `tests`.
+# Runnable from a checkout (`python bench/log_size.py`).
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
@@ -65,7 +65,7 @@ from events.codec import encode  # noqa: E402
 from events.coordinator import HandoffCoordinator  # noqa: E402
 from events.messages import EngineType, HandoffCompletion, Input, StartHandoff  # noqa: E402
 from events.subjects import Subjects  # noqa: E402
-from tests.worker.scripted_engine import success_script  # noqa: E402
+from worker.healthy import success_script  # noqa: E402
 from worker.planner import Planner  # noqa: E402
 from worker.store import Batch, EventLog  # noqa: E402
 

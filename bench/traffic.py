@@ -42,38 +42,20 @@ sys.path.insert(0, str(ROOT))
 from events.codec import encode  # noqa: E402
 from events.coordinator import HandoffCoordinator  # noqa: E402
 from events.messages import (  # noqa: E402
-    ACCEPTED,
-    APPLIED,
-    SCHEDULED,
-    SUBMITTED,
     Action,
-    ActionOutcome,
-    ActivateDestination,
-    CancelDestination,
-    CancelSource,
-    Complete,
-    DestinationReserved,
     EngineType,
     HandoffCompletion,
-    HandoffTransferTiming,
     Input,
-    KvTransferTimingMode,
-    ReleaseSource,
-    ReserveDestination,
     Role,
-    SourceHeld,
     StartHandoff,
-    StartTransfer,
-    SubmitPrefill,
-    TransferCompleted,
 )
 from events.subjects import Subjects  # noqa: E402
+from worker.healthy import success_script  # noqa: E402
 from worker.natsserver import free_port  # noqa: E402
 
 SUBJECTS = Subjects()
 DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out
 T = TypeVar("T")
-_TIMING = HandoffTransferTiming(KvTransferTimingMode.FULL_PROMPT, 128, 1024, 10.0)
 
 
 def now_ms() -> int:
@@ -86,23 +68,6 @@ def max_pending(batch_size: int) -> int:
 
 
 # --- The traffic ------------------------------------------------------------------------------
-
-
-def success_script(action: Action) -> list[Input]:
-    """What a healthy engine answers: the expected outcome, then the fact it leads to."""
-    h, i = action.handoff_id, action.action_id
-    match action:
-        case SubmitPrefill():
-            return [ActionOutcome(h, i, SUBMITTED), SourceHeld(h, _TIMING)]
-        case ReserveDestination():
-            return [ActionOutcome(h, i, ACCEPTED), DestinationReserved(h, 128)]
-        case StartTransfer():
-            return [ActionOutcome(h, i, SCHEDULED), TransferCompleted(h)]
-        case ActivateDestination() | ReleaseSource() | CancelSource() | CancelDestination():
-            return [ActionOutcome(h, i, APPLIED)]
-        case Complete():
-            return []
-    raise AssertionError(f"no scripted answer to {action!r}")
 
 
 @dataclass(frozen=True, slots=True)

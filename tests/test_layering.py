@@ -264,3 +264,10 @@ def test_importing_the_offline_modules_leaves_nats_unloaded() -> None:
 def test_importing_the_core_loads_no_driver() -> None:
     assert_load_no({"nats", "aiosqlite", "sqlite3"}, ["events"])
     assert_load_no({"nats", "aiosqlite", "sqlite3"}, modules_of("events"))
+
+
+def test_the_benches_are_programs_that_import_no_tests() -> None:
+    benches = modules_of("bench")
+    assert {"bench.drain", "bench.hops", "bench.log_size"} <= set(benches)
+    bad = [str(imp) for imp in violations(benches, {"tests"})]
+    assert not bad, "a bench imports test code:\n" + "\n".join(bad)

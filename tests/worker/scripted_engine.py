@@ -24,51 +24,17 @@ from nats.aio.msg import Msg
 
 from events import codec
 from events.messages import (
-    ACCEPTED,
-    APPLIED,
-    SCHEDULED,
-    SUBMITTED,
     Action,
     ActionOutcome,
-    ActivateDestination,
-    CancelDestination,
-    CancelSource,
     Complete,
-    DestinationReserved,
-    HandoffTransferTiming,
     Input,
-    KvTransferTimingMode,
     Rejection,
-    ReleaseSource,
-    ReserveDestination,
-    SourceHeld,
     StartHandoff,
-    StartTransfer,
-    SubmitPrefill,
-    TransferCompleted,
 )
 from events.subjects import Subjects
-
-TIMING = HandoffTransferTiming(KvTransferTimingMode.FULL_PROMPT, 128, 1024, 10.0)
+from worker.healthy import success_script
 
 Script = Callable[[Action], list[Input]]
-
-
-def success_script(action: Action) -> list[Input]:
-    """What a healthy engine answers: the expected outcome, then the fact it leads to."""
-    h, i = action.handoff_id, action.action_id
-    match action:
-        case SubmitPrefill():
-            return [ActionOutcome(h, i, SUBMITTED), SourceHeld(h, TIMING)]
-        case ReserveDestination():
-            return [ActionOutcome(h, i, ACCEPTED), DestinationReserved(h, 128)]
-        case StartTransfer():
-            return [ActionOutcome(h, i, SCHEDULED), TransferCompleted(h)]
-        case ActivateDestination() | ReleaseSource() | CancelSource() | CancelDestination():
-            return [ActionOutcome(h, i, APPLIED)]
-        case Complete():
-            return []
-    raise AssertionError(f"unexpected action {action!r}")
 
 
 class ScriptedEngines:

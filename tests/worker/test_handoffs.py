@@ -36,7 +36,8 @@ from events.messages import (
     TransferCompleted,
 )
 from tests.worker.conftest import WorkerProcess, logged_actions, logged_inputs
-from tests.worker.scripted_engine import TIMING, ScriptedEngines, success_script
+from tests.worker.scripted_engine import ScriptedEngines
+from worker.healthy import TIMING, success_script
 
 
 def start(engine_type: EngineType, deadline_ms: int = 60_000) -> StartHandoff:

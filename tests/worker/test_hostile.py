@@ -54,7 +54,8 @@ from tests.worker.bus_probe import (
     rejection_subject_matches,
 )
 from tests.worker.conftest import WorkerProcess
-from tests.worker.scripted_engine import TIMING, Script, ScriptedEngines, success_script
+from tests.worker.scripted_engine import Script, ScriptedEngines
+from worker.healthy import TIMING, success_script
 from worker.natsserver import EmbeddedNats
 
 DEADLINE_MS = 120_000

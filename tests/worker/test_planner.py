@@ -27,7 +27,7 @@ from events.coordinator import HandoffCoordinator
 from events.messages import Canceled, EngineType, Input, StartHandoff
 from events.records import InputRecord
 from events.subjects import Subjects
-from tests.worker.scripted_engine import success_script
+from worker.healthy import success_script
 from worker.planner import Planner
 from worker.store import Batch, HandoffRow, Loaded, LoadedHandoff, LoggedEvent
 

@@ -34,9 +34,10 @@ from events.messages import (
 )
 from events.records import ActionRecord, InputRecord
 from tests.tools.conftest import IDS, V1
-from tests.worker.scripted_engine import Script, success_script
+from tests.worker.scripted_engine import Script
 from tests.worker.tmpfs import fill, small_filesystem
 from worker.errors import StoreConflict, StoreError, StoreLocked
+from worker.healthy import success_script
 from worker.logreader import open_log
 from worker.schema import RECORD_TYPES, HandoffState
 from worker.store import (
