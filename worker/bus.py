@@ -1024,8 +1024,11 @@ class Bus:
             give_up = clock() + 2 * ttl_s
             first_seen: int | None = None
             held_by = "nobody"
+            # A lease can expire between any two of our requests; nats-py's `create` even makes
+            # two, and then says "key not found". Either way: look again.
+            gone = (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError)
             while clock() < give_up:
-                with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+                with contextlib.suppress(*gone):
                     revision = await kv.create(key, value)
                     return Lease(self._nc, kv, key, holder, revision=revision, ttl_s=ttl_s)
                 try:
@@ -1035,7 +1038,7 @@ class Bus:
                 current = _lease_holder(entry.value)
                 held_by = _describe(current, entry.value)
                 if current is not None and holder.succeeds(current):
-                    with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+                    with contextlib.suppress(*gone):
                         revision = await kv.update(key, value, last=entry.revision)
                         logger.warning(
                             "took over the lease on %s / %s from %s, which is gone: this "
