@@ -162,10 +162,18 @@ _CANCEL_AGAIN_S = 0.05
 # What nats-server answers, in nats-py's error text, when it refuses the credentials we sent
 # (or the absence of any); nats-py raises a plain `Error` for it while connecting.
 _AUTH_REFUSALS = ("authorization violation", "authentication expired", "authentication revoked")
+_CLOSED_AT_TLS = (BrokenPipeError, ConnectionResetError, ssl.SSLEOFError)
 
 
 def _refusal(exc: BaseException, settings: NatsSettings) -> str | None:
     """Why NATS refused us for good, naming the settings to check; None if a retry may help."""
+    if settings.uses_tls and settings.tls_cert is None and isinstance(exc, _CLOSED_AT_TLS):
+        # A server that verifies clients ends the TLS 1.3 handshake after the client thinks it
+        # done; depending on timing we see its alert, or only the pipe it closed.
+        return (
+            f"the connection closed as TLS began ({exc}): the server verifies clients; "
+            "set --tls-cert and --tls-key"
+        )
     if isinstance(exc, ssl.SSLError):  # certificate verification included
         if settings.tls_cert is None and "certificate required" in str(exc).lower():
             return (

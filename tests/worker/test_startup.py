@@ -35,7 +35,8 @@ import pytest
 from events.messages import EngineType, StartHandoff
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.bus import LEASE_BUCKET, LEASE_TTL_S, LeaseHolder
+from worker.bus import LEASE_BUCKET, LEASE_TTL_S, LeaseHolder, _refusal
+from worker.config import NatsSettings
 from worker.health import answers_ok, worker_healthz
 from worker.natsserver import EmbeddedNats, free_port
 
@@ -574,3 +575,18 @@ def test_a_lease_bucket_without_a_ttl_is_refused(nats_server: EmbeddedNats, tmp_
     assert result.returncode == 1, result.stderr
     [line] = error_lines(result.stderr)
     assert f"lease bucket {LEASE_BUCKET} has no TTL" in line
+
+
+@pytest.mark.parametrize("closed", [BrokenPipeError(32, "Broken pipe"), ConnectionResetError()])
+def test_a_connection_closed_as_tls_begins_is_a_refusal_without_a_client_certificate(
+    closed: OSError, tmp_path: Path
+) -> None:
+    """TLS 1.3 lets a client finish its handshake before the server refuses its (missing)
+    certificate, so the refusal may show only as a closed pipe; it must not be retried forever.
+    With a client certificate, or without TLS, the same error is the network's and retried."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    with_tls = NatsSettings(tls_ca=ca)
+    assert "set --tls-cert" in (_refusal(closed, with_tls) or "")
+    assert _refusal(closed, NatsSettings()) is None
+    assert _refusal(closed, NatsSettings(tls_ca=ca, tls_cert=ca, tls_key=ca)) is None
