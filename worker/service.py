@@ -161,12 +161,6 @@ class Worker:
                     await self._commit(Batch())
         logger.info("stopped with %d open handoffs", len(self._planner.open))
 
-    async def process(self, deliveries: list[Inbound]) -> None:
-        """Plan one fetched batch and carry it out, without overlap (tests and benches)."""
-        decoded = self._planner.decode(deliveries)
-        plan = await self._plan(deliveries, decoded, self._planner.missing(decoded))
-        await self._carry_out(plan, deliveries)
-
     async def _fetch(self) -> list[Inbound]:
         try:
             return await self._bus.fetch(self._config.batch_size, _FETCH_TIMEOUT_S)
