@@ -214,6 +214,12 @@ async def lease_holder(nats_url: str) -> LeaseHolder | None:
         await nc.close()
 
 
+async def assert_lease_held_by(url: str, pid: int) -> None:
+    holder = await lease_holder(url)
+    assert holder is not None, "nobody holds the lease"
+    assert holder.pid == pid
+
+
 async def create_lease_bucket(nats_url: str, ttl_s: float | None) -> None:
     nc = await nats.connect(nats_url)
     try:
@@ -437,9 +443,7 @@ async def test_a_second_worker_exits_2_naming_the_first_and_leaves_its_consumer_
     # The first worker keeps its consumer, and keeps consuming.
     assert await consumer_created(nats_server.url) == created
     await handled(engines)
-    holder = await lease_holder(nats_server.url)
-    assert holder is not None
-    assert holder.pid == worker.process.pid
+    await assert_lease_held_by(nats_server.url, worker.process.pid)
     # A worker that creates the bucket gives it the default TTL.
     nc = await nats.connect(nats_server.url)
     try:
@@ -467,9 +471,7 @@ async def test_a_worker_restarted_after_sigkill_takes_its_lease_over_at_once(
         assert f"took over the lease on KVHANDOFF_IN / kvhandoff-worker from pid {first_pid}" in (
             worker.logs()
         )
-        holder = await lease_holder(nats_server.url)
-        assert holder is not None
-        assert holder.pid == worker.process.pid
+        await assert_lease_held_by(nats_server.url, worker.process.pid)
         await handled(engines)
     finally:
         worker.stop()
@@ -485,9 +487,9 @@ async def test_a_worker_on_another_log_takes_the_lease_once_the_dead_holders_exp
         await asyncio.to_thread(first.start)
         assert first.process is not None
         first.kill()
-        holder = await lease_holder(nats_server.url)
-        assert holder is not None
-        assert holder.pid == first.process.pid  # dead, but its lease lives on for the TTL
+        await assert_lease_held_by(
+            nats_server.url, first.process.pid
+        )  # dead, but its lease lives on for the TTL
 
         await asyncio.to_thread(second.start)  # as a new container would, on another host
 
@@ -496,9 +498,7 @@ async def test_a_worker_on_another_log_takes_the_lease_once_the_dead_holders_exp
             f"the lease on KVHANDOFF_IN / kvhandoff-worker is held by pid {first.process.pid}"
             in (second.logs())
         )
-        holder = await lease_holder(nats_server.url)
-        assert holder is not None
-        assert holder.pid == second.process.pid
+        await assert_lease_held_by(nats_server.url, second.process.pid)
         await handled(engines)
     finally:
         second.stop()
@@ -559,9 +559,7 @@ async def test_a_lease_that_expired_while_nats_was_away_is_taken_again(
             assert worker.process.poll() is None, worker.logs()
             assert time.monotonic() < deadline, worker.logs()
             await asyncio.sleep(0.1)  # polling the worker's log
-        holder = await lease_holder(nats_server.url)
-        assert holder is not None
-        assert holder.pid == worker.process.pid
+        await assert_lease_held_by(nats_server.url, worker.process.pid)
         await handled(engines)
     finally:
         worker.stop()
