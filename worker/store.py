@@ -1,4 +1,4 @@
-"""The worker's side of the event log: one aiosqlite connection, WAL mode, one writer.
+"""The worker's side of the event log: SQLite in WAL mode, one writer, one reader.
 
 Durability rule: an input is durable when the transaction that appends it commits. With
 `synchronous=FULL` (the default) SQLite fsyncs the WAL at every commit, so a committed input
@@ -10,6 +10,13 @@ Appends are group-committed: the service gathers everything one fetched batch pr
 handoffs, events, rejections, outbox marks) into a `Batch` and commits it in one transaction.
 When a transaction fails, the error is SQLite's own ("database or disk is full"), never that of
 the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
+
+Two connections, each on its own thread. The writer's thread runs a whole transaction as one
+call (BEGIN to COMMIT): the worker's hop waits for its commit, and a statement per thread round
+trip, as aiosqlite runs them, made a small batch's commit cost several wake-ups of the event
+loop for one fsync. The reader is an aiosqlite connection: in WAL mode it reads the last commit
+without waiting for the one in flight, so the worker loads the handoffs of its next batch while
+the previous batch commits.
 
 The layout is `worker.schema`'s layout 2. A log of layout 1 is migrated when the worker opens
 it (`EventLog.open(..., migrate=True)`, which only `kvhandoff run` asks for, under its
@@ -46,11 +53,13 @@ import socket
 import sqlite3
 import tempfile
 import time
-from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 from uuid import UUID
 
 import aiosqlite
@@ -74,6 +83,9 @@ from worker.schema import (
 )
 
 logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 # SQLite's default limit on host parameters is 32766; stay far below it.
 _CHUNK = 500
@@ -403,14 +415,8 @@ def _migrate(path: Path) -> None:
     began = time.perf_counter()
     with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
         db.execute("PRAGMA busy_timeout=5000")
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(db):
             migrated = _migrate_in(db, path)
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
     logger.info(
         "event log %s: migrated from layout %s to %s in %.1fs: %d handoffs, %d events, %d of"
         " them kept whole as they do not read as records of their handoff; run VACUUM on the"
@@ -514,8 +520,14 @@ def _event(
 class EventLog:
     """The append-only log of every accepted input and issued action, per handoff in order."""
 
-    def __init__(self, connection: aiosqlite.Connection, path: Path) -> None:
-        self._db = connection
+    def __init__(
+        self, writer: ThreadPoolExecutor, db: sqlite3.Connection, reader: aiosqlite.Connection,
+        path: Path,
+    ) -> None:  # fmt: skip
+        self._writer = writer  # the one thread that uses `_db`
+        self._db = db
+        self._reader = reader
+        self._closed = False
         self.path = path
 
     @classmethod
@@ -533,71 +545,42 @@ class EventLog:
                 f" {', '.join(_SYNCHRONOUS)}"
             )
         await asyncio.to_thread(_prepare, path)
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhandoff-log")
+        loop = asyncio.get_running_loop()
+        db: sqlite3.Connection | None = None
+        reader: aiosqlite.Connection | None = None
         try:
-            db = await aiosqlite.connect(path, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open event log {path}: {exc}") from exc
-        try:
-            await cls._configure(db, path, synchronous, migrate)
-        except BaseException:
-            # An unclosed connection keeps its thread alive, and the process with it.
-            await db.close()
+            db = await loop.run_in_executor(writer, _connect_writer, path, synchronous, migrate)
+            reader = await aiosqlite.connect(path, isolation_level=None)
+            await reader.execute("PRAGMA query_only=1")
+            await reader.execute("PRAGMA busy_timeout=5000")
+        except BaseException as exc:
+            if reader is not None:
+                # An unclosed aiosqlite connection keeps its thread alive, and the process.
+                await reader.close()
+            if db is not None:
+                await loop.run_in_executor(writer, db.close)
+            writer.shutdown()
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"cannot open event log {path}: {exc}") from exc
             raise
-        return cls(db, path)
-
-    @staticmethod
-    async def _configure(
-        db: aiosqlite.Connection, path: Path, synchronous: str, migrate: bool
-    ) -> None:
-        try:
-            # An offline `compact` may hold the write lock briefly; wait rather than fail.
-            await db.execute("PRAGMA busy_timeout=5000")
-            # Checked before anything is written: another application's database, or a log of
-            # another layout, must be left as it is.
-            layout = await _layout(db)
-            if layout == LAYOUT_1 and migrate:
-                await asyncio.to_thread(_migrate, path)
-                layout = await _layout(db)
-            if layout == LAYOUT_1:
-                raise StoreError(
-                    f"event log {path} has layout {LAYOUT_1!r}, which this build reads but does"
-                    f" not write: the worker (kvhandoff run) of this build migrates it to layout"
-                    f" {LAYOUT_VERSION!r} when it starts"
-                )
-            if layout != LAYOUT_VERSION:
-                raise StoreError(
-                    f"event log {path} has layout {layout!r}, this build reads and writes layout"
-                    f" {LAYOUT_VERSION!r}"
-                )
-            await db.execute("PRAGMA journal_mode=WAL")
-            await db.execute(f"PRAGMA synchronous={synchronous}")
-            # The numbers of message types this build knows, for people reading the file.
-            await db.execute(INSERT_RECORD_TYPES, RECORD_TYPE_VALUES)
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open event log {path}: {exc}") from exc
+        return cls(writer, db, reader, path)
 
     async def close(self) -> None:
-        await self._db.close()
+        """Close both connections; closing a closed log does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._reader.close()
+        finally:
+            await self._write(sqlite3.Connection.close)
+            self._writer.shutdown()
 
     async def commit(self, batch: Batch) -> None:
         """Write the batch in one transaction, or nothing at all."""
         try:
-            async with self._transaction() as db:
-                if batch.handoffs:
-                    await db.executemany(
-                        _UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()]
-                    )
-                if batch.events:
-                    await db.executemany(_INSERT_EVENT, batch.events)
-                if batch.published:
-                    await db.executemany(
-                        _MARK_PUBLISHED,
-                        [(seq, at, str(h)) for h, (seq, at) in batch.published.items()],
-                    )
-                if batch.rejections:
-                    await db.executemany(_INSERT_REJECTION, batch.rejections)
-                if batch.quarantined:
-                    await db.executemany(_QUARANTINE, batch.quarantined)
+            await self._write(_commit, batch)
         except sqlite3.IntegrityError as exc:
             raise StoreConflict(f"append collided with the log: {exc}") from exc
         except sqlite3.Error as exc:
@@ -668,46 +651,22 @@ class EventLog:
         """Delete the handoffs that completed before `before_ms`, with their logs, and the
         rejections logged before it. Open and quarantined handoffs are kept."""
         try:
-            async with self._transaction() as db:
-                await db.execute(
-                    "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_key INTEGER PRIMARY KEY)"
-                )
-                await db.execute("DELETE FROM doomed")
-                await db.execute(_DOOM_HANDOFFS, (before_ms,))
-                await db.execute(
-                    "DELETE FROM events WHERE handoff_key IN (SELECT handoff_key FROM doomed)"
-                )
-                handoffs = await db.execute(
-                    "DELETE FROM handoffs WHERE handoff_key IN (SELECT handoff_key FROM doomed)"
-                )
-                rejections = await db.execute(_DELETE_REJECTIONS, (before_ms,))
+            return await self._write(_compact, before_ms)
         except sqlite3.Error as exc:
             raise StoreError(f"compaction of event log {self.path} failed: {exc}") from exc
-        return Compacted(handoffs.rowcount, rejections.rowcount)
 
-    @contextlib.asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
-        """BEGIN IMMEDIATE, then COMMIT, or a rollback on any error. sqlite errors pass
-        through unchanged, for the caller to translate."""
-        db = self._db
-        await db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-            await db.execute("COMMIT")
-        except BaseException as exc:
-            # SQLite itself rolls back on some errors (SQLITE_FULL, SQLITE_IOERR, ...), even on
-            # a failed COMMIT. A ROLLBACK then fails with "no transaction is active", and its
-            # error must never replace the one that says what went wrong.
-            if db.in_transaction:
-                try:
-                    await db.execute("ROLLBACK")
-                except sqlite3.Error as rollback_error:
-                    exc.add_note(f"the rollback failed too: {rollback_error}")
-            raise
+    async def _write(
+        self, work: Callable[Concatenate[sqlite3.Connection, _P], _T], *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T:  # fmt: skip
+        """Run `work(db, ...)` on the writer's thread. sqlite errors pass through unchanged,
+        for the caller to translate."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._writer, partial(work, self._db, *args, **kwargs))
 
     async def _fetch(self, sql: str, parameters: Iterable[object] = ()) -> list[sqlite3.Row]:
         try:
-            async with self._db.execute(sql, tuple(parameters)) as cursor:
+            async with self._reader.execute(sql, tuple(parameters)) as cursor:
                 return list(await cursor.fetchall())
         except sqlite3.Error as exc:
             raise StoreError(f"read failed: {exc}") from exc
@@ -743,15 +702,95 @@ class EventLog:
         return loaded
 
 
-async def _layout(db: aiosqlite.Connection) -> str | None:
+def _layout(db: sqlite3.Connection) -> str | None:
     """The layout the file's meta table names, or None (a new file is created with one)."""
-    tables = {
-        name
-        for (name,) in await db.execute_fetchall(
-            "SELECT name FROM sqlite_master WHERE type = 'table'"
-        )
-    }
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if "meta" not in tables:
         return None
-    rows = list(await db.execute_fetchall("SELECT value FROM meta WHERE key = 'layout'"))
-    return str(rows[0][0]) if rows else None
+    row = db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+    return None if row is None else str(row[0])
+
+
+def _connect_writer(path: Path, synchronous: str, migrate: bool) -> sqlite3.Connection:
+    """The writer's connection to the log at `path`, made (and then used) on the writer's
+    thread; see `EventLog.open`. sqlite errors pass through, `StoreError` for the layout."""
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        # An offline `compact` may hold the write lock briefly; wait rather than fail.
+        db.execute("PRAGMA busy_timeout=5000")
+        # Checked before anything is written: another application's database, or a log of
+        # another layout, must be left as it is.
+        layout = _layout(db)
+        if layout == LAYOUT_1 and migrate:
+            _migrate(path)
+            layout = _layout(db)
+        if layout == LAYOUT_1:
+            raise StoreError(
+                f"event log {path} has layout {LAYOUT_1!r}, which this build reads but does"
+                f" not write: the worker (kvhandoff run) of this build migrates it to layout"
+                f" {LAYOUT_VERSION!r} when it starts"
+            )
+        if layout != LAYOUT_VERSION:
+            raise StoreError(
+                f"event log {path} has layout {layout!r}, this build reads and writes layout"
+                f" {LAYOUT_VERSION!r}"
+            )
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={synchronous}")
+        # The numbers of message types this build knows, for people reading the file.
+        db.execute(INSERT_RECORD_TYPES, RECORD_TYPE_VALUES)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+@contextlib.contextmanager
+def _transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """BEGIN IMMEDIATE, then COMMIT, or a rollback on any error. sqlite errors pass through
+    unchanged, for the caller to translate."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+        db.execute("COMMIT")
+    except BaseException as exc:
+        # SQLite itself rolls back on some errors (SQLITE_FULL, SQLITE_IOERR, ...), even on a
+        # failed COMMIT. A ROLLBACK then fails with "no transaction is active", and its error
+        # must never replace the one that says what went wrong.
+        if db.in_transaction:
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error as rollback_error:
+                exc.add_note(f"the rollback failed too: {rollback_error}")
+        raise
+
+
+def _commit(db: sqlite3.Connection, batch: Batch) -> None:
+    """`EventLog.commit`, on the writer's thread."""
+    with _transaction(db):
+        if batch.handoffs:
+            db.executemany(_UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()])
+        if batch.events:
+            db.executemany(_INSERT_EVENT, batch.events)
+        if batch.published:
+            db.executemany(
+                _MARK_PUBLISHED, [(seq, at, str(h)) for h, (seq, at) in batch.published.items()]
+            )
+        if batch.rejections:
+            db.executemany(_INSERT_REJECTION, batch.rejections)
+        if batch.quarantined:
+            db.executemany(_QUARANTINE, batch.quarantined)
+
+
+def _compact(db: sqlite3.Connection, before_ms: int) -> Compacted:
+    """`EventLog.compact`, on the writer's thread."""
+    with _transaction(db):
+        db.execute("CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_key INTEGER PRIMARY KEY)")
+        db.execute("DELETE FROM doomed")
+        db.execute(_DOOM_HANDOFFS, (before_ms,))
+        db.execute("DELETE FROM events WHERE handoff_key IN (SELECT handoff_key FROM doomed)")
+        handoffs = db.execute(
+            "DELETE FROM handoffs WHERE handoff_key IN (SELECT handoff_key FROM doomed)"
+        )
+        rejections = db.execute(_DELETE_REJECTIONS, (before_ms,))
+    return Compacted(handoffs.rowcount, rejections.rowcount)

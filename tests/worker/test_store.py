@@ -455,8 +455,8 @@ async def test_reopening_keeps_everything_in_wal_mode(
     log = await EventLog.open(db, synchronous)
     try:
         # synchronous is a property of the connection, not of the file: ask the log's own.
-        async with log._db.execute("PRAGMA synchronous") as cursor:
-            assert await cursor.fetchone() == (level,)
+        pragma = await log._write(lambda db: db.execute("PRAGMA synchronous").fetchone())
+        assert pragma == (level,)
         done, first = completed(1_000)
         waiting, second = started(2_000)
         done.publish(second, done.action_seqs()[0], 2_000)
@@ -537,7 +537,7 @@ async def test_an_unknown_synchronous_level_is_refused(db: Path) -> None:
 async def test_a_locked_log_fails_with_store_errors_and_recovers(log: EventLog, db: Path) -> None:
     _, batch = completed(1_000)
     # Fail at once instead of after the 5 s busy timeout.
-    await log._db.execute("PRAGMA busy_timeout = 0")
+    await log._write(sqlite3.Connection.execute, "PRAGMA busy_timeout = 0")
     other = sqlite3.connect(db, isolation_level=None)
     try:
         other.execute("BEGIN IMMEDIATE")  # another writer holds the lock
