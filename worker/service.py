@@ -32,8 +32,9 @@ A crash anywhere loses nothing acknowledged:
 - after publishing, before the acks: the inputs are redelivered and dropped as exact
   duplicates, which the log recognises by digest.
 
-Every action is marked published only after the server confirmed it (the barrier in
-`Bus.flush`, which the next commit awaits before it writes the marks). `Complete` goes to
+Every action is marked published only after the server confirmed it: each carry-out starts a
+barrier (`Bus.flush`) behind its publishes and does not wait for it; a batch's marks ride on
+the first commit after its barrier returned, so no commit waits for a round trip to NATS. `Complete` goes to
 JetStream's completion stream as well, so a frontend that was disconnected can read its
 handoff's last completion afterwards.
 
@@ -59,7 +60,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from uuid import UUID
 
@@ -100,8 +101,9 @@ class Worker:
         self._retries: TimerQueue[tuple[UUID, int]] = TimerQueue()
         self._attempts: dict[tuple[UUID, int], int] = {}  # publications per outstanding action
         self._timers_changed = asyncio.Event()
-        # Outbox marks for actions published since the last commit; they ride on the next one.
-        self._published: list[tuple[UUID, int, int]] = []
+        # Outbox marks of published actions, each batch's with the barrier that confirms them;
+        # they ride on the first commit after their barrier returned.
+        self._published: deque[tuple[asyncio.Future[None], list[tuple[UUID, int, int]]]] = deque()
         self._commit_failure: str | None = None
         self._commit_backoff_s = _COMMIT_BACKOFF_S[0]
         self.recovered = False
@@ -148,8 +150,8 @@ class Worker:
                 if plan is not None:
                     carrying = asyncio.create_task(self._carry_out(plan, deliveries))
                     evicted = set(plan.left_memory)
-                elif self._published:
-                    carrying = asyncio.create_task(self._carry_out(Plan(), []))
+                elif self._published:  # idle: write the marks still waiting for a commit
+                    carrying = asyncio.create_task(self._carry_out(Plan(), [], every_mark=True))
         finally:
             if carrying is not None:
                 await _failure_of(carrying)
@@ -158,7 +160,7 @@ class Worker:
                 await timers
             if self._published:
                 with contextlib.suppress(StoreError, BusError):
-                    await self._commit(Batch())
+                    await self._commit(Batch(), every_mark=True)
         logger.info("stopped with %d open handoffs", len(self._planner.open))
 
     async def _fetch(self) -> list[Inbound]:
@@ -204,6 +206,14 @@ class Worker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay_s)
 
+    def _drop_marks(self) -> None:
+        """Forget the marks not yet committed: their actions count as never published."""
+        for barrier, _ in self._published:
+            if barrier.done() and not barrier.cancelled():
+                barrier.exception()  # retrieved: a failure that nobody waits for any more
+            barrier.cancel()
+        self._published.clear()
+
     async def _give_back(self, deliveries: Sequence[Inbound], delay_s: float) -> None:
         """Return inputs to JetStream unapplied, to be delivered again after `delay_s`."""
         try:
@@ -218,7 +228,7 @@ class Worker:
         """Rebuild every open handoff from the log, rearm its timers, and publish the actions
         that were never published or still await an outcome."""
         began = time.perf_counter()
-        self._published.clear()  # re-derived below from the log's own marks
+        self._drop_marks()  # re-derived below from the log's own marks
         marks = Batch()
         now = _now_ms()
         loaded = await self._rebuild_memory(marks)
@@ -303,20 +313,26 @@ class Worker:
         self._timers_changed.set()
         return plan
 
-    async def _carry_out(self, plan: Plan, deliveries: Sequence[Inbound]) -> None:
+    async def _carry_out(
+        self, plan: Plan, deliveries: Sequence[Inbound], *, every_mark: bool = False
+    ) -> None:
         """Commit the plan's batch, then publish its actions and settle its inputs."""
         try:
-            await self._commit(plan.batch)
+            await self._commit(plan.batch, every_mark=every_mark)
         except StoreError:
             await self._give_back(deliveries, self._commit_backoff_s)
             raise
         now = _now_ms()
         completions: Counter[str] = Counter()
+        marks = []
         for row, seq, action in plan.publish:
             await self._publish_action(row, action)
-            self._published.append((action.handoff_id, seq, now))
+            marks.append((action.handoff_id, seq, now))
             if isinstance(action, Complete):
                 completions[action.completion.value] += 1
+        if marks:
+            # Not awaited here: the next batch goes on while the server confirms these.
+            self._published.append((asyncio.ensure_future(self._bus.flush()), marks))
         for _, rejection in plan.terms:
             await self._bus.publish(
                 self._subjects.rejected(rejection.handoff_id), encode(rejection)
@@ -342,16 +358,26 @@ class Worker:
         m.open_handoffs.set(len(self._planner.open))
         m.quarantined.set(len(self._planner.quarantined))
 
-    async def _commit(self, batch: Batch) -> None:
-        if self._published:
-            # "Published" must mean the server has it, not that it sits in our write buffer.
-            await self._bus.flush()
-        for handoff_id, seq, at_ms in self._published:
-            batch.mark_published(handoff_id, seq, at_ms)
+    async def _commit(self, batch: Batch, *, every_mark: bool = False) -> None:
+        """Commit `batch` with the outbox marks whose barrier has returned, in publication
+        order; with `every_mark`, first wait for every barrier. A barrier that failed raises
+        its `BusError` before anything is written."""
+        # "Published" must mean the server has it, not that it sits in our write buffer.
+        confirmed = 0
+        for barrier, marks in self._published:
+            if every_mark:
+                await barrier
+            elif not barrier.done():
+                break
+            barrier.result()
+            for handoff_id, seq, at_ms in marks:
+                batch.mark_published(handoff_id, seq, at_ms)
+            confirmed += 1
         began = time.perf_counter()
         await self._log.commit(batch)
         self._metrics.commit_seconds.observe(time.perf_counter() - began)
-        self._published.clear()
+        for _ in range(confirmed):
+            self._published.popleft()
         if self._commit_failure is not None:
             logger.info("commits succeed again")
             self._commit_failure = None

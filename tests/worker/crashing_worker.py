@@ -37,8 +37,8 @@ async def _counting_plan(
     return plan
 
 
-async def _crashing_commit(self: service.Worker, batch: Batch) -> None:
-    await _commit(self, batch)
+async def _crashing_commit(self: service.Worker, batch: Batch, *, every_mark: bool = False) -> None:
+    await _commit(self, batch, every_mark=every_mark)
     if batch.events:
         _seen["commits"] += 1
         if _seen["commits"] >= _AFTER:
