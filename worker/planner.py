@@ -8,7 +8,10 @@ A batch is planned in two calls, with the one read the plan may need between the
 
     decoded = planner.decode(deliveries)     # bytes -> inputs; rejects what cannot be read
     loaded  = await log.load(planner.missing(decoded))   # handoffs not in memory (the executor)
-    plan    = planner.plan(decoded, loaded, now_ms, now_s)
+    plan    = planner.plan(deliveries, decoded, loaded, now_ms, now_s)
+
+A plan may share its batch with the plan before it (`into`): the executor tops up a batch with
+what arrived while the previous batch was being carried out, so that it commits once.
 
 `plan` applies every accepted input to its handoff's coordinator in stream order, so the
 handoffs in memory are left as they will be once the plan's batch commits. The plan holds:
@@ -190,8 +193,12 @@ class Planner:
         loaded: Mapping[UUID, Loaded],
         now_ms: int,
         now_s: float,
+        *,
+        into: Batch | None = None,
     ) -> Plan:
-        r = _Round(Plan(), deliveries, now_ms, now_s)
+        """Apply the decoded batch. With `into`, the plan's rows are added to that batch (of
+        a plan made just before, whose commit this one shares) instead of a new one."""
+        r = _Round(Plan() if into is None else Plan(batch=into), deliveries, now_ms, now_s)
         # Handoffs loaded only to check an input against their log leave memory again.
         visiting = self.adopt(loaded.values(), r.plan.batch, now_ms)
         touched: dict[UUID, OpenHandoff] = {}

@@ -8,8 +8,10 @@ The input stream is handled in batches, in stream order, as a pipeline of three 
            ->  carry out (commit one transaction; publish the actions; ack, term or nak)
 
 `worker.planner` decides everything a batch does without IO; this module carries it out. While
-batch k is carried out (the event loop waits on aiosqlite's thread and the fsync), batch k+1 is
-fetched and planned. What may overlap, and why it is safe:
+batch k is carried out (the event loop waits on the log's writer thread and the fsync), batch
+k+1 is fetched and planned. When k's carry-out returns, k+1 is topped up with what arrived in the
+meantime, planned into the same commit: an input that arrives during a commit goes out with the
+next one, not the one after. What may overlap, and why it is safe:
 
 - Planning k+1 mutates the handoffs in memory on top of k's effects before k has committed. That
   is only ever visible inside this process: nothing of k+1 is written, published or settled until
@@ -17,7 +19,9 @@ fetched and planned. What may overlap, and why it is safe:
   planned, so k's commit writes k's state of a handoff, not k+1's.)
 - Planning reads the log only for handoffs not in memory. A handoff that k completed has left
   memory before k committed, so a read of one waits for k's carry-out first; any other handoff
-  not in memory is not in k either, so its read may overtake k's commit.
+  not in memory is not in k either, so its read may overtake k's commit. A top-up is planned
+  after k's carry-out, but before k+1's commit: a top-up input that needs a handoff k+1 took out
+  of memory is held back, to be planned with k+2.
 - Commits stay in order and one at a time (one writer): k+1's carry-out starts after k's ended.
 - An action is published only after the commit that recorded it, and an input acknowledged only
   after its commit: each within its own batch's carry-out.
@@ -34,9 +38,9 @@ A crash anywhere loses nothing acknowledged:
 
 Every action is marked published only after the server confirmed it: each carry-out starts a
 barrier (`Bus.flush`) behind its publishes and does not wait for it; a batch's marks ride on
-the first commit after its barrier returned, so no commit waits for a round trip to NATS. `Complete` goes to
-JetStream's completion stream as well, so a frontend that was disconnected can read its
-handoff's last completion afterwards.
+the first commit after its barrier returned, so no commit waits for a round trip to NATS.
+`Complete` goes to JetStream's completion stream as well, so a frontend that was disconnected
+can read its handoff's last completion afterwards.
 
 Faults
 ------
@@ -118,10 +122,12 @@ class Worker:
         timers = asyncio.create_task(self._run_timers(stop), name="kvhandoff-timers")
         carrying: asyncio.Task[None] | None = None  # the previous batch's carry-out
         evicted: set[UUID] = set()  # handoffs that batch completed and took out of memory
+        held: list[Inbound] = []  # fetched for a top-up, but to be planned with the next batch
         try:
             while not stop.is_set():
-                deliveries = await self._fetch()
-                plan = None
+                deliveries = await self._fetch(held)
+                held = []
+                parts: list[tuple[Plan, list[Inbound]]] = []
                 if deliveries:
                     decoded = self._planner.decode(deliveries)
                     missing = self._planner.missing(decoded)
@@ -135,7 +141,7 @@ class Worker:
                             await self._failed(failure, stop)
                             continue
                     try:
-                        plan = await self._plan(deliveries, decoded, missing)
+                        parts.append((await self._plan(deliveries, decoded, missing), deliveries))
                     except StoreError as exc:  # the read failed before anything was applied
                         logger.error("cannot read the log (%s); inputs will be redelivered", exc)
                         await self._give_back(deliveries, self._commit_backoff_s)
@@ -143,15 +149,17 @@ class Worker:
                     failure = await _failure_of(carrying)
                     carrying = None
                     if failure is not None:
-                        if plan is not None:  # planned on top of the batch that failed
-                            await self._give_back(deliveries, self._commit_backoff_s)
+                        for _, planned in parts:  # planned on top of the batch that failed
+                            await self._give_back(planned, self._commit_backoff_s)
                         await self._failed(failure, stop)
                         continue
-                if plan is not None:
-                    carrying = asyncio.create_task(self._carry_out(plan, deliveries))
-                    evicted = set(plan.left_memory)
+                    if parts:
+                        held = await self._top_up(parts)
+                if parts:
+                    carrying = asyncio.create_task(self._carry_out(parts))
+                    evicted = {h for plan, _ in parts for h in plan.left_memory}
                 elif self._published:  # idle: write the marks still waiting for a commit
-                    carrying = asyncio.create_task(self._carry_out(Plan(), [], every_mark=True))
+                    carrying = asyncio.create_task(self._carry_out([], every_mark=True))
         finally:
             if carrying is not None:
                 await _failure_of(carrying)
@@ -163,13 +171,42 @@ class Worker:
                     await self._commit(Batch(), every_mark=True)
         logger.info("stopped with %d open handoffs", len(self._planner.open))
 
-    async def _fetch(self) -> list[Inbound]:
+    async def _fetch(self, held: list[Inbound]) -> list[Inbound]:
+        """The held deliveries and what else is ready, or else the next to arrive in a while."""
         try:
+            if held:
+                return held + await self._bus.fetch(self._config.batch_size - len(held), 0.0)
             return await self._bus.fetch(self._config.batch_size, _FETCH_TIMEOUT_S)
         except BusError as exc:
             logger.warning("fetch failed, retrying: %s", exc)
             await asyncio.sleep(_FETCH_TIMEOUT_S)  # NATS is reconnecting; back off
+            return held
+
+    async def _top_up(self, parts: list[tuple[Plan, list[Inbound]]]) -> list[Inbound]:
+        """Plan what arrived while the previous batch was carried out into the batch about to
+        be carried out, so that it commits now rather than after that batch. Returns the
+        deliveries to hold for the next batch instead: those that need a handoff this batch
+        took out of memory (not committed yet, so not to be read)."""
+        plan, deliveries = parts[0]
+        room = self._config.batch_size - len(deliveries)
+        if room <= 0:
             return []
+        try:
+            more = await self._bus.fetch(room, 0.0)
+        except BusError:
+            return []  # the next fetch reports it
+        if not more:
+            return []
+        decoded = self._planner.decode(more)
+        missing = self._planner.missing(decoded)
+        if not set(plan.left_memory).isdisjoint(missing):
+            return more
+        try:
+            parts.append((await self._plan(more, decoded, missing, into=plan.batch), more))
+        except StoreError as exc:
+            logger.error("cannot read the log (%s); inputs will be redelivered", exc)
+            await self._give_back(more, self._commit_backoff_s)
+        return []
 
     async def _failed(self, failure: BusError | StoreError, stop: asyncio.Event) -> None:
         if isinstance(failure, BusError):
@@ -298,11 +335,14 @@ class Worker:
 
     # --- A batch ------------------------------------------------------------------------
 
-    async def _plan(self, deliveries: list[Inbound], decoded: Decoded, missing: list[UUID]) -> Plan:
+    async def _plan(
+        self, deliveries: list[Inbound], decoded: Decoded, missing: list[UUID],
+        into: Batch | None = None,
+    ) -> Plan:  # fmt: skip
         """Load the handoffs the batch names that are not in memory, and apply the batch."""
         planner = self._planner
         loaded = await self._log.load(missing) if missing else {}
-        plan = planner.plan(deliveries, decoded, loaded, _now_ms(), time.time())
+        plan = planner.plan(deliveries, decoded, loaded, _now_ms(), time.time(), into=into)
         for handoff_id, due in plan.new_deadlines:
             self._deadlines.schedule(handoff_id, due)
         for answered in plan.answered:
@@ -314,14 +354,21 @@ class Worker:
         return plan
 
     async def _carry_out(
-        self, plan: Plan, deliveries: Sequence[Inbound], *, every_mark: bool = False
+        self, parts: Sequence[tuple[Plan, Sequence[Inbound]]], *, every_mark: bool = False
     ) -> None:
-        """Commit the plan's batch, then publish its actions and settle its inputs."""
+        """Commit the batch that the plans share, then publish their actions and settle their
+        inputs, plan by plan."""
         try:
-            await self._commit(plan.batch, every_mark=every_mark)
+            await self._commit(parts[0][0].batch if parts else Batch(), every_mark=every_mark)
         except StoreError:
-            await self._give_back(deliveries, self._commit_backoff_s)
+            for _, deliveries in parts:
+                await self._give_back(deliveries, self._commit_backoff_s)
             raise
+        for plan, deliveries in parts:
+            await self._settle(plan, deliveries)
+
+    async def _settle(self, plan: Plan, deliveries: Sequence[Inbound]) -> None:
+        """Publish a committed plan's actions and rejections, and settle its inputs."""
         now = _now_ms()
         completions: Counter[str] = Counter()
         marks = []

@@ -29,11 +29,16 @@ _commit = service.Worker._commit
 
 
 async def _counting_plan(
-    self: service.Worker, deliveries: list[Inbound], decoded: Decoded, missing: list[UUID]
+    self: service.Worker,
+    deliveries: list[Inbound],
+    decoded: Decoded,
+    missing: list[UUID],
+    into: Batch | None = None,
 ) -> Plan:
-    plan = await _plan(self, deliveries, decoded, missing)
-    _seen["plans"] += 1
-    _planned.set()
+    plan = await _plan(self, deliveries, decoded, missing, into)
+    if into is None:  # a batch of its own, not a top-up of one
+        _seen["plans"] += 1
+        _planned.set()
     return plan
 
 
