@@ -27,12 +27,10 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
-from events.subjects import Subjects
-from worker.bus import Bus
+from client import BusUnavailable, Connection
 from worker.commands.load import print_summary, run_with_progress
 from worker.config import NatsSettings
 from worker.engines import Roster, request_reports
-from worker.errors import BusError
 from worker.health import answers_ok, worker_healthz
 from worker.loadgen import LoadConfig
 from worker.logreader import open_log
@@ -90,7 +88,7 @@ def execute(args: argparse.Namespace) -> int:
             print_summary(report, console)
             engines_clean = children.stop("engines") == 0
             worker_clean = children.stop("worker") == 0
-    except (BusError, _DemoError) as exc:
+    except (BusUnavailable, _DemoError) as exc:
         console.print(f"kvhandoff demo: {exc}")
         return 1
     except KeyboardInterrupt:
@@ -171,14 +169,11 @@ def _wait_healthy(port: int, children: _Children) -> None:
 
 
 async def _wait_for_engines(url: str) -> None:
-    bus = await Bus.connect(NatsSettings(url=url), "kvhandoff-demo")
-    try:
+    async with await Connection.open(NatsSettings(url=url), "kvhandoff-demo") as connection:
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while not await request_reports(bus, Subjects()):
+        while not await request_reports(connection):
             if time.monotonic() > deadline:
                 raise _DemoError(f"the engines did not answer within {_READY_TIMEOUT_S:.0f}s")
-    finally:
-        await bus.close()
 
 
 def _point_at_the_log(db: Path, console: Console) -> None:
