@@ -129,9 +129,16 @@ class Connection:
         self, engine_id: str, handler: ActionHandler, on_malformed: Callable[[], None]
     ) -> Watch:
         """Every action sent to `engine_id`, decoded; registered once `flush` returns. A
-        message that does not decode is logged, `on_malformed` is told, and it is dropped."""
+        message that does not decode is logged, `on_malformed` is told, and it is dropped. A
+        request with an empty body is a presence probe (`engine_listening`): answered, empty."""
 
         async def deliver(msg: Message) -> None:
+            if not msg.data and msg.reply:
+                try:
+                    await self._bus.publish(msg.reply, b"")
+                except BusError as exc:
+                    logger.warning("%s could not answer a presence probe: %s", engine_id, exc)
+                return
             try:
                 action = decode_action(msg.data)
             except msgspec.DecodeError as exc:
@@ -185,6 +192,14 @@ class Connection:
             logger.warning("handoff %s: undecodable completion in %s: %s", handoff_id, stream, exc)
             return None
         return action if isinstance(action, Complete) else None
+
+    async def engine_listening(self, engine_id: str, *, wait_s: float = 1.0) -> bool:
+        """Whether an engine client listens to `engine_id`'s actions: it answers a request with
+        an empty body there within `wait_s`. (The worker never sends an empty action.)"""
+        replies = await self.gather(
+            self.subjects.engine(engine_id), first_reply_s=wait_s, quiet_s=0.0
+        )
+        return bool(replies)
 
     async def flush(self) -> None:
         """Return once the server has everything sent so far, subscriptions included."""

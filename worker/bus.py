@@ -943,6 +943,9 @@ class Bus:
         replies: asyncio.Queue[bytes] = asyncio.Queue()
 
         async def collect(msg: Msg) -> None:
+            # The server's own status message (503: nobody listens on `subject`) is no reply.
+            if not msg.data and msg.headers and _STATUS in msg.headers:
+                return
             replies.put_nowait(msg.data)
 
         inbox = self._nc.new_inbox()

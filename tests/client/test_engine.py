@@ -179,3 +179,16 @@ async def test_malformed_actions_are_counted_and_the_engine_carries_on(
     assert await side.next(action.handoff_id) == ActionOutcome(action.handoff_id, 0, SUBMITTED)
     assert engine.stats.malformed == 1
     await engine.stop()
+
+
+async def test_a_presence_probe_tells_whether_an_engine_listens(
+    side: WorkerSide, connect: Connect
+) -> None:
+    connection = await connect()
+    engine = Engine(connection, ENGINE, Handlers())
+    assert not await connection.engine_listening(ENGINE)
+    await engine.start()
+    assert await connection.engine_listening(ENGINE, wait_s=30.0)
+    assert engine.stats.malformed == 0  # a probe is not an action
+    await engine.stop()
+    assert not await connection.engine_listening(ENGINE)

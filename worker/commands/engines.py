@@ -147,6 +147,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=defaults.speedup,
         help="divide prefill, transfer and decode times by this (default 1)",
     )
+    parser.add_argument(
+        "--leave-out",
+        action="append",
+        default=[],
+        metavar="ENGINE_ID",
+        help="an engine id of the roster that another process serves (repeatable)",
+    )
     faults = parser.add_argument_group("faults (seeded, wall-clock)")
     faults.add_argument(
         "--fail-rate",
@@ -195,6 +202,7 @@ def execute(args: argparse.Namespace) -> int:
         settings = nats_settings(args)
         config = EnginesConfig(
             roster=roster(args),
+            left_out=frozenset(args.leave_out),
             model=EngineModel(
                 block_size=args.block_size,
                 kv_blocks=args.kv_blocks,

@@ -24,6 +24,7 @@ from worker.engines.faults import Faults
 from worker.engines.model import EngineModel
 from worker.engines.report import EnginesReport
 from worker.engines.roster import Roster
+from worker.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,16 @@ class EnginesConfig:
     roster: Roster = field(default_factory=Roster)
     model: EngineModel = field(default_factory=EngineModel)
     faults: Faults = field(default_factory=Faults)
+    # Engine ids of the roster that another process serves (`kvhandoff demo --external-engine`).
+    left_out: frozenset[str] = frozenset()
     # How many completed handoffs each engine remembers (to answer repeats and to spot leaks);
     # older ones that hold nothing are forgotten, so a long run has bounded memory.
     retain_completed: int = 100_000
+
+    def __post_init__(self) -> None:
+        unknown = sorted(self.left_out - set(self.roster.engine_ids()))
+        if unknown:
+            raise ConfigError(f"--leave-out: {', '.join(unknown)} not in the roster")
 
 
 class MockEngines:
@@ -54,6 +62,8 @@ class MockEngines:
                 (DestinationEngine, roster.destination_ids(engine_type)),
             ):
                 for index, engine_id in enumerate(ids):
+                    if engine_id in config.left_out:
+                        continue
                     self.engines[engine_id] = kind(
                         connection,
                         engine_id,

@@ -33,3 +33,11 @@ class Roster:
 
     def destination_ids(self, engine_type: EngineType) -> list[str]:
         return [f"{engine_type}-decode-{i}" for i in range(self.destinations)]
+
+    def engine_ids(self) -> list[str]:
+        """Every engine id, type by type, sources first."""
+        return [
+            engine_id
+            for engine_type in self.engine_types
+            for engine_id in (*self.source_ids(engine_type), *self.destination_ids(engine_type))
+        ]
