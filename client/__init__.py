@@ -23,6 +23,7 @@ from client.errors import (
     ClientError,
     CompletionTimeout,
     HandoffRejected,
+    OutcomeLogFailed,
     Refused,
 )
 from client.frontend import Frontend, HandoffStatus
@@ -40,5 +41,6 @@ __all__ = [
     "HandoffRejected",
     "HandoffStatus",
     "Interference",
+    "OutcomeLogFailed",
     "Refused",
 ]

@@ -14,7 +14,9 @@ Invariants
   same id. A repeated id is answered with the stored outcome and its handler does not run
   again. The outcomes are remembered for the `remember` handoffs used last (an LRU), so memory
   is bounded; an action id repeated after its handoff was forgotten would run again, which is
-  why `remember` should far exceed the handoffs in flight.
+  why `remember` should far exceed the handoffs in flight. With `outcomes_path`, each outcome
+  is also recorded in a small SQLite file before it is published (`client.outcomes`), and
+  loaded at `start`: a restarted engine answers a repeat without running it again.
 - One at a time per handoff. A handoff's receipts are handled one after another, in arrival
   order, under the handoff's lock, and its outcome is published under that lock: a cancel never
   overtakes the action it cancels. Different handoffs run concurrently (a task per receipt).
@@ -44,10 +46,12 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from client.connection import Connection, Watch
-from client.errors import BusUnavailable
+from client.errors import BusUnavailable, OutcomeLogFailed
+from client.outcomes import OutcomeLog
 from events.codec import encode
 from events.ids import HandoffId
 from events.messages import (
@@ -161,6 +165,7 @@ class Engine:
         handlers: Handlers,
         *,
         remember: int = DEFAULT_REMEMBER,
+        outcomes_path: Path | None = None,
         interference: Interference | None = None,
     ) -> None:
         if remember < 1:
@@ -174,9 +179,21 @@ class Engine:
         self._memory: OrderedDict[HandoffId, _Memory] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch: Watch | None = None
+        self._outcomes_path = outcomes_path
+        self._log: OutcomeLog | None = None
 
     async def start(self) -> None:
-        """Subscribe to the engine's actions; returns once the server registered it."""
+        """Load the outcome log, if there is one, and subscribe to the engine's actions;
+        returns once the server registered the subscription. `OutcomeLogFailed` if the log
+        cannot be opened or read."""
+        if self._outcomes_path is not None:
+            self._log = OutcomeLog(self._outcomes_path, self.engine_id)
+            for handoff_id, action_id, outcome in self._log.load():
+                self._remembered(handoff_id).outcomes[action_id] = outcome
+            logger.info(
+                "%s: %d handoffs' outcomes loaded from %s",
+                self.engine_id, len(self._memory), self._outcomes_path,
+            )  # fmt: skip
         self._watch = await self._connection.watch_actions(
             self.engine_id, self._on_action, self._on_malformed
         )
@@ -192,6 +209,9 @@ class Engine:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     # --- Facts ----------------------------------------------------------------------------
 
@@ -279,6 +299,8 @@ class Engine:
                     return
                 memory.outcomes[action.action_id] = outcome
                 self.stats.executed += 1
+                if self._log is not None:
+                    self._record(handoff_id, action.action_id, outcome)
                 logger.debug(
                     "handoff %s: %s executed %s#%s -> %s",
                     handoff_id, self.engine_id, _tag(action), action.action_id, _tag(outcome),
@@ -325,9 +347,22 @@ class Engine:
             oldest, kept = next(iter(self._memory.items()))
             if kept.lock.locked():
                 self._memory.move_to_end(oldest)
-            else:
-                del self._memory[oldest]
+                continue
+            del self._memory[oldest]
+            if self._log is not None:
+                try:
+                    self._log.forget(oldest)
+                except OutcomeLogFailed as exc:  # the row stays: a bigger file, no harm
+                    logger.warning("%s: %s", self.engine_id, exc)
         return memory
+
+    def _record(self, handoff_id: HandoffId, action_id: int, outcome: Outcome) -> None:
+        assert self._log is not None
+        try:
+            self._log.record(handoff_id, action_id, outcome)
+        except OutcomeLogFailed as exc:
+            # Remembered in memory still: only a restart of this engine would run it again.
+            logger.error("handoff %s: %s: %s", handoff_id, self.engine_id, exc)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

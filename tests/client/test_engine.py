@@ -8,10 +8,11 @@ import asyncio
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
-from client import Engine, Handlers
+from client import Engine, Handlers, OutcomeLogFailed
 from events.codec import decode_input, encode
 from events.ids import HandoffId
 from events.messages import (
@@ -192,3 +193,36 @@ async def test_a_presence_probe_tells_whether_an_engine_listens(
     assert engine.stats.malformed == 0  # a probe is not an action
     await engine.stop()
     assert not await connection.engine_listening(ENGINE)
+
+
+async def test_with_an_outcome_log_a_restarted_engine_answers_a_repeat_without_running_it(
+    side: WorkerSide, connect: Connect, tmp_path: Path
+) -> None:
+    runs: list[SubmitPrefill] = []
+
+    async def submit(action: SubmitPrefill) -> Outcome:
+        runs.append(action)
+        return SUBMITTED
+
+    log = tmp_path / "outcomes.sqlite3"
+    first, second = SubmitPrefill(uuid.uuid4(), 0), SubmitPrefill(uuid.uuid4(), 0)
+    handlers = Handlers(submit_prefill=submit)
+    before = Engine(await connect(), ENGINE, handlers, remember=1, outcomes_path=log)
+    await before.start()
+    for action in (first, second):  # remember=1: the first is forgotten, in the file too
+        await side.send(action)
+        await side.next(action.handoff_id)
+    await before.stop()
+
+    after = Engine(await connect(), ENGINE, handlers, remember=1, outcomes_path=log)
+    await after.start()
+    await side.send(second)
+    assert await side.next(second.handoff_id) == ActionOutcome(second.handoff_id, 0, SUBMITTED)
+    assert runs == [first, second]  # the repeat of the second did not run again
+    await side.send(first)
+    await side.next(first.handoff_id)
+    assert runs == [first, second, first]  # forgotten, so it ran again
+    await after.stop()
+
+    with pytest.raises(OutcomeLogFailed, match="not other-engine"):
+        await Engine(await connect(), "other-engine", handlers, outcomes_path=log).start()
