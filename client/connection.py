@@ -37,10 +37,13 @@ CompleteHandler = Callable[[Complete], Awaitable[None]]
 RejectionHandler = Callable[[Rejection], Awaitable[None]]
 
 
-def _translated(exc: BusError, doing: str) -> NoReturn:
+def _translated(exc: BusError, doing: str | None) -> NoReturn:
+    """Raise the client's error for `exc`, prefixed with what we were `doing` unless the bus's
+    message says it already."""
+    message = str(exc) if doing is None else f"{doing}: {exc}"
     if isinstance(exc, BusRefused):
-        raise Refused(f"{doing}: {exc}") from exc
-    raise BusUnavailable(f"{doing}: {exc}") from exc
+        raise Refused(message) from exc
+    raise BusUnavailable(message) from exc
 
 
 class Watch:
@@ -61,6 +64,7 @@ class Connection:
     (an async context manager that closes it), or `open_unless` to give up on a stop event."""
 
     def __init__(self, bus: Bus, subjects: Subjects) -> None:
+        """Adopt a connected `Bus` (closed by `close`), on the subjects of `subjects`."""
         self._bus = bus
         self.subjects = subjects
 
@@ -71,7 +75,7 @@ class Connection:
         try:
             bus = await Bus.connect(settings, name)
         except BusError as exc:
-            _translated(exc, f"connecting to {settings.url}")
+            _translated(exc, None)  # the bus's message names the server
         return cls(bus, Subjects(settings.subject_prefix))
 
     @classmethod
@@ -82,7 +86,7 @@ class Connection:
         try:
             bus = await Bus.connect_unless(stop, settings, name)
         except BusError as exc:
-            _translated(exc, f"connecting to {settings.url}")
+            _translated(exc, None)  # the bus's message names the server
         return None if bus is None else cls(bus, Subjects(settings.subject_prefix))
 
     async def close(self) -> None:

@@ -183,6 +183,14 @@ def test_the_log_and_the_bus_never_import_each_other() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_the_mock_engines_and_the_load_generator_use_the_client_not_the_bus() -> None:
+    # They are the client's first users: an engine or a frontend needs nothing else.
+    users = [m for m in modules_of("worker") if m.startswith("worker.engines")]
+    assert "worker.engines.host" in users
+    bad = list(violations([*users, "worker.loadgen"], {NATS_SEAM, "nats"}))
+    assert not bad, "go through client.Connection:\n" + "\n".join(bad)
+
+
 def test_only_the_nats_seam_imports_nats() -> None:
     # bench.load drives the worker as a user would; bench.pull and bench.drain set
     # nats-py itself beside the bus as their baseline.
