@@ -91,6 +91,7 @@ async def test_every_message_of_a_demo_run_validates_against_the_published_schem
         await bus.close()
 
     tags: Counter[tuple[str, str]] = Counter()
+    started: set[str] = set()
     invalid = []
     for msg in captured:
         kind = kind_of(msg.subject)
@@ -101,6 +102,8 @@ async def test_every_message_of_a_demo_run_validates_against_the_published_schem
         if errors:
             invalid.append(f"{msg.subject}: {msg.data!r}: {errors}")
         tags[(kind, document.get("type", "?"))] += 1
+        if kind == "Input" and document.get("type") == "start_handoff":
+            started.add(document["handoff_id"])
     assert not invalid, f"{len(invalid)} messages break the schema, e.g.\n" + "\n".join(
         invalid[:10]
     )
@@ -115,4 +118,5 @@ async def test_every_message_of_a_demo_run_validates_against_the_published_schem
     }  # fmt: skip
     assert inputs <= {tag for kind, tag in tags if kind == "Input"}, tags
     assert actions <= {tag for kind, tag in tags if kind == "Action"}, tags
-    assert tags[("Input", "start_handoff")] == HANDOFFS
+    # (By id: a publish retried after a lost acknowledgement reaches core subscribers twice.)
+    assert len(started) == HANDOFFS
