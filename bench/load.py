@@ -27,7 +27,7 @@ from pathlib import Path
 # holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.bus import Bus
+from client import Connection
 from worker.config import NatsSettings
 from worker.engines import EngineModel, EnginesConfig, MockEngines
 from worker.loadgen import LoadConfig, LoadReport, run_load
@@ -64,8 +64,8 @@ async def bench(
             "--log-level", "WARNING",
         )  # fmt: skip
         settings = NatsSettings(url=server.url)
-        bus = await Bus.connect(settings, "bench-engines")
-        engines = MockEngines(bus, EnginesConfig(model=EngineModel(speedup=speedup)))
+        connection = await Connection.open(settings, "bench-engines")
+        engines = MockEngines(connection, EnginesConfig(model=EngineModel(speedup=speedup)))
         try:
             await engines.start()
             # The load generator waits for the worker's input stream, so this also waits for
@@ -80,7 +80,7 @@ async def bench(
             return reports
         finally:
             await engines.stop()
-            await bus.close()
+            await connection.close()
             worker.terminate()
             await asyncio.wait_for(worker.wait(), 30)
 

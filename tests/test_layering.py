@@ -1,6 +1,7 @@
 """The dependency rules, checked on the source: the core imports only the standard library and
 msgspec; the log and the bus never import each other; `worker.bus` is the one module of the
-worker (and of the load benchmark) that imports nats; the offline commands never reach nats.
+worker, the client (and the load benchmark) that imports nats; the client reaches the worker
+only through the bus and its settings; the offline commands never reach nats.
 
 Imports are read with `ast`, not by importing, so a rule holds for every import statement,
 including those inside functions that a test run might never execute. One check imports for
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("events", "worker")
+PACKAGES = ("events", "worker", "client")
 
 # The commands that read the log file alone, and the reader they share.
 OFFLINE_COMMANDS = [
@@ -32,6 +33,9 @@ OFFLINE = [*OFFLINE_COMMANDS, "worker.logreader"]
 # The one module that talks to nats-py: connecting, the barrier, durable publishing and the pull
 # exist once, and every nats-py error is translated there.
 NATS_SEAM = "worker.bus"
+# What the client may use of the worker: the NATS seam, the settings it connects with, and the
+# errors it translates. Never the log, the service or the commands.
+CLIENT_MAY_IMPORT = {NATS_SEAM, "worker.config", "worker.errors"}
 
 
 @dataclass(frozen=True)
@@ -154,8 +158,21 @@ def test_the_core_imports_only_the_standard_library_and_msgspec() -> None:
 
 
 def test_the_core_never_imports_the_worker() -> None:
-    bad = list(violations(modules_of("events"), {"worker"}))
-    assert not bad, "the core must not depend on the IO shell:\n" + "\n".join(bad)
+    bad = list(violations(modules_of("events"), {"worker", "client"}))
+    assert not bad, "the core must not depend on the IO shell or the client:\n" + "\n".join(bad)
+
+
+def test_the_client_imports_the_core_and_of_the_worker_only_the_bus() -> None:
+    assert {"client", "client.engine", "client.frontend"} <= set(modules_of("client"))
+    allowed = set(sys.stdlib_module_names) | {"msgspec", "events", "client"}
+    bad = [
+        f"{imp}: client/ may import the standard library, msgspec, events.* and, of the "
+        f"worker, only {', '.join(sorted(CLIENT_MAY_IMPORT))}"
+        for module in modules_of("client")
+        for imp in imports_of(module)
+        if top(imp.module) not in allowed and imp.module not in CLIENT_MAY_IMPORT
+    ]
+    assert not bad, "\n".join(bad)
 
 
 def test_the_log_and_the_bus_never_import_each_other() -> None:
@@ -166,10 +183,18 @@ def test_the_log_and_the_bus_never_import_each_other() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_the_mock_engines_and_the_load_generator_use_the_client_not_the_bus() -> None:
+    # They are the client's first users: an engine or a frontend needs nothing else.
+    users = [m for m in modules_of("worker") if m.startswith("worker.engines")]
+    assert "worker.engines.host" in users
+    bad = list(violations([*users, "worker.loadgen"], {NATS_SEAM, "nats"}))
+    assert not bad, "go through client.Connection:\n" + "\n".join(bad)
+
+
 def test_only_the_nats_seam_imports_nats() -> None:
     # bench.load drives the worker as a user would; bench.pull and bench.drain set
     # nats-py itself beside the bus as their baseline.
-    users = [*modules_of("worker"), "bench.load"]
+    users = [*modules_of("worker"), *modules_of("client"), "bench.load"]
     bad = [
         f"{imp}: only {NATS_SEAM} may import nats; go through worker.bus.Bus"
         for module in users

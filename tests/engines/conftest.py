@@ -14,6 +14,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from client import Connection
 from events.subjects import Subjects
 from tests.engines.harness import FAST, ONE_PAIR, WorkerSide
 from worker.bus import Bus
@@ -62,10 +63,8 @@ async def start_engines(
         model: EngineModel = FAST, faults: Faults | None = None, roster: Roster = ONE_PAIR
     ) -> MockEngines:
         bus = await Bus.connect(NatsSettings(url=nats_server.url), "test-engines")
-        config = EnginesConfig(
-            roster=roster, model=model, faults=faults or Faults(), subjects=subjects
-        )
-        engines = MockEngines(bus, config)
+        config = EnginesConfig(roster=roster, model=model, faults=faults or Faults())
+        engines = MockEngines(Connection(bus, subjects), config)
         await engines.start()
         started.append((bus, engines))
         return engines

@@ -10,6 +10,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from uuid import UUID
 
+from client import Connection
 from events.codec import decode_input, encode
 from events.messages import Action, Complete, EngineType, HandoffCompletion, Input
 from events.subjects import Subjects
@@ -71,7 +72,7 @@ class WorkerSide:
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + wait_s
         while True:
-            reports = await request_reports(self.bus, self.subjects, quiet_s=0.05)
+            reports = await request_reports(Connection(self.bus, self.subjects), quiet_s=0.05)
             assert len(reports) == 1
             if condition(reports[0]):
                 return reports[0]

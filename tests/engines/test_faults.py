@@ -42,6 +42,7 @@ from tests.engines.harness import (
     held,
 )
 from worker.engines import FailureForm, Faults
+from worker.errors import ConfigError
 
 
 def handoff_where(condition: Callable[[UUID], bool]) -> UUID:
@@ -74,9 +75,9 @@ def test_decisions_are_a_function_of_the_seed_and_honour_the_rates() -> None:
 
 
 def test_faults_refuse_settings_that_could_never_finish() -> None:
-    with pytest.raises(ValueError, match="drop_rate 1"):
+    with pytest.raises(ConfigError, match="drop_rate 1"):
         Faults(drop_rate=1.0)
-    with pytest.raises(ValueError, match="fail_rate"):
+    with pytest.raises(ConfigError, match="fail_rate"):
         Faults(fail_rate=1.5)
 
 

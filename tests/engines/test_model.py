@@ -63,16 +63,16 @@ def test_model_arithmetic() -> None:
     [{"block_size": 0}, {"speedup": 0.0}, {"shortest_prompt": 10, "longest_prompt": 9}],
 )
 def test_model_refuses_impossible_settings(settings: dict[str, int | float]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         EngineModel(**settings)  # type: ignore[arg-type]
 
 
 def test_roster_refuses_empty_or_repeated_types() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         Roster(engine_types=())
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         Roster(engine_types=(EngineType.VLLM, EngineType.VLLM))
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         Roster(sources=0)
 
 

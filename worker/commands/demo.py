@@ -8,6 +8,10 @@ outcomes, lost requests, dropped, duplicated and delayed messages). It prints th
 stops everything it started (also on Ctrl-C), and leaves the event log with the command that
 replays one of its canceled handoffs.
 
+`--external-engine ID` leaves one engine id of the roster to an engine you run yourself
+(`examples/engine.py`, written with the client): the mock engines do not serve it, and the demo
+prints the command to run and waits for that engine to listen before it starts the load.
+
 Exits 0 when every handoff completed or was cleanly canceled and no engine leaked.
 """
 
@@ -27,12 +31,10 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
-from events.subjects import Subjects
-from worker.bus import Bus
+from client import BusUnavailable, Connection
 from worker.commands.load import print_summary, run_with_progress
 from worker.config import NatsSettings
 from worker.engines import Roster, request_reports
-from worker.errors import BusError
 from worker.health import answers_ok, worker_healthz
 from worker.loadgen import LoadConfig
 from worker.logreader import open_log
@@ -57,10 +59,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", help="use this server instead of an embedded one")
     parser.add_argument("--seed", type=int, default=1, help="load and fault seed")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--external-engine",
+        metavar="ENGINE_ID",
+        help="leave this engine id (vllm-prefill-0, sglang-decode-1, ...) to an engine you run "
+        "(examples/engine.py); the demo waits for it to listen",
+    )
 
 
 def execute(args: argparse.Namespace) -> int:
     console = Console()
+    engine_ids = Roster().engine_ids()
+    if args.external_engine is not None and args.external_engine not in engine_ids:
+        console.print(
+            f"kvhandoff demo: --external-engine {args.external_engine} is not an engine of the "
+            f"demo; choose one of {', '.join(engine_ids)}"
+        )
+        return 2
     folder = Path(tempfile.mkdtemp(prefix="kvhandoff-demo-"))
     db = args.db or folder / "kvhandoff.db"
     try:
@@ -71,11 +86,22 @@ def execute(args: argparse.Namespace) -> int:
                 "worker", "run", "--nats-url", url, "--db", str(db), "--retry-interval", "1s",
                 "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port),
             )  # fmt: skip
+            external = [] if args.external_engine is None else [args.external_engine]
+            leave_out = [option for engine_id in external for option in ("--leave-out", engine_id)]
             children.start(
-                "engines", "engines", "--nats-url", url, "--seed", str(args.seed), *_ENGINE_FAULTS
-            )
+                "engines", "engines", "--nats-url", url, "--seed", str(args.seed),
+                *_ENGINE_FAULTS, *leave_out,
+            )  # fmt: skip
             _wait_healthy(metrics_port, children)
-            asyncio.run(_wait_for_engines(url))
+            asyncio.run(_wait_for_engines(url, children))
+            for engine_id in external:
+                role = "destination" if "-decode-" in engine_id else "source"
+                console.print(
+                    f"waiting for engine {engine_id}; run:  python examples/engine.py "
+                    f"--nats-url {url} {role} {engine_id}",
+                    soft_wrap=True,
+                )
+                asyncio.run(_wait_for_external(url, engine_id))
             config = LoadConfig(
                 nats=NatsSettings(url=url),
                 handoffs=args.handoffs,
@@ -90,7 +116,7 @@ def execute(args: argparse.Namespace) -> int:
             print_summary(report, console)
             engines_clean = children.stop("engines") == 0
             worker_clean = children.stop("worker") == 0
-    except (BusError, _DemoError) as exc:
+    except (BusUnavailable, _DemoError) as exc:
         console.print(f"kvhandoff demo: {exc}")
         return 1
     except KeyboardInterrupt:
@@ -170,15 +196,22 @@ def _wait_healthy(port: int, children: _Children) -> None:
     raise _DemoError(f"the worker was not healthy within {_READY_TIMEOUT_S:.0f}s")
 
 
-async def _wait_for_engines(url: str) -> None:
-    bus = await Bus.connect(NatsSettings(url=url), "kvhandoff-demo")
-    try:
+async def _wait_for_engines(url: str, children: _Children) -> None:
+    async with await Connection.open(NatsSettings(url=url), "kvhandoff-demo") as connection:
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while not await request_reports(bus, Subjects()):
+        while not await request_reports(connection):
+            if not children.running("engines"):
+                raise _DemoError("the engines exited; see engines.log")
             if time.monotonic() > deadline:
                 raise _DemoError(f"the engines did not answer within {_READY_TIMEOUT_S:.0f}s")
-    finally:
-        await bus.close()
+
+
+async def _wait_for_external(url: str, engine_id: str) -> None:
+    """Until an engine client listens to `engine_id` (a presence probe each second); Ctrl-C
+    gives up."""
+    async with await Connection.open(NatsSettings(url=url), "kvhandoff-demo") as connection:
+        while not await connection.engine_listening(engine_id):
+            pass  # each probe waits a second for an answer
 
 
 def _point_at_the_log(db: Path, console: Console) -> None:

@@ -19,9 +19,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from client import BusUnavailable, Refused
 from worker.commands.engines import add_roster_arguments, print_leaks, roster
 from worker.config import add_nats_arguments, nats_settings, parse_duration
-from worker.errors import BusError, BusRefused, ConfigError
+from worker.errors import ConfigError
 from worker.loadgen import LoadConfig, LoadProgress, LoadReport, run_load
 from worker.logs import configure_logging
 
@@ -116,9 +117,9 @@ def execute(args: argparse.Namespace) -> int:
     show_progress = not args.quiet and sys.stdout.isatty()
     try:
         report = asyncio.run(run_with_progress(config, console if show_progress else None))
-    except BusError as exc:
+    except BusUnavailable as exc:
         print(f"kvhandoff load: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, BusRefused) else 1
+        return 2 if isinstance(exc, Refused) else 1
     if args.json != "-":
         print_summary(report, console)
     if args.json is not None:
