@@ -63,13 +63,13 @@ from traffic import (
     load_average,
     max_pending,
     new_start,
-    now_ms,
     percentile,
 )
 
 from events.codec import decode_action, encode
 from events.messages import ActionOutcome, Input, StartHandoff
 from worker.bus import Bus
+from worker.clock import now_ms
 from worker.config import NatsSettings
 from worker.healthy import success_script
 from worker.natsserver import EmbeddedNats

@@ -70,6 +70,7 @@ from events.errors import ReplayDivergence
 from events.messages import Action, Complete, Role, TimedOut
 from events.subjects import Subjects
 from worker.bus import Bus, Inbound
+from worker.clock import now_ms as _now_ms
 from worker.config import WorkerConfig
 from worker.errors import BusError, LogDiverges, StoreError
 from worker.metrics import Metrics
@@ -82,10 +83,6 @@ logger = logging.getLogger(__name__)
 _FETCH_TIMEOUT_S = 0.25  # how long an idle worker waits before noticing a stop request
 _RETRY_BACKOFF_CAP = 8
 _COMMIT_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed commit
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Worker:

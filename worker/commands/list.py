@@ -60,7 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, metavar="N", help="at most N handoffs")
     _offline.add_now_argument(parser)
     _offline.add_report_arguments(parser)
-    parser.epilog = "TIME is epoch milliseconds, ISO 8601 (UTC by default), or an age such as 10m."
+    parser.epilog = (
+        "TIME is epoch milliseconds, ISO 8601 (UTC by default), or an age such as 10m or 1h30m."
+    )
 
 
 @_offline.offline_command("list")

@@ -24,6 +24,7 @@ from events.errors import LogCorrupt
 from events.messages import Role
 from events.records import ActionRecord, InputRecord
 from events.replay import timeline
+from worker.clock import DURATION_HELP, duration_ms_arg
 from worker.commands import _offline, _text
 from worker.logreader import HandoffSummary, LogSource, open_log
 from worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
@@ -35,9 +36,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--older-than",
         metavar="AGE",
-        type=_offline.parse_duration_ms,
+        type=duration_ms_arg,
         default=0,
-        help="only handoffs with no event logged for at least AGE (30s, 5m, 1h30m; default 0)",
+        help=f"only handoffs with no event logged for at least AGE, {DURATION_HELP} (default 0)",
     )
     _offline.add_now_argument(parser)
     _offline.add_report_arguments(parser)
