@@ -75,7 +75,8 @@ from worker.config import WorkerConfig
 from worker.errors import BusError, LogDiverges, StoreError
 from worker.metrics import Metrics
 from worker.planner import Decoded, Plan, Planner
-from worker.store import Batch, CorruptHandoff, EventLog, HandoffRow
+from worker.rows import HandoffRow
+from worker.store import Batch, CorruptHandoff, EventLog
 from worker.timers import TimerQueue
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,9 @@ from events.messages import Action, Input
 from events.records import ActionRecord, InputRecord
 from tests.worker.scripted_engine import ScriptedEngines
 from worker.health import answers_ok, worker_healthz
-from worker.logreader import HandoffLog, open_log
+from worker.logreader import open_log
 from worker.natsserver import EmbeddedNats, free_port
+from worker.rows import HandoffLog
 
 
 class WorkerProcess:

@@ -26,8 +26,9 @@ from events.records import ActionRecord, InputRecord
 from events.replay import timeline
 from worker.clock import DURATION_HELP, duration_ms_arg
 from worker.commands import _offline, _text
-from worker.logreader import HandoffSummary, LogSource, open_log
+from worker.logreader import LogSource, open_log
 from worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
+from worker.rows import HandoffRow
 from worker.schema import HandoffState
 
 
@@ -78,7 +79,7 @@ def execute(args: argparse.Namespace) -> int:
     return _offline.EXIT_OK
 
 
-def _stuck(source: LogSource, row: HandoffSummary, now: int) -> StuckHandoff | None:
+def _stuck(source: LogSource, row: HandoffRow, now: int) -> StuckHandoff | None:
     """What the handoff waits for, or None if it waits for nothing (its log says complete)."""
     quarantined = row.state is HandoffState.QUARANTINED
     stuck = StuckHandoff(
@@ -144,7 +145,7 @@ def _stuck(source: LogSource, row: HandoffSummary, now: int) -> StuckHandoff | N
     )
 
 
-def _quarantine_reason(row: HandoffSummary) -> str:
+def _quarantine_reason(row: HandoffRow) -> str:
     if row.quarantine is None:
         return "quarantined (the log holds no reason)"
     return row.quarantine.reason

@@ -30,8 +30,9 @@ from events.codec import decode_record, input_digest
 from events.records import InputRecord
 from events.replay import Divergence, StoredCheck, StoredRecord, check_stored
 from worker.commands import _offline, _text
-from worker.logreader import HandoffSummary, LogSource, open_log
+from worker.logreader import LogSource, open_log
 from worker.reports import Finding, FindingKind, VerifyReport
+from worker.rows import HandoffRow
 from worker.schema import HandoffState
 
 
@@ -132,7 +133,7 @@ class _Found:
             self.diverged.append(d)
             add(FindingKind.DIVERGENCE, d.step, d.detail)
 
-    def state(self, row: HandoffSummary) -> None:
+    def state(self, row: HandoffRow) -> None:
         if row.state is None:
             known = ", ".join(HandoffState)
             detail = f"state {row.state_name!r} is not one this build knows ({known})"
