@@ -47,7 +47,7 @@ from events.codec import encode_record, join_record
 from events.errors import LogCorrupt
 from events.records import SCHEMA_VERSION
 from events.replay import StoredRecord
-from worker.errors import StoreError
+from worker.errors import StoreCorrupt, StoreError
 from worker.rows import (
     HandoffLog,
     HandoffReader,
@@ -178,11 +178,11 @@ class SqliteLog(_Closing):
             found = self._db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
         except sqlite3.Error as exc:
             self._db.close()
-            raise StoreError(f"{path} is not a kvhandoff event log: {exc}") from exc
+            raise StoreCorrupt(f"{path} is not a kvhandoff event log: {exc}") from exc
         self.layout = None if found is None else found[0]
         if self.layout not in (LAYOUT_1, LAYOUT_VERSION):
             self._db.close()
-            raise StoreError(
+            raise StoreCorrupt(
                 f"event log {path} has layout {self.layout}, this build reads {LAYOUT_1} and"
                 f" {LAYOUT_VERSION}"
             )
@@ -365,7 +365,9 @@ class JsonlLog(_Closing):
         except OSError as exc:
             raise StoreError(f"cannot read {path}: {exc.strerror}") from exc
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise LogCorrupt(f"{path} is not a kvhandoff handoff export: {exc}") from exc
+            raise StoreCorrupt(f"{path} is not a kvhandoff handoff export: {exc}") from exc
+        except StoreCorrupt as exc:
+            raise StoreCorrupt(f"{path}: {exc}") from exc
 
     def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffRow]:
         handoff = self.log.handoff
@@ -447,10 +449,12 @@ def read_jsonl(lines: Iterator[bytes] | IO[bytes]) -> HandoffLog:
     lines = (line for line in lines if line.strip())
     first = next(lines, None)
     if first is None:
-        raise LogCorrupt("empty export")
+        raise StoreCorrupt("empty export")
     header = _header_decoder.decode(first)
     if header.version > EXPORT_VERSION:
-        raise LogCorrupt(f"export format version {header.version}, this build reads 1")
+        raise StoreCorrupt(
+            f"export format version {header.version}, this build reads {EXPORT_VERSION}"
+        )
     handoff = read_row(header.handoff)
     events = []
     for line in lines:
@@ -491,4 +495,4 @@ def _uuid(text: str) -> UUID:
     try:
         return UUID(text)
     except ValueError:
-        raise LogCorrupt(f"events row with handoff id {text!r}, which is not a UUID") from None
+        raise StoreCorrupt(f"events row with handoff id {text!r}, which is not a UUID") from None

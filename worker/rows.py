@@ -15,8 +15,9 @@ the commands and reports built on them:
     HandoffLog   one handoff's row and its whole log in sequence order.
 
 Every reader turns stored columns into these through `read_row` and `read_event`, so a row or
-a record reads the same, and is refused for the same reasons (`LogCorrupt`), from a live log, an
-offline copy or an export. `tests/tools/test_log_contract.py` holds all of them to that.
+a record reads the same, and is refused for the same reasons (a row as `StoreCorrupt`, a record
+as the core's `LogCorrupt`), from a live log, an offline copy or an export.
+`tests/tools/test_log_contract.py` holds all of them to that.
 
 `HandoffReader` is what every reader of one handoff offers, and the contract the suite checks:
 `worker.logreader.LogSource` (SQLite and JSONL) extends it, and the worker's own reads
@@ -36,6 +37,7 @@ from events.codec import decode_record, input_digest, join_record
 from events.errors import LogCorrupt
 from events.records import ActionRecord, InputRecord, LogRecord
 from events.replay import LoggedRecord
+from worker.errors import StoreCorrupt
 from worker.schema import HandoffState
 
 _KNOWN_STATES = frozenset(s.value for s in HandoffState)
@@ -131,7 +133,7 @@ _ROW_FIELDS = HandoffRow.__struct_fields__
 def read_row(values: Sequence[object] | dict[str, Any]) -> HandoffRow:
     """A `handoffs` row from its columns (in `HANDOFF_COLUMNS` order) or from its fields by
     name (an export's header), every one checked against its type. A state this build does not
-    know is kept in `unknown_state`; any other bad column is `LogCorrupt`."""
+    know is kept in `unknown_state`; any other bad column is `StoreCorrupt`."""
     fields = values if isinstance(values, dict) else dict(zip(_ROW_FIELDS, values, strict=False))
     state = fields.get("state")
     if state is not None and state not in _KNOWN_STATES:
@@ -139,7 +141,9 @@ def read_row(values: Sequence[object] | dict[str, Any]) -> HandoffRow:
     try:
         return msgspec.convert(fields, HandoffRow)
     except msgspec.ValidationError as exc:
-        raise LogCorrupt(f"handoff {fields.get('handoff_id')!r}: bad handoffs row: {exc}") from exc
+        raise StoreCorrupt(
+            f"handoff {fields.get('handoff_id')!r}: bad handoffs row: {exc}"
+        ) from exc
 
 
 def read_record(blob: object) -> LogRecord:

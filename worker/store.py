@@ -70,7 +70,7 @@ import aiosqlite
 from events.codec import split_record
 from events.errors import LogCorrupt
 from events.records import VERBATIM, ActionRecord, InputRecord, LogRecord
-from worker.errors import StoreConflict, StoreError, StoreLocked
+from worker.errors import StoreConflict, StoreCorrupt, StoreError, StoreLocked
 from worker.rows import HandoffLog, HandoffRow, LoggedEvent, read_event, read_record, read_row
 from worker.schema import (
     ACTION_TYPES,
@@ -456,10 +456,10 @@ def _row_values(row: HandoffRow) -> tuple[object, ...]:
 
 def _handoff_row(values: Sequence[Any]) -> HandoffRow:
     """A row as the worker reads it back: one with a state this build does not know cannot be
-    rebuilt, and is `LogCorrupt` like a bad column."""
+    rebuilt, and is `StoreCorrupt` like a bad column."""
     row = read_row(values)
     if row.state is None:
-        raise LogCorrupt(f"state {row.unknown_state!r} is not one this build knows")
+        raise StoreCorrupt(f"state {row.unknown_state!r} is not one this build knows")
     return row
 
 
@@ -578,7 +578,7 @@ class EventLog:
             try:
                 row = _handoff_row(values[:-4])
                 event = read_event(row.handoff_id.bytes, (seq, code, at_ms, blob), (-1, None))
-            except LogCorrupt as exc:
+            except (StoreCorrupt, LogCorrupt) as exc:
                 backlog.append(CorruptHandoff(UUID(values[0]), f"seq {seq}: {exc}"))
                 continue
             if isinstance(event.record, ActionRecord):  # not an input kept whole
@@ -629,7 +629,7 @@ class EventLog:
             marks[values[0]] = (values[-2], values[-1])
             try:
                 loaded[hid] = HandoffLog(_handoff_row(values[:-2]), [])
-            except LogCorrupt as exc:  # e.g. a state this build does not know
+            except StoreCorrupt as exc:  # e.g. a state this build does not know
                 loaded[hid] = CorruptHandoff(hid, f"unreadable handoff row: {exc}")
         # A handoff's events come together: what they share is worked out once per handoff.
         current, hid, raw = "", UUID(int=0), b""

@@ -145,7 +145,7 @@ def offline_command(
                 return fail(name, "the log argument is required")
             try:
                 return execute(args)
-            except (WorkerError, HandoffError, argparse.ArgumentTypeError) as exc:
+            except (WorkerError, HandoffError) as exc:
                 return fail(name, str(exc))
 
         return run

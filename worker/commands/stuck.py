@@ -101,12 +101,17 @@ def _stuck(source: LogSource, row: HandoffRow, now: int) -> StuckHandoff | None:
             if quarantined
             else msgspec.structs.replace(stuck, state=f"cannot read its log: {exc}")
         )
-    last_input = next((e for e in reversed(log.events) if isinstance(e.record, InputRecord)), None)
+    last_input = next(
+        (
+            LoggedInput(e.seq, e.at_ms, e.record.input)
+            for e in reversed(log.events)
+            if isinstance(e.record, InputRecord)
+        ),
+        None,
+    )
     if last_input is not None:
-        assert isinstance(last_input.record, InputRecord)
-        logged = LoggedInput(last_input.seq, last_input.at_ms, last_input.record.input)
         stuck = msgspec.structs.replace(
-            stuck, idle_ms=now - log.events[-1].at_ms, last_input=logged
+            stuck, idle_ms=now - log.events[-1].at_ms, last_input=last_input
         )
     if quarantined:
         # Set aside by the worker: whatever its log says, only an operator moves it on.
