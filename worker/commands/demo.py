@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,14 +27,14 @@ from rich.console import Console
 
 from events.subjects import Subjects
 from worker.bus import Bus
+from worker.child import Child, WorkerChild
 from worker.commands.load import print_summary, run_with_progress
 from worker.config import NatsSettings
 from worker.engines import Roster, request_reports
-from worker.errors import BusError
-from worker.health import answers_ok, worker_healthz
+from worker.errors import BusError, ChildError
 from worker.loadgen import LoadConfig
 from worker.logreader import open_log
-from worker.natsserver import EmbeddedNats, free_port
+from worker.natsserver import EmbeddedNats
 from worker.schema import HandoffState
 
 # Faults the engines inject: frequent enough that every path shows up in a few thousand
@@ -64,17 +62,22 @@ def execute(args: argparse.Namespace) -> int:
     folder = Path(tempfile.mkdtemp(prefix="kvhandoff-demo-"))
     db = args.db or folder / "kvhandoff.db"
     try:
-        with _stack(args.nats_url, folder) as url, _Children(folder) as children:
-            metrics_port = free_port()
+        with contextlib.ExitStack() as children:
+            url = children.enter_context(_stack(args.nats_url, folder))
             console.print(f"NATS at {url}; logs and event log in {folder}", soft_wrap=True)
-            children.start(
-                "worker", "run", "--nats-url", url, "--db", str(db), "--retry-interval", "1s",
-                "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port),
+            # Each in a session of its own: Ctrl-C reaches only the demo, which then stops its
+            # children in order, the engines first (an exit stops them in reverse order too).
+            worker = children.enter_context(
+                WorkerChild(url, db, "--retry-interval", "1s", log_path=folder / "worker.log",
+                            new_session=True)
             )  # fmt: skip
-            children.start(
-                "engines", "engines", "--nats-url", url, "--seed", str(args.seed), *_ENGINE_FAULTS
-            )
-            _wait_healthy(metrics_port, children)
+            engines = children.enter_context(
+                Child([sys.executable, "-m", "worker.cli", "engines", "--nats-url", url,
+                       "--seed", str(args.seed), *_ENGINE_FAULTS],
+                      folder / "engines.log", name="the engines", new_session=True)
+            )  # fmt: skip
+            worker.start(_READY_TIMEOUT_S)
+            engines.start(_READY_TIMEOUT_S)
             asyncio.run(_wait_for_engines(url))
             config = LoadConfig(
                 nats=NatsSettings(url=url),
@@ -88,9 +91,9 @@ def execute(args: argparse.Namespace) -> int:
             show = not args.quiet and sys.stdout.isatty()
             report = asyncio.run(run_with_progress(config, console if show else None))
             print_summary(report, console)
-            engines_clean = children.stop("engines") == 0
-            worker_clean = children.stop("worker") == 0
-    except (BusError, _DemoError) as exc:
+            engines_clean = engines.terminate() == 0
+            worker_clean = worker.terminate() == 0
+    except (BusError, ChildError) as exc:
         console.print(f"kvhandoff demo: {exc}")
         return 1
     except KeyboardInterrupt:
@@ -105,10 +108,6 @@ def execute(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-class _DemoError(Exception):
-    """A process the demo started did not come up."""
-
-
 @contextlib.contextmanager
 def _stack(nats_url: str | None, folder: Path) -> Iterator[str]:
     if nats_url is not None:
@@ -120,63 +119,15 @@ def _stack(nats_url: str | None, folder: Path) -> Iterator[str]:
         yield server.url
 
 
-class _Children:
-    """Child processes, each logging to a file in the demo's folder, all stopped on exit."""
-
-    def __init__(self, folder: Path) -> None:
-        self._folder = folder
-        self._processes: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, *arguments: str) -> None:
-        with (self._folder / f"{name}.log").open("wb") as log:
-            self._processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "worker.cli", *arguments],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Ctrl-C reaches only the demo, which then stops its children in order.
-                start_new_session=True,
-            )
-
-    def running(self, name: str) -> bool:
-        return self._processes[name].poll() is None
-
-    def stop(self, name: str) -> int:
-        """SIGTERM (the worker drains, the engines report leaks), then the exit code."""
-        process = self._processes.pop(name)
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                return process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        return process.wait()
-
-    def __enter__(self) -> _Children:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in list(self._processes):
-            self.stop(name)
-
-
-def _wait_healthy(port: int, children: _Children) -> None:
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if not children.running("worker"):
-            raise _DemoError("the worker exited; see worker.log")
-        if answers_ok(worker_healthz(port), timeout_s=1):
-            return
-        time.sleep(0.05)  # readiness poll of a child process
-    raise _DemoError(f"the worker was not healthy within {_READY_TIMEOUT_S:.0f}s")
-
-
 async def _wait_for_engines(url: str) -> None:
     bus = await Bus.connect(NatsSettings(url=url), "kvhandoff-demo")
     try:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         while not await request_reports(bus, Subjects()):
             if time.monotonic() > deadline:
-                raise _DemoError(f"the engines did not answer within {_READY_TIMEOUT_S:.0f}s")
+                raise ChildError(
+                    f"the engines did not answer within {_READY_TIMEOUT_S:.0f}s; see engines.log"
+                )
     finally:
         await bus.close()
 
