@@ -22,7 +22,10 @@ import time
 from worker.errors import ConfigError
 
 #: How a flag's help says what a duration is.
-DURATION_HELP = "a duration such as 250ms, 30s, 5m or 1h30m; a bare number is seconds"
+DURATION_HELP = (
+    "a number with a unit, or a sum of them, such as 250ms, 30s, 5m or 1h30m;"
+    " a bare number is seconds"
+)
 
 _UNIT_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _NUMBER = r"\d+(?:\.\d+)?"
@@ -45,7 +48,7 @@ def _milliseconds(text: str) -> float:
         total += float(part.group(1)) * _UNIT_MS[part.group(2)]
         position = part.end()
     if position == 0 or text[position:].strip():
-        raise ConfigError(f"not a duration: {text!r} ({DURATION_HELP})")
+        raise ConfigError(f"not a duration: {text!r} (a duration is {DURATION_HELP})")
     return total
 
 

@@ -26,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="AGE",
         type=duration_ms_arg,
         required=True,
-        help="remove handoffs that completed, and rejections logged, more than AGE ago:"
+        help="remove handoffs that completed, and rejections logged, more than AGE ago; AGE is"
         f" {DURATION_HELP}",
     )
     _offline.add_now_argument(parser)

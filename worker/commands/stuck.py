@@ -39,7 +39,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="AGE",
         type=duration_ms_arg,
         default=0,
-        help=f"only handoffs with no event logged for at least AGE, {DURATION_HELP} (default 0)",
+        help=f"only handoffs with no event logged for at least AGE (default 0); AGE is"
+        f" {DURATION_HELP}",
     )
     _offline.add_now_argument(parser)
     _offline.add_report_arguments(parser)
