@@ -13,6 +13,7 @@ offline readers show it, the worker quarantines the handoff), and why a handoff 
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import sqlite3
@@ -133,18 +134,18 @@ def written(tmp_path: Path) -> Written:
     return Written(db, logs)
 
 
-class ReaderContract:
+class ReaderContract(abc.ABC):
     """What every reader of the log must do. Subclasses say how to read and damage a log."""
 
-    @contextlib.contextmanager
-    def reading(self, written: Written, handoff_id: UUID) -> Iterator[HandoffReader]:
+    @abc.abstractmethod
+    def reading(
+        self, written: Written, handoff_id: UUID
+    ) -> contextlib.AbstractContextManager[HandoffReader]:
         """A reader of `written` that holds `handoff_id`."""
-        raise NotImplementedError
-        yield
 
+    @abc.abstractmethod
     def damage(self, written: Written, handoff_id: UUID, seq: int) -> None:
         """Make the record at `seq` of that handoff unreadable, in this reader's form."""
-        raise NotImplementedError
 
     def test_each_handoff_reads_back_as_the_writer_was_given_it(self, written: Written) -> None:
         for handoff_id, expected in written.logs.items():
