@@ -122,6 +122,7 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
+from worker.clock import now_ms
 from worker.config import NatsSettings
 from worker.errors import BusError, BusRefused, ConfigError, LeaseHeld, PinMismatch
 
@@ -308,7 +309,7 @@ class LeaseHolder(msgspec.Struct, frozen=True):
             pid=os.getpid(),
             db=str(db_path.resolve()),
             instance=uuid.uuid4().hex,
-            since_ms=time.time_ns() // 1_000_000,
+            since_ms=now_ms(),
         )
 
     def succeeds(self, other: LeaseHolder) -> bool:

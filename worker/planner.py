@@ -66,8 +66,9 @@ from events.messages import (
 from events.records import ActionRecord, InputRecord
 from events.replay import rebuild
 from events.subjects import Subjects
+from worker.rows import HandoffRow
 from worker.schema import HandoffState
-from worker.store import Batch, CorruptHandoff, HandoffRow, Loaded
+from worker.store import Batch, CorruptHandoff, Loaded
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ class Planner:
             if isinstance(logged, CorruptHandoff):
                 self.quarantine(batch, now_ms, logged.handoff_id, logged.reason)
                 continue
-            handoff_id = logged.row.handoff_id
+            handoff_id = logged.handoff.handoff_id
             try:
                 start, coordinator = rebuild((event.seq, event.record) for event in logged.events)
             except ReplayDivergence:
@@ -241,7 +242,7 @@ class Planner:
                 self.quarantine(batch, now_ms, handoff_id, f"cannot rebuild it from its log: {exc}")
                 continue
             digests = {e.digest for e in logged.events if e.digest is not None}
-            handoff = OpenHandoff(start, coordinator, logged.row, digests)
+            handoff = OpenHandoff(start, coordinator, logged.handoff, digests)
             self.open[handoff_id] = handoff
             adopted.append(handoff)
         return adopted

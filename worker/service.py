@@ -74,11 +74,13 @@ from events.errors import ReplayDivergence
 from events.messages import Action, Complete, Role, TimedOut
 from events.subjects import Subjects
 from worker.bus import Bus, Inbound
+from worker.clock import now_ms
 from worker.config import WorkerConfig
 from worker.errors import BusError, LogDiverges, StoreError
 from worker.metrics import Metrics
 from worker.planner import Decoded, Plan, Planner
-from worker.store import Batch, CorruptHandoff, EventLog, HandoffRow
+from worker.rows import HandoffRow
+from worker.store import Batch, CorruptHandoff, EventLog
 from worker.timers import TimerQueue
 
 logger = logging.getLogger(__name__)
@@ -86,10 +88,6 @@ logger = logging.getLogger(__name__)
 _FETCH_TIMEOUT_S = 0.25  # how long an idle worker waits before noticing a stop request
 _RETRY_BACKOFF_CAP = 8
 _COMMIT_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed commit
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Worker:
@@ -267,7 +265,7 @@ class Worker:
         began = time.perf_counter()
         self._drop_marks()  # re-derived below from the log's own marks
         marks = Batch()
-        now = _now_ms()
+        now = now_ms()
         loaded = await self._rebuild_memory(marks)
         # The backlog may include a closed handoff's last actions (e.g. its Complete); its
         # row is all that routing needs.
@@ -315,7 +313,7 @@ class Worker:
         # Not `batch or Batch()`: a Batch is falsy until it holds rows.
         into = Batch() if batch is None else batch
         try:
-            adopted = planner.adopt(loaded.values(), into, _now_ms(), diverging=True)
+            adopted = planner.adopt(loaded.values(), into, now_ms(), diverging=True)
         except ReplayDivergence as exc:
             raise LogDiverges(
                 f"{exc}; this build's coordinator does not re-derive the log of an open handoff."
@@ -342,7 +340,7 @@ class Worker:
         """Load the handoffs the batch names that are not in memory, and apply the batch."""
         planner = self._planner
         loaded = await self._log.load(missing) if missing else {}
-        plan = planner.plan(deliveries, decoded, loaded, _now_ms(), time.time(), into=into)
+        plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time(), into=into)
         for handoff_id, due in plan.new_deadlines:
             self._deadlines.schedule(handoff_id, due)
         for answered in plan.answered:
@@ -369,7 +367,7 @@ class Worker:
 
     async def _settle(self, plan: Plan, deliveries: Sequence[Inbound]) -> None:
         """Publish a committed plan's actions and rejections, and settle its inputs."""
-        now = _now_ms()
+        now = now_ms()
         completions: Counter[str] = Counter()
         marks = []
         for row, seq, action in plan.publish:

@@ -18,16 +18,19 @@ loop for one fsync. The reader is an aiosqlite connection: in WAL mode it reads 
 without waiting for the one in flight, so the worker loads the handoffs of its next batch while
 the previous batch commits.
 
-The layout is `worker.schema`'s layout 2. A log of layout 1 is migrated when the worker opens
-it (`EventLog.open(..., migrate=True)`, which only `kvhandoff run` asks for, under its
-`WriterLock`): in one transaction, so a log is either layout 1 or layout 2, never half of each.
-Every record is carried over as it decodes: split, filed under its handoff's new key; one that
-does not decode (or names another handoff than its row) is kept whole, as written, so the
-handoff is quarantined when loaded, as it would have been before. An event with no handoff row
-has nowhere to go in layout 2, so such a log is refused rather than converted. The stored input
-digests are dropped (layout 2 derives them); the outbox marks become one per handoff, up to the
-first action that was not published. Other tools open a layout-1 log read-only
-(`worker.logreader`) and leave it as it is.
+The layout is `worker.schema`'s layout 2; its rows are `worker.rows`' types, read back through
+the same `read_row`/`read_event` as the offline reader's (a row with a state this build does not
+know makes that handoff a `CorruptHandoff`, which the worker quarantines).
+
+A log of layout 1 is migrated when the worker opens it (`EventLog.open(..., migrate=True)`,
+which only `kvhandoff run` asks for, under its `WriterLock`): in one transaction, so a log is
+either layout 1 or layout 2, never half of each. Every record is carried over as it decodes:
+split, filed under its handoff's new key; one that does not decode (or names another handoff
+than its row) is kept whole, as written, so the handoff is quarantined when loaded, as it would
+have been before. An event with no handoff row has nowhere to go in layout 2, so such a log is
+refused rather than converted. The stored input digests are dropped (layout 2 derives them); the
+outbox marks become one per handoff, up to the first action that was not published. Other tools
+open a layout-1 log read-only (`worker.logreader`) and leave it as it is.
 
 The file. A new log is built under a temporary name and linked into place once its layout is
 written, so a log at the path is never a half-made one: an empty file there is a log that was
@@ -64,10 +67,11 @@ from uuid import UUID
 
 import aiosqlite
 
-from events.codec import decode_record, input_digest, join_record, split_record
+from events.codec import split_record
 from events.errors import LogCorrupt
 from events.records import VERBATIM, ActionRecord, InputRecord, LogRecord
-from worker.errors import StoreConflict, StoreError, StoreLocked
+from worker.errors import StoreConflict, StoreCorrupt, StoreError, StoreLocked
+from worker.rows import HandoffLog, HandoffRow, LoggedEvent, read_event, read_record, read_row
 from worker.schema import (
     ACTION_TYPES,
     HANDOFF_COLUMNS,
@@ -92,53 +96,6 @@ _CHUNK = 500
 _SYNCHRONOUS = ("FULL", "NORMAL", "EXTRA")
 
 
-@dataclass(slots=True)
-class HandoffRow:
-    """The `handoffs` projection of one handoff."""
-
-    handoff_id: UUID
-    engine_type: str
-    source: str
-    destination: str
-    started_at_ms: int
-    deadline_at_ms: int
-    state: HandoffState
-    completed_at_ms: int | None
-    last_seq: int
-    updated_at_ms: int
-
-    def copy(self) -> HandoffRow:
-        # Spelled out: `dataclasses.replace` costs six times as much, once per handoff per batch.
-        return HandoffRow(
-            self.handoff_id, self.engine_type, self.source, self.destination,
-            self.started_at_ms, self.deadline_at_ms, self.state, self.completed_at_ms,
-            self.last_seq, self.updated_at_ms,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class LoggedEvent:
-    """One event of a handoff's log as the worker reads it back.
-
-    `digest` is `events.codec.input_digest` of an input (None for an action), computed from the
-    record. `published_at_ms` is None for an input and for an action not yet published, and
-    otherwise the time of the handoff's outbox mark that covers the action (layout 2 keeps one
-    mark per handoff: the action was published by then).
-    """
-
-    seq: int
-    at_ms: int
-    record: LogRecord
-    digest: bytes | None
-    published_at_ms: int | None
-
-
-@dataclass(slots=True)
-class LoadedHandoff:
-    row: HandoffRow
-    events: list[LoggedEvent]
-
-
 @dataclass(frozen=True, slots=True)
 class CorruptHandoff:
     """A handoff whose row or log could not be read back: the caller quarantines it."""
@@ -147,7 +104,8 @@ class CorruptHandoff:
     reason: str
 
 
-Loaded = LoadedHandoff | CorruptHandoff
+#: What the worker's read of one handoff gives: its log, or why it could not be read.
+Loaded = HandoffLog | CorruptHandoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,9 +430,7 @@ def _split_layout_1(
     for key, handoff_id, seq, at_ms, blob in rows:
         migrated.events += 1
         try:
-            if not isinstance(blob, bytes):
-                raise LogCorrupt(f"a record stored as {type(blob).__name__}")
-            record = decode_record(blob)
+            record = read_record(blob)
             message = record.input if isinstance(record, InputRecord) else record.action
             if str(message.handoff_id) != handoff_id:
                 raise LogCorrupt(f"a record of handoff {message.handoff_id}")
@@ -489,32 +445,22 @@ def _split_layout_1(
 # --- Reading rows back ----------------------------------------------------------------------
 
 
-def _handoff_row(values: Sequence[Any]) -> HandoffRow:
-    (hid, engine_type, source, destination, started, deadline, state, completed, last_seq,
-     updated) = values  # fmt: skip
-    return HandoffRow(
-        UUID(hid), engine_type, source, destination, started, deadline, HandoffState(state),
-        completed, last_seq, updated,
-    )  # fmt: skip
-
-
 def _row_values(row: HandoffRow) -> tuple[object, ...]:
+    if row.state is None:  # only the offline reader reads a state this build does not know
+        raise StoreError(f"handoff {row.handoff_id}: a row to write must have a known state")
     return (
         str(row.handoff_id), row.engine_type, row.source, row.destination, row.started_at_ms,
         row.deadline_at_ms, row.state.value, row.completed_at_ms, row.last_seq, row.updated_at_ms,
     )  # fmt: skip
 
 
-def _event(
-    handoff_id: bytes, row: tuple[int, int, int, bytes], published_seq: int, marked_at: int | None
-) -> LoggedEvent:
-    """One stored event of the handoff whose id's 16 bytes are `handoff_id`, decoded, with the
-    digest of an input and, for an action, the handoff's outbox mark if it covers it."""
-    seq, code, at_ms, blob = row
-    record = decode_record(join_record(handoff_id, code, at_ms, blob))
-    if isinstance(record, InputRecord):
-        return LoggedEvent(seq, at_ms, record, input_digest(record.input), None)
-    return LoggedEvent(seq, at_ms, record, None, marked_at if seq <= published_seq else None)
+def _handoff_row(values: Sequence[Any]) -> HandoffRow:
+    """A row as the worker reads it back: one with a state this build does not know cannot be
+    rebuilt, and is `StoreCorrupt` like a bad column."""
+    row = read_row(values)
+    if row.state is None:
+        raise StoreCorrupt(f"state {row.unknown_state!r} is not one this build knows")
+    return row
 
 
 class EventLog:
@@ -631,19 +577,19 @@ class EventLog:
             seq, code, at_ms, blob = values[-4:]
             try:
                 row = _handoff_row(values[:-4])
-                record = decode_record(join_record(row.handoff_id.bytes, code, at_ms, blob))
-            except (LogCorrupt, ValueError) as exc:
+                event = read_event(row.handoff_id.bytes, (seq, code, at_ms, blob), (-1, None))
+            except (StoreCorrupt, LogCorrupt) as exc:
                 backlog.append(CorruptHandoff(UUID(values[0]), f"seq {seq}: {exc}"))
                 continue
-            if isinstance(record, ActionRecord):  # not an input kept whole
-                backlog.append(UnpublishedAction(row, seq, record))
+            if isinstance(event.record, ActionRecord):  # not an input kept whole
+                backlog.append(UnpublishedAction(row, seq, event.record))
         return backlog
 
     async def events_of(self, handoff_id: UUID) -> list[LoggedEvent]:
         rows = await self._fetch(SELECT_EVENTS, (str(handoff_id),))
         raw = handoff_id.bytes
         return [
-            _event(raw, (seq, code, at_ms, blob), published_seq, marked_at)
+            read_event(raw, (seq, code, at_ms, blob), (published_seq, marked_at))
             for seq, code, at_ms, blob, published_seq, marked_at in rows
         ]
 
@@ -682,8 +628,8 @@ class EventLog:
             hid = UUID(values[0])
             marks[values[0]] = (values[-2], values[-1])
             try:
-                loaded[hid] = LoadedHandoff(_handoff_row(values[:-2]), [])
-            except ValueError as exc:  # e.g. a state this build does not know
+                loaded[hid] = HandoffLog(_handoff_row(values[:-2]), [])
+            except StoreCorrupt as exc:  # e.g. a state this build does not know
                 loaded[hid] = CorruptHandoff(hid, f"unreadable handoff row: {exc}")
         # A handoff's events come together: what they share is worked out once per handoff.
         current, hid, raw = "", UUID(int=0), b""
@@ -693,10 +639,10 @@ class EventLog:
             if hid_text != current:
                 current, hid = hid_text, UUID(hid_text)
                 raw, mark, handoff = hid.bytes, marks[hid_text], loaded[hid]
-            if not isinstance(handoff, LoadedHandoff):
+            if not isinstance(handoff, HandoffLog):
                 continue
             try:
-                handoff.events.append(_event(raw, (seq, code, at_ms, blob), *mark))
+                handoff.events.append(read_event(raw, (seq, code, at_ms, blob), mark))
             except LogCorrupt as exc:
                 handoff = loaded[hid] = CorruptHandoff(hid, f"seq {seq}: {exc}")
         return loaded

@@ -357,7 +357,7 @@ def test_a_quarantined_handoffs_export_keeps_the_reason(
 def test_every_report_schema_knows_the_quarantined_state(kvhandoff: Run, command: str) -> None:
     schema = msgspec.json.decode(kvhandoff(command, "--print-schema").out)
     assert "quarantined" in schema["$defs"]["HandoffState"]["enum"]
-    summary = schema["$defs"]["HandoffSummary"]
+    summary = schema["$defs"]["HandoffRow"]
     assert {"unknown_state", "quarantine"} <= set(summary["properties"])
 
 

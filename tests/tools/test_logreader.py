@@ -17,7 +17,7 @@ from events.errors import LogCorrupt
 from events.records import InputRecord
 from tests.tools.conftest import IDS, V1, V2
 from worker.commands.verify import verify_log
-from worker.errors import StoreError
+from worker.errors import StoreCorrupt, StoreError
 from worker.logreader import (
     ExportHeader,
     JsonlLog,
@@ -228,7 +228,7 @@ def test_a_file_that_is_not_an_export_is_refused(
 ) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
-    with pytest.raises(LogCorrupt, match=error):
+    with pytest.raises(StoreCorrupt, match=error):
         open_log(path)
 
 
@@ -237,5 +237,5 @@ def test_a_newer_export_format_is_refused(tmp_path: Path) -> None:
     lines[0] = lines[0].replace(b'"version":1', b'"version":2')
     path = tmp_path / "newer.jsonl"
     path.write_bytes(b"\n".join(lines))
-    with pytest.raises(LogCorrupt, match="export format version 2"):
+    with pytest.raises(StoreCorrupt, match="export format version 2, this build reads 1"):
         open_log(path)

@@ -21,8 +21,9 @@ from events.replay import find_divergence
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 from worker.natsserver import EmbeddedNats
+from worker.rows import HandoffRow
 from worker.schema import HandoffState
-from worker.store import Batch, EventLog, HandoffRow
+from worker.store import Batch, EventLog
 
 ENGINE_TYPES = [EngineType.VLLM, EngineType.SGLANG, EngineType.TRTLLM]
 

@@ -29,6 +29,7 @@ from events.replay import find_divergence
 from tests.worker.bus_probe import DONE_STREAM, BusProbe, assert_running, poll
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
+from worker.clock import now_ms
 from worker.natsserver import EmbeddedNats
 
 HANDOFFS = 1000
@@ -48,10 +49,6 @@ async def probe(nats_server: EmbeddedNats) -> AsyncIterator[BusProbe]:
     await observer.start()
     yield observer
     await observer.close()
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def marked_between(db: Path, since_ms: int, until_ms: int) -> list[tuple[str, int, str]]:

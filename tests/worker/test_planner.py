@@ -12,7 +12,6 @@ again: in one-by-one order that happens after every input, in batches only betwe
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections import deque
 from collections.abc import Collection
@@ -22,14 +21,14 @@ from uuid import UUID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.codec import decode_record, encode, input_digest, join_record
+from events.codec import decode_record, encode, join_record
 from events.coordinator import HandoffCoordinator
 from events.messages import Canceled, EngineType, Input, StartHandoff
-from events.records import InputRecord
 from events.subjects import Subjects
 from worker.healthy import success_script
 from worker.planner import Planner
-from worker.store import Batch, HandoffRow, Loaded, LoadedHandoff, LoggedEvent
+from worker.rows import HandoffLog, HandoffRow, LoggedEvent
+from worker.store import Batch, Loaded
 
 SUBJECTS = Subjects()
 NOW_MS = 1_700_000_000_000
@@ -56,18 +55,17 @@ class MemoryLog:
             logged = self.events.setdefault(UUID(hid), [])
             assert seq == len(logged), "sequence numbers must follow the log without gaps"
             record = decode_record(join_record(UUID(hid).bytes, code, at_ms, fields))
-            digest = input_digest(record.input) if isinstance(record, InputRecord) else None
-            logged.append(LoggedEvent(seq, at_ms, record, digest, None))
+            logged.append(LoggedEvent(seq, at_ms, record))
         for handoff_id, row in batch.handoffs.items():
             # A row is the projection of its log as this commit leaves it, not a later state.
             assert row.last_seq == len(self.events[handoff_id]) - 1, (row, "ahead of its log")
-            self.rows[handoff_id] = dataclasses.replace(row)
+            self.rows[handoff_id] = row.copy()
         self.rejections += [(hid, reason) for _, hid, reason, _ in batch.rejections]
         assert not batch.quarantined
 
     def load(self, handoff_ids: Collection[UUID]) -> dict[UUID, Loaded]:
         return {
-            h: LoadedHandoff(dataclasses.replace(self.rows[h]), list(self.events[h]))
+            h: HandoffLog(self.rows[h].copy(), list(self.events[h]))
             for h in handoff_ids
             if h in self.rows
         }

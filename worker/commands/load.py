@@ -20,24 +20,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from client import BusUnavailable, Refused
+from worker.clock import DURATION_HELP, duration_arg
 from worker.commands.engines import add_roster_arguments, print_leaks, roster
-from worker.config import add_nats_arguments, nats_settings, parse_duration
+from worker.config import add_nats_arguments, nats_settings
 from worker.errors import ConfigError
 from worker.loadgen import LoadConfig, LoadProgress, LoadReport, run_load
 from worker.logs import configure_logging
 
 
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     add_nats_arguments(parser)
     add_roster_arguments(parser)
-    load = parser.add_argument_group("load")
+    load = parser.add_argument_group("load", f"DURATION is {DURATION_HELP}.")
     load.add_argument("--handoffs", type=int, required=True, help="how many handoffs to start")
     pacing = load.add_mutually_exclusive_group()
     pacing.add_argument(
@@ -73,13 +67,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     load.add_argument(
         "--wait-timeout",
-        type=_duration,
+        type=duration_arg,
         metavar="DURATION",
         help="a handoff with no Complete by then is timed out (default: deadline + 30 s)",
     )
     load.add_argument(
         "--settle-timeout",
-        type=_duration,
+        type=duration_arg,
         metavar="DURATION",
         default=f"{LoadConfig.settle_timeout_s:g}s",
         help="how long to wait for the engines to free all but running decodes (default "

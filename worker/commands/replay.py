@@ -33,6 +33,7 @@ from events.messages import (
 )
 from events.replay import Step, timeline
 from worker.commands import _offline, _text
+from worker.errors import ConfigError
 from worker.logreader import LogSource, open_log
 from worker.reports import ReplayReport
 
@@ -81,7 +82,7 @@ def _chosen(log: LogSource, handoff: str | None) -> UUID:
         return log.resolve(handoff)
     rows = log.handoffs()
     if len(rows) != 1:
-        raise argparse.ArgumentTypeError(f"name a handoff: {log.path} holds {len(rows)}")
+        raise ConfigError(f"name a handoff: {log.path} holds {len(rows)}")
     return rows[0].handoff_id
 
 

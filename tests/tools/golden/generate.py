@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import shutil
 import sqlite3
 import sys
@@ -61,8 +60,9 @@ from events.messages import (
 )
 from events.records import ActionRecord, InputRecord
 from worker.logreader import open_log, write_jsonl
+from worker.rows import HandoffRow
 from worker.schema import HandoffState
-from worker.store import Batch, EventLog, HandoffRow
+from worker.store import Batch, EventLog
 
 #: 2025-01-01T00:00:00Z; handoff k starts k minutes later.
 BASE_MS = 1_735_689_600_000
@@ -285,7 +285,7 @@ async def _append(path: Path, handoffs: Sequence[tuple[int, Script]]) -> None:
                     batch.mark_published(first.handoff_id, seq, at_ms + 1)
                     seq += 1
                 _project(row, coordinator, seq - 1, at_ms)
-                batch.upsert_handoff(dataclasses.replace(row))
+                batch.upsert_handoff(row.copy())
                 await log.commit(batch)
     finally:
         await log.close()
