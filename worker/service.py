@@ -76,7 +76,7 @@ from events.subjects import Subjects
 from worker.bus import Bus, Inbound
 from worker.clock import now_ms
 from worker.config import WorkerConfig
-from worker.errors import BusError, LogDiverges, StoreError
+from worker.errors import BusError, LogDiverges, StoreConflict, StoreError
 from worker.metrics import Metrics
 from worker.planner import Decoded, Plan, Planner
 from worker.rows import HandoffRow
@@ -228,12 +228,18 @@ class Worker:
 
     async def _commit_failed(self, exc: StoreError, stop: asyncio.Event) -> None:
         """A commit failed, so nothing of its batch happened (its inputs were given back): the
-        handoffs in memory are rebuilt from the log, and nothing is republished."""
+        handoffs in memory are rebuilt from the log, and nothing is republished. A conflict
+        (the log changed under us: an event where this worker meant to append one) is not a
+        failing disk: once memory is rebuilt from the log, the next commit can succeed, so it
+        is retried without growing the backoff."""
         delay_s = self._commit_backoff_s
-        self._commit_backoff_s = min(delay_s * 2, _COMMIT_BACKOFF_S[1])
         self._commit_failure = str(exc)
         self._metrics.commit_failures.inc()
-        logger.error("commit failed, retrying in %.1fs: %s", delay_s, exc)
+        if isinstance(exc, StoreConflict):
+            logger.error("the log changed under this worker; rebuilding from it: %s", exc)
+        else:
+            self._commit_backoff_s = min(delay_s * 2, _COMMIT_BACKOFF_S[1])
+            logger.error("commit failed, retrying in %.1fs: %s", delay_s, exc)
         try:
             await self._rebuild_memory()
         except StoreError as read_exc:

@@ -4,9 +4,6 @@ apart without restarting the server."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -18,6 +15,7 @@ from client import Connection
 from events.subjects import Subjects
 from tests.engines.harness import FAST, ONE_PAIR, WorkerSide
 from worker.bus import Bus
+from worker.child import WorkerChild
 from worker.config import NatsSettings
 from worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
 from worker.natsserver import EmbeddedNats
@@ -77,18 +75,15 @@ async def start_engines(
 
 @pytest.fixture
 def worker(nats_server: EmbeddedNats, subjects: Subjects, tmp_path: Path) -> Iterator[Path]:
-    """`kvhandoff run` on the test's subjects; yields its log. Needs no readiness check: the
-    load generator retries its publishes until the worker has created the input stream."""
+    """`kvhandoff run` on the test's subjects, up and healthy; yields its log."""
     prefix = subjects.prefix
-    command = [
-        sys.executable, "-m", "worker.cli", "run",
-        "--nats-url", nats_server.url, "--db", str(tmp_path / "kvhandoff.db"),
-        "--subject-prefix", prefix, "--stream", f"IN_{prefix}", "--consumer", f"W_{prefix}",
-        "--retry-interval", "0.25s", "--metrics-port", "0",
-    ]  # fmt: skip
     log = tmp_path / "worker.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    child = WorkerChild(
+        nats_server.url, tmp_path / "kvhandoff.db",
+        "--subject-prefix", prefix, "--stream", f"IN_{prefix}", "--consumer", f"W_{prefix}",
+        "--retry-interval", "0.25s",
+        log_path=log,
+    )  # fmt: skip
+    child.start()
     yield log
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=30) == 0, log.read_text()
+    assert child.terminate() == 0, log.read_text()
