@@ -66,14 +66,14 @@ from traffic import (
     percentile,
 )
 
-from events.codec import decode_action, encode
-from events.messages import ActionOutcome, Input, StartHandoff
-from worker.bus import Bus
-from worker.child import Child
-from worker.clock import now_ms
-from worker.config import NatsSettings
-from worker.healthy import success_script
-from worker.natsserver import EmbeddedNats
+from kvhandoff.events.codec import decode_action, encode
+from kvhandoff.events.messages import ActionOutcome, Input, StartHandoff
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.child import Child
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.healthy import success_script
+from kvhandoff.worker.natsserver import EmbeddedNats
 
 _WAIT_S = 60.0  # the longest any closed-loop step may take before the bench gives up
 _ECHO_PAD = b" " * 120  # echo payloads about the size of an input

@@ -27,11 +27,11 @@ from pathlib import Path
 # holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client import Connection
-from worker.config import NatsSettings
-from worker.engines import EngineModel, EnginesConfig, MockEngines
-from worker.loadgen import LoadConfig, LoadReport, run_load
-from worker.natsserver import EmbeddedNats
+from kvhandoff.client import Connection
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EngineModel, EnginesConfig, MockEngines
+from kvhandoff.worker.loadgen import LoadConfig, LoadReport, run_load
+from kvhandoff.worker.natsserver import EmbeddedNats
 
 
 def main() -> None:
@@ -59,7 +59,7 @@ async def bench(
 ) -> list[LoadReport]:
     with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as tmp, EmbeddedNats() as server:
         worker = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "worker.cli", "run", "--nats-url", server.url,
+            sys.executable, "-m", "kvhandoff.worker.cli", "run", "--nats-url", server.url,
             "--db", str(Path(tmp) / "kvhandoff.db"), "--metrics-port", "0",
             "--log-level", "WARNING",
         )  # fmt: skip

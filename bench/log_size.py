@@ -61,14 +61,14 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
-from events.codec import encode  # noqa: E402
-from events.coordinator import HandoffCoordinator  # noqa: E402
-from events.messages import EngineType, HandoffCompletion, Input, StartHandoff  # noqa: E402
-from events.subjects import Subjects  # noqa: E402
-from worker.clock import now_ms  # noqa: E402
-from worker.healthy import success_script  # noqa: E402
-from worker.planner import Planner  # noqa: E402
-from worker.store import Batch, EventLog  # noqa: E402
+from kvhandoff.events.codec import encode  # noqa: E402
+from kvhandoff.events.coordinator import HandoffCoordinator  # noqa: E402
+from kvhandoff.events.messages import EngineType, HandoffCompletion, Input, StartHandoff  # noqa: E402
+from kvhandoff.events.subjects import Subjects  # noqa: E402
+from kvhandoff.worker.clock import now_ms  # noqa: E402
+from kvhandoff.worker.healthy import success_script  # noqa: E402
+from kvhandoff.worker.planner import Planner  # noqa: E402
+from kvhandoff.worker.store import Batch, EventLog  # noqa: E402
 
 _SUBJECTS = Subjects()
 _DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out

@@ -34,10 +34,10 @@ from typing import TypeVar
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import worker.child  # noqa: E402
-from events.codec import encode  # noqa: E402
-from events.coordinator import HandoffCoordinator  # noqa: E402
-from events.messages import (  # noqa: E402
+import kvhandoff.worker.child  # noqa: E402
+from kvhandoff.events.codec import encode  # noqa: E402
+from kvhandoff.events.coordinator import HandoffCoordinator  # noqa: E402
+from kvhandoff.events.messages import (  # noqa: E402
     Action,
     EngineType,
     HandoffCompletion,
@@ -45,9 +45,9 @@ from events.messages import (  # noqa: E402
     Role,
     StartHandoff,
 )
-from events.subjects import Subjects  # noqa: E402
-from worker.child import metric_sum  # noqa: E402
-from worker.healthy import success_script  # noqa: E402
+from kvhandoff.events.subjects import Subjects  # noqa: E402
+from kvhandoff.worker.child import metric_sum  # noqa: E402
+from kvhandoff.worker.healthy import success_script  # noqa: E402
 
 SUBJECTS = Subjects()
 DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out
@@ -180,7 +180,7 @@ def resident_mb(pid: int) -> float | None:
     return None
 
 
-class WorkerChild(worker.child.WorkerChild):
+class WorkerChild(kvhandoff.worker.child.WorkerChild):
     """`kvhandoff run` with its defaults, on a fresh log, metrics on a free port: started (and
     healthy) when made, as every bench wants it."""
 

@@ -1,6 +1,6 @@
 """kvhandoff's client library: write an engine or a frontend against this package alone.
 
-    from client import Connection, Engine, Frontend, Handlers
+    from kvhandoff.client import Connection, Engine, Frontend, Handlers
 
 - `Connection`: one NATS connection with the shared `--nats-*`/`--tls-*` settings
   (`worker.config.NatsSettings`); engines and a frontend of one process can share it.
@@ -16,9 +16,9 @@ Every error is a `ClientError` (`client.errors` draws the tree). All NATS traffi
 vocabulary) and, of the worker, only the bus and its settings and errors.
 """
 
-from client.connection import Connection
-from client.engine import Engine, EngineStats, Handlers, HandoffFacts, Interference
-from client.errors import (
+from kvhandoff.client.connection import Connection
+from kvhandoff.client.engine import Engine, EngineStats, Handlers, HandoffFacts, Interference
+from kvhandoff.client.errors import (
     BusUnavailable,
     ClientError,
     CompletionTimeout,
@@ -26,7 +26,7 @@ from client.errors import (
     OutcomeLogFailed,
     Refused,
 )
-from client.frontend import Frontend, HandoffStatus
+from kvhandoff.client.frontend import Frontend, HandoffStatus
 
 __all__ = [
     "BusUnavailable",

@@ -18,14 +18,14 @@ from typing import NoReturn
 
 import msgspec
 
-from client.errors import BusUnavailable, Refused
-from events.codec import decode_action, decode_rejection, encode
-from events.ids import HandoffId
-from events.messages import Action, Complete, Input, Rejection
-from events.subjects import Subjects
-from worker.bus import Bus, Message, Subscription
-from worker.config import NatsSettings
-from worker.errors import BusError, BusRefused
+from kvhandoff.client.errors import BusUnavailable, Refused
+from kvhandoff.events.codec import decode_action, decode_rejection, encode
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import Action, Complete, Input, Rejection
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Message, Subscription
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import BusError, BusRefused
 
 logger = logging.getLogger(__name__)
 

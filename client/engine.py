@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from client.connection import Connection, Watch
-from client.errors import BusUnavailable, OutcomeLogFailed
-from client.outcomes import OutcomeLog
-from events.codec import encode
-from events.ids import HandoffId
-from events.messages import (
+from kvhandoff.client.connection import Connection, Watch
+from kvhandoff.client.errors import BusUnavailable, OutcomeLogFailed
+from kvhandoff.client.outcomes import OutcomeLog
+from kvhandoff.events.codec import encode
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import (
     NOOP,
     Action,
     ActionFailed,

@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from client.connection import DEFAULT_PUBLISH_GIVE_UP_S, Connection, Watch
-from client.errors import CompletionTimeout, HandoffRejected
-from events.codec import decode_input
-from events.ids import HandoffId
-from events.messages import (
+from kvhandoff.client.connection import DEFAULT_PUBLISH_GIVE_UP_S, Connection, Watch
+from kvhandoff.client.errors import CompletionTimeout, HandoffRejected
+from kvhandoff.events.codec import decode_input
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import (
     Canceled,
     Complete,
     HandoffCompletion,

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import msgspec
 
-from client.errors import OutcomeLogFailed
-from events.ids import HandoffId
-from events.messages import Outcome
+from kvhandoff.client.errors import OutcomeLogFailed
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import Outcome
 
 _encode = msgspec.json.Encoder().encode
 _decoder = msgspec.json.Decoder(Outcome)

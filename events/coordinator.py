@@ -56,9 +56,9 @@ from typing import assert_never
 
 from msgspec import Struct
 
-from events.errors import InputRejected
-from events.ids import HandoffId
-from events.messages import (
+from kvhandoff.events.errors import InputRejected
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import (
     Accepted,
     Action,
     ActionFailed,

@@ -42,11 +42,11 @@ from uuid import UUID
 import msgspec
 from msgspec import Struct
 
-from events.codec import decode_record, encode_record, input_digest
-from events.coordinator import CoordinatorState, HandoffCoordinator, Waiting
-from events.errors import InputRejected, LogCorrupt, ReplayDivergence
-from events.messages import Action, Input, StartHandoff
-from events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.codec import decode_record, encode_record, input_digest
+from kvhandoff.events.coordinator import CoordinatorState, HandoffCoordinator, Waiting
+from kvhandoff.events.errors import InputRejected, LogCorrupt, ReplayDivergence
+from kvhandoff.events.messages import Action, Input, StartHandoff
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
 
 #: One entry of a handoff's log: its sequence number and the decoded record.
 LoggedRecord = tuple[int, LogRecord]

@@ -17,9 +17,9 @@ import asyncio
 import logging
 import signal
 
-from client import Connection, Engine, Handlers
-from events.ids import HandoffId
-from events.messages import (
+from kvhandoff.client import Connection, Engine, Handlers
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,
@@ -36,7 +36,7 @@ from events.messages import (
     StartTransfer,
     SubmitPrefill,
 )
-from worker.config import NatsSettings
+from kvhandoff.worker.config import NatsSettings
 
 PROMPT_TOKENS = 1024  # what your engine knows of the request
 # Llama-3-8B in fp16 over a 25 GB/s link: the worker sizes the transfer delay from these.

@@ -10,9 +10,9 @@ from types import ModuleType
 
 import pytest
 
-import events.errors
-import worker.errors
-import worker.testing
+import kvhandoff.events.errors
+import kvhandoff.worker.errors
+import kvhandoff.worker.testing
 
 _ROOT = re.compile(r"( *)(\w+Error)")
 _BRANCH = re.compile(r" *[│ ]*[├└]── (\w+)")
@@ -49,8 +49,8 @@ def defined(module: ModuleType, root: type[Exception]) -> dict[str, type[Excepti
 @pytest.mark.parametrize(
     ("module", "root", "elsewhere"),
     [
-        (events.errors, events.errors.HandoffError, []),
-        (worker.errors, worker.errors.WorkerError, [worker.testing]),
+        (kvhandoff.events.errors, kvhandoff.events.errors.HandoffError, []),
+        (kvhandoff.worker.errors, kvhandoff.worker.errors.WorkerError, [kvhandoff.worker.testing]),
     ],
     ids=["events", "worker"],
 )

@@ -122,9 +122,9 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from worker.clock import now_ms
-from worker.config import NatsSettings
-from worker.errors import BusError, BusRefused, ConfigError, LeaseHeld, PinMismatch
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import BusError, BusRefused, ConfigError, LeaseHeld, PinMismatch
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from worker.errors import ChildError
-from worker.health import answers_ok, worker_healthz
-from worker.natsserver import free_port
+from kvhandoff.worker.errors import ChildError
+from kvhandoff.worker.health import answers_ok, worker_healthz
+from kvhandoff.worker.natsserver import free_port
 
 _TAIL_CHARS = 4000  # of a child's output, quoted when it fails
 
@@ -149,7 +149,7 @@ class WorkerChild(Child):
         db: Path,
         *extra: str,
         log_path: Path | None = None,
-        module: str = "worker.cli",
+        module: str = "kvhandoff.worker.cli",
         cwd: Path | None = None,
         new_session: bool = False,
     ) -> None:

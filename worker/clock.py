@@ -19,7 +19,7 @@ import argparse
 import re
 import time
 
-from worker.errors import ConfigError
+from kvhandoff.worker.errors import ConfigError
 
 #: How a flag's help says what a duration is.
 DURATION_HELP = (

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from worker.clock import DURATION_HELP, duration_arg
-from worker.errors import ConfigError
+from kvhandoff.worker.clock import DURATION_HELP, duration_arg
+from kvhandoff.worker.errors import ConfigError
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 

@@ -54,9 +54,15 @@ from dataclasses import dataclass, field
 import msgspec
 from msgspec import Struct
 
-from client import BusUnavailable, CompletionTimeout, Connection, Frontend, HandoffRejected
-from events.ids import MAX_TIMER_MS, HandoffId
-from events.messages import (
+from kvhandoff.client import (
+    BusUnavailable,
+    CompletionTimeout,
+    Connection,
+    Frontend,
+    HandoffRejected,
+)
+from kvhandoff.events.ids import MAX_TIMER_MS, HandoffId
+from kvhandoff.events.messages import (
     Complete,
     EngineType,
     HandoffCompletion,
@@ -64,10 +70,10 @@ from events.messages import (
     Rejection,
     StartHandoff,
 )
-from events.subjects import Subjects
-from worker.config import NatsSettings
-from worker.engines import EnginesReport, Leak, Roster, request_reports, settled
-from worker.errors import ConfigError
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EnginesReport, Leak, Roster, request_reports, settled
+from kvhandoff.worker.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

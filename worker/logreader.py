@@ -43,12 +43,12 @@ from uuid import UUID
 import msgspec
 from msgspec import Struct
 
-from events.codec import encode_record, join_record
-from events.errors import LogCorrupt
-from events.records import SCHEMA_VERSION
-from events.replay import StoredRecord
-from worker.errors import StoreCorrupt, StoreError
-from worker.rows import (
+from kvhandoff.events.codec import encode_record, join_record
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.records import SCHEMA_VERSION
+from kvhandoff.events.replay import StoredRecord
+from kvhandoff.worker.errors import StoreCorrupt, StoreError
+from kvhandoff.worker.rows import (
     HandoffLog,
     HandoffReader,
     HandoffRow,
@@ -58,7 +58,7 @@ from worker.rows import (
     read_record,
     read_row,
 )
-from worker.schema import (
+from kvhandoff.worker.schema import (
     LAYOUT_1,
     LAYOUT_1_SCAN,
     LAYOUT_1_SCAN_OWNERS,

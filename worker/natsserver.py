@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from worker.errors import NatsServerError
+from kvhandoff.worker.errors import NatsServerError
 
 
 def nats_server_binary() -> Path:

@@ -52,10 +52,10 @@ from uuid import UUID
 
 import msgspec
 
-from events.codec import decode_input, input_digest
-from events.coordinator import HandoffCoordinator
-from events.errors import HandoffError, InputRejected, ReplayDivergence
-from events.messages import (
+from kvhandoff.events.codec import decode_input, input_digest
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.errors import HandoffError, InputRejected, ReplayDivergence
+from kvhandoff.events.messages import (
     Action,
     ActionOutcome,
     HandoffCompletion,
@@ -63,12 +63,12 @@ from events.messages import (
     Rejection,
     StartHandoff,
 )
-from events.records import ActionRecord, InputRecord
-from events.replay import rebuild
-from events.subjects import Subjects
-from worker.rows import HandoffRow
-from worker.schema import HandoffState
-from worker.store import Batch, CorruptHandoff, Loaded
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.events.replay import rebuild
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.store import Batch, CorruptHandoff, Loaded
 
 logger = logging.getLogger(__name__)
 

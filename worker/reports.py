@@ -17,9 +17,9 @@ from uuid import UUID
 import msgspec
 from msgspec import Struct
 
-from events.messages import Action, HandoffOrder, Input, Role
-from events.replay import Divergence, Timeline
-from worker.rows import HandoffRow
+from kvhandoff.events.messages import Action, HandoffOrder, Input, Role
+from kvhandoff.events.replay import Divergence, Timeline
+from kvhandoff.worker.rows import HandoffRow
 
 
 class ListedHandoff(Struct, frozen=True):

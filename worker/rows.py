@@ -33,12 +33,12 @@ from uuid import UUID
 import msgspec
 from msgspec import Struct
 
-from events.codec import decode_record, input_digest, join_record
-from events.errors import LogCorrupt
-from events.records import ActionRecord, InputRecord, LogRecord
-from events.replay import LoggedRecord
-from worker.errors import StoreCorrupt
-from worker.schema import HandoffState
+from kvhandoff.events.codec import decode_record, input_digest, join_record
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.replay import LoggedRecord
+from kvhandoff.worker.errors import StoreCorrupt
+from kvhandoff.worker.schema import HandoffState
 
 _KNOWN_STATES = frozenset(s.value for s in HandoffState)
 

@@ -45,8 +45,8 @@ from __future__ import annotations
 import enum
 from typing import get_args
 
-from events.messages import Action, Input
-from events.records import TYPE_CODES
+from kvhandoff.events.messages import Action, Input
+from kvhandoff.events.records import TYPE_CODES
 
 LAYOUT_VERSION = "2"
 LAYOUT_1 = "1"

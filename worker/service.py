@@ -68,20 +68,20 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from uuid import UUID
 
-from events.codec import encode
-from events.coordinator import Mode
-from events.errors import ReplayDivergence
-from events.messages import Action, Complete, Role, TimedOut
-from events.subjects import Subjects
-from worker.bus import Bus, Inbound
-from worker.clock import now_ms
-from worker.config import WorkerConfig
-from worker.errors import BusError, LogDiverges, StoreConflict, StoreError
-from worker.metrics import Metrics
-from worker.planner import Decoded, Plan, Planner
-from worker.rows import HandoffRow
-from worker.store import Batch, CorruptHandoff, EventLog
-from worker.timers import TimerQueue
+from kvhandoff.events.codec import encode
+from kvhandoff.events.coordinator import Mode
+from kvhandoff.events.errors import ReplayDivergence
+from kvhandoff.events.messages import Action, Complete, Role, TimedOut
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.config import WorkerConfig
+from kvhandoff.worker.errors import BusError, LogDiverges, StoreConflict, StoreError
+from kvhandoff.worker.metrics import Metrics
+from kvhandoff.worker.planner import Decoded, Plan, Planner
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog
+from kvhandoff.worker.timers import TimerQueue
 
 logger = logging.getLogger(__name__)
 

@@ -67,12 +67,19 @@ from uuid import UUID
 
 import aiosqlite
 
-from events.codec import split_record
-from events.errors import LogCorrupt
-from events.records import VERBATIM, ActionRecord, InputRecord, LogRecord
-from worker.errors import StoreConflict, StoreCorrupt, StoreError, StoreLocked
-from worker.rows import HandoffLog, HandoffRow, LoggedEvent, read_event, read_record, read_row
-from worker.schema import (
+from kvhandoff.events.codec import split_record
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.records import VERBATIM, ActionRecord, InputRecord, LogRecord
+from kvhandoff.worker.errors import StoreConflict, StoreCorrupt, StoreError, StoreLocked
+from kvhandoff.worker.rows import (
+    HandoffLog,
+    HandoffRow,
+    LoggedEvent,
+    read_event,
+    read_record,
+    read_row,
+)
+from kvhandoff.worker.schema import (
     ACTION_TYPES,
     HANDOFF_COLUMNS,
     INDEXES,

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from client import Connection
+from kvhandoff.client import Connection
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.worker.conftest import nats_server, worker  # noqa: F401  # fixtures, reused
-from worker.config import NatsSettings
-from worker.natsserver import EmbeddedNats
 
 Connect = Callable[..., Awaitable[Connection]]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from client import Connection, Engine, Handlers
-from events.messages import (
+from kvhandoff.client import Connection, Engine, Handlers
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     SCHEDULED,
@@ -22,7 +22,7 @@ from events.messages import (
     StartTransfer,
     SubmitPrefill,
 )
-from worker.healthy import TIMING
+from kvhandoff.worker.healthy import TIMING
 
 SOURCE = "test-prefill-0"
 DESTINATION = "test-decode-0"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from client import Engine, Handlers, OutcomeLogFailed
-from events.codec import decode_input, encode
-from events.ids import HandoffId
-from events.messages import (
+from kvhandoff.client import Engine, Handlers, OutcomeLogFailed
+from kvhandoff.events.codec import decode_input, encode
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import (
     NOOP,
     SUBMITTED,
     Action,
@@ -27,13 +27,13 @@ from events.messages import (
     SourceHeld,
     SubmitPrefill,
 )
-from events.subjects import Subjects
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Message
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.healthy import TIMING
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.client.conftest import Connect
 from tests.worker.conftest import WorkerProcess
-from worker.bus import Bus, Message
-from worker.config import NatsSettings
-from worker.healthy import TIMING
-from worker.natsserver import EmbeddedNats
 
 ENGINE = "test-prefill-0"
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import msgspec
 
-from worker.loadgen import LoadReport
-from worker.logreader import open_log
-from worker.natsserver import EmbeddedNats
-from worker.schema import HandoffState
+from kvhandoff.worker.loadgen import LoadReport
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.schema import HandoffState
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTERNAL = "vllm-prefill-0"
@@ -26,7 +26,8 @@ async def test_the_example_engine_serves_the_id_the_demo_leaves_to_it(
 ) -> None:
     report_path, db = tmp_path / "report.json", tmp_path / "demo.db"
     demo = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker.cli", "demo", "--quiet", "--nats-url", nats_server.url,
+        sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--quiet",
+        "--nats-url", nats_server.url,
         "--external-engine", EXTERNAL, "--handoffs", "300", "--concurrency", "32",
         "--json", str(report_path), "--db", str(db),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,

@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from client import CompletionTimeout, Frontend, HandoffStatus
-from events.messages import Complete, EngineType, HandoffCompletion, StartHandoff
+from kvhandoff.client import CompletionTimeout, Frontend, HandoffStatus
+from kvhandoff.events.messages import Complete, EngineType, HandoffCompletion, StartHandoff
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.client.conftest import Connect
 from tests.client.pair import DESTINATION, SOURCE, Pair
 from tests.client.proxy import CuttableProxy
 from tests.worker.conftest import WorkerProcess
-from worker.natsserver import EmbeddedNats
 
 WAIT_S = 60.0  # generous: the machine is shared
 

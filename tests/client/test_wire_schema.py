@@ -22,9 +22,9 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from worker.bus import Bus, Message
-from worker.config import NatsSettings
-from worker.natsserver import EmbeddedNats
+from kvhandoff.worker.bus import Bus, Message
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.natsserver import EmbeddedNats
 
 HANDOFFS = 300
 
@@ -61,7 +61,7 @@ async def test_every_message_of_a_demo_run_validates_against_the_published_schem
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
     printed = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker.cli", "schema", stdout=asyncio.subprocess.PIPE
+        sys.executable, "-m", "kvhandoff.worker.cli", "schema", stdout=asyncio.subprocess.PIPE
     )
     out, _ = await printed.communicate()
     assert printed.returncode == 0
@@ -78,7 +78,7 @@ async def test_every_message_of_a_demo_run_validates_against_the_published_schem
         await bus.subscribe("kvhandoff.>", capture)
         await bus.flush()
         demo = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "worker.cli", "demo", "--quiet",
+            sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--quiet",
             "--nats-url", nats_server.url, "--handoffs", str(HANDOFFS), "--concurrency", "32",
             "--db", str(tmp_path / "demo.db"),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,

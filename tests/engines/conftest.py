@@ -11,14 +11,14 @@ from pathlib import Path
 import nats
 import pytest
 
-from client import Connection
-from events.subjects import Subjects
+from kvhandoff.client import Connection
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.child import WorkerChild
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.engines.harness import FAST, ONE_PAIR, WorkerSide
-from worker.bus import Bus
-from worker.child import WorkerChild
-from worker.config import NatsSettings
-from worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
-from worker.natsserver import EmbeddedNats
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from uuid import UUID
 
-from client import Connection
-from events.codec import decode_input, encode
-from events.messages import Action, Complete, EngineType, HandoffCompletion, Input
-from events.subjects import Subjects
-from worker.bus import Bus, Message
-from worker.engines import EngineModel, EnginesReport, MockEngine, Roster, request_reports
+from kvhandoff.client import Connection
+from kvhandoff.events.codec import decode_input, encode
+from kvhandoff.events.messages import Action, Complete, EngineType, HandoffCompletion, Input
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Message
+from kvhandoff.worker.engines import EngineModel, EnginesReport, MockEngine, Roster, request_reports
 
 SOURCE = "vllm-prefill-0"
 DESTINATION = "vllm-decode-0"

@@ -14,7 +14,7 @@ from uuid import UUID
 
 import pytest
 
-from events.messages import (
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,
@@ -31,6 +31,8 @@ from events.messages import (
     SourceHeld,
     SubmitPrefill,
 )
+from kvhandoff.worker.engines import FailureForm, Faults
+from kvhandoff.worker.errors import ConfigError
 from tests.engines.conftest import StartEngines
 from tests.engines.harness import (
     BLOCKS,
@@ -41,8 +43,6 @@ from tests.engines.harness import (
     WorkerSide,
     held,
 )
-from worker.engines import FailureForm, Faults
-from worker.errors import ConfigError
 
 
 def handoff_where(condition: Callable[[UUID], bool]) -> UUID:

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from events.codec import decode_input, encode
-from events.messages import EngineType, StartHandoff
-from worker.config import NatsSettings
-from worker.engines import EngineModel, Roster, prompt_tokens
-from worker.errors import ConfigError
-from worker.loadgen import LoadConfig, latency_summary, plan_handoffs
+from kvhandoff.events.codec import decode_input, encode
+from kvhandoff.events.messages import EngineType, StartHandoff
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EngineModel, Roster, prompt_tokens
+from kvhandoff.worker.errors import ConfigError
+from kvhandoff.worker.loadgen import LoadConfig, latency_summary, plan_handoffs
 
 
 @given(st.uuids(), st.integers(1, 10_000), st.integers(0, 10_000))

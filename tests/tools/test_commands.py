@@ -21,12 +21,19 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from events.messages import APPLIED, ActionOutcome
-from events.records import InputRecord, LogRecord
+from kvhandoff.events.messages import APPLIED, ActionOutcome
+from kvhandoff.events.records import InputRecord, LogRecord
+from kvhandoff.worker.commands import _text
+from kvhandoff.worker.reports import (
+    REPORTS,
+    ListReport,
+    ReplayReport,
+    StuckReport,
+    VerifyReport,
+    json_schema,
+)
 from tests.tools import logedit
 from tests.tools.conftest import IDS, V1, V2, Run
-from worker.commands import _text
-from worker.reports import REPORTS, ListReport, ReplayReport, StuckReport, VerifyReport, json_schema
 
 R = TypeVar("R")
 LOG = V1 / "log.sqlite3"
@@ -573,8 +580,9 @@ def test_each_report_has_a_self_contained_json_schema(kvhandoff: Run, name: str)
 
 def test_the_offline_commands_do_not_import_nats() -> None:
     code = (
-        "import worker.commands.replay, worker.commands.list, worker.commands.stuck, "
-        "worker.commands.verify, worker.commands.export, worker.commands.compact, sys; "
+        "import kvhandoff.worker.commands.replay, kvhandoff.worker.commands.list, "
+        "kvhandoff.worker.commands.stuck, kvhandoff.worker.commands.verify, "
+        "kvhandoff.worker.commands.export, kvhandoff.worker.commands.compact, sys; "
         "print('nats' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -583,7 +591,8 @@ def test_the_offline_commands_do_not_import_nats() -> None:
 
 def test_the_log_reader_imports_neither_nats_nor_aiosqlite() -> None:
     code = (
-        "import worker.logreader, worker.commands.replay, worker.commands.verify, sys; "
+        "import kvhandoff.worker.logreader, kvhandoff.worker.commands.replay, "
+        "kvhandoff.worker.commands.verify, sys; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'aiosqlite')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

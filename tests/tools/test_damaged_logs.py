@@ -15,12 +15,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from events.messages import ActionFailed, ActionOutcome, SourceHeld
-from events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.messages import ActionFailed, ActionOutcome, SourceHeld
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.worker.reports import (
+    FindingKind,
+    ListReport,
+    ReplayReport,
+    StuckReport,
+    VerifyReport,
+)
 from tests.tools import logedit
 from tests.tools.conftest import IDS, V1, Run
 from tests.tools.test_commands import report
-from worker.reports import FindingKind, ListReport, ReplayReport, StuckReport, VerifyReport
 
 NOW = "2025-01-01T00:15:20Z"
 QUARANTINED_AT = 1_735_690_000_000

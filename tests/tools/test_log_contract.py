@@ -27,15 +27,15 @@ from uuid import UUID
 import msgspec
 import pytest
 
-from events.coordinator import HandoffCoordinator
-from events.errors import LogCorrupt
-from events.messages import Canceled, EngineType, HandoffCompletion, Input, StartHandoff
-from events.records import ActionRecord, InputRecord
-from worker.healthy import success_script
-from worker.logreader import JsonlLog, SqliteLog, write_jsonl
-from worker.rows import HandoffLog, HandoffReader, HandoffRow, LoggedEvent
-from worker.schema import HandoffState
-from worker.store import Batch, CorruptHandoff, EventLog
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.messages import Canceled, EngineType, HandoffCompletion, Input, StartHandoff
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.worker.healthy import success_script
+from kvhandoff.worker.logreader import JsonlLog, SqliteLog, write_jsonl
+from kvhandoff.worker.rows import HandoffLog, HandoffReader, HandoffRow, LoggedEvent
+from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,12 @@ from uuid import UUID
 import msgspec
 import pytest
 
-from events.codec import decode_record, input_digest
-from events.errors import LogCorrupt
-from events.records import InputRecord
-from tests.tools.conftest import IDS, V1, V2
-from worker.commands.verify import verify_log
-from worker.errors import StoreCorrupt, StoreError
-from worker.logreader import (
+from kvhandoff.events.codec import decode_record, input_digest
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.records import InputRecord
+from kvhandoff.worker.commands.verify import verify_log
+from kvhandoff.worker.errors import StoreCorrupt, StoreError
+from kvhandoff.worker.logreader import (
     ExportHeader,
     JsonlLog,
     SqliteLog,
@@ -26,7 +25,8 @@ from worker.logreader import (
     read_jsonl,
     write_jsonl,
 )
-from worker.schema import HandoffState
+from kvhandoff.worker.schema import HandoffState
+from tests.tools.conftest import IDS, V1, V2
 
 CANCEL = UUID(IDS["frontend-cancel"])
 

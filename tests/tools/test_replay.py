@@ -10,10 +10,10 @@ from uuid import UUID
 import msgspec
 import pytest
 
-from events.codec import encode_record, input_digest
-from events.coordinator import Mode
-from events.errors import LogCorrupt, ReplayDivergence
-from events.messages import (
+from kvhandoff.events.codec import encode_record, input_digest
+from kvhandoff.events.coordinator import Mode
+from kvhandoff.events.errors import LogCorrupt, ReplayDivergence
+from kvhandoff.events.messages import (
     APPLIED,
     Action,
     ActionOutcome,
@@ -25,8 +25,8 @@ from events.messages import (
     SourceHeld,
     StartTransfer,
 )
-from events.records import ActionRecord, InputRecord
-from events.replay import (
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.events.replay import (
     Divergence,
     LoggedRecord,
     StoredRecord,
@@ -36,8 +36,8 @@ from events.replay import (
     timeline,
     verify,
 )
+from kvhandoff.worker.logreader import SqliteLog
 from tests.tools.conftest import IDS, V1
-from worker.logreader import SqliteLog
 
 
 def golden(name: str) -> list[LoggedRecord]:

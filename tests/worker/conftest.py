@@ -9,20 +9,22 @@ from uuid import UUID
 
 import pytest
 
-from events.messages import Action, Input
-from events.records import ActionRecord, InputRecord
+from kvhandoff.events.messages import Action, Input
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.worker.child import WorkerChild
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.rows import HandoffLog
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.child import WorkerChild
-from worker.logreader import open_log
-from worker.natsserver import EmbeddedNats
-from worker.rows import HandoffLog
 
 
 class WorkerProcess(WorkerChild):
     """`kvhandoff run` in a child process (`worker.child`), restartable on the same database,
     with retries and redeliveries sped up for tests."""
 
-    def __init__(self, nats_url: str, db: Path, *extra: str, module: str = "worker.cli") -> None:
+    def __init__(
+        self, nats_url: str, db: Path, *extra: str, module: str = "kvhandoff.worker.cli"
+    ) -> None:
         super().__init__(
             nats_url, db, "--retry-interval", "1s", "--ack-wait", "2s", *extra, module=module
         )

@@ -15,11 +15,11 @@ import os
 import sys
 from uuid import UUID
 
-from worker import service
-from worker.bus import Inbound
-from worker.cli import main
-from worker.planner import Decoded, Plan
-from worker.store import Batch
+from kvhandoff.worker import service
+from kvhandoff.worker.bus import Inbound
+from kvhandoff.worker.cli import main
+from kvhandoff.worker.planner import Decoded, Plan
+from kvhandoff.worker.store import Batch
 
 _AFTER = int(os.environ.get("KVHANDOFF_CRASH_AFTER_COMMITS", "3"))
 _seen = {"plans": 0, "commits": 0}

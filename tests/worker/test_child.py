@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.child import Child, metric_sum
-from worker.errors import ChildError
+from kvhandoff.worker.child import Child, metric_sum
+from kvhandoff.worker.errors import ChildError
 
 
 class NeverReady(Child):

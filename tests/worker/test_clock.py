@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from worker.cli import build_parser
-from worker.clock import parse_duration, parse_duration_ms
-from worker.errors import ConfigError
+from kvhandoff.worker.cli import build_parser
+from kvhandoff.worker.clock import parse_duration, parse_duration_ms
+from kvhandoff.worker.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ def test_every_duration_flag_reads_the_one_grammar(
 def test_the_help_says_what_a_duration_is() -> None:
     for command in ("run", "load", "stuck", "compact"):
         result = subprocess.run(
-            [sys.executable, "-m", "worker.cli", command, "--help"],
+            [sys.executable, "-m", "kvhandoff.worker.cli", command, "--help"],
             capture_output=True,
             text=True,
             check=True,

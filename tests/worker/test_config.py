@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import worker.commands.run as run_command
-from worker.cli import build_parser, main
-from worker.config import NatsSettings, WorkerConfig, worker_config
-from worker.errors import ConfigError
+import kvhandoff.worker.commands.run as run_command
+from kvhandoff.worker.cli import build_parser, main
+from kvhandoff.worker.config import NatsSettings, WorkerConfig, worker_config
+from kvhandoff.worker.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)

@@ -13,21 +13,21 @@ from uuid import UUID
 
 import pytest
 
-from events.messages import (
+from kvhandoff.events.messages import (
     SCHEDULED,
     ActionOutcome,
     HandoffCompletion,
     TransferCompleted,
 )
-from events.replay import find_divergence
+from kvhandoff.events.replay import find_divergence
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.commands.verify import verify_log
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.tools.conftest import IDS, V1
 from tests.worker.bus_probe import poll
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.clock import now_ms
-from worker.commands.verify import verify_log
-from worker.logreader import open_log
-from worker.natsserver import EmbeddedNats
 
 OPEN = [UUID(IDS[name]) for name in ("stuck-on-reserve", "stuck-on-transfer", "just-started")]
 

@@ -24,13 +24,13 @@ from uuid import UUID
 
 import pytest
 
-from events.messages import Complete, EngineType, StartHandoff
-from events.replay import find_divergence
+from kvhandoff.events.messages import Complete, EngineType, StartHandoff
+from kvhandoff.events.replay import find_divergence
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.worker.bus_probe import DONE_STREAM, BusProbe, assert_running, poll
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.clock import now_ms
-from worker.natsserver import EmbeddedNats
 
 HANDOFFS = 1000
 PACE_S = 0.002  # between start commands: some 500/s, more than the worker keeps up with

@@ -21,14 +21,14 @@ from uuid import UUID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.codec import decode_record, encode, join_record
-from events.coordinator import HandoffCoordinator
-from events.messages import Canceled, EngineType, Input, StartHandoff
-from events.subjects import Subjects
-from worker.healthy import success_script
-from worker.planner import Planner
-from worker.rows import HandoffLog, HandoffRow, LoggedEvent
-from worker.store import Batch, Loaded
+from kvhandoff.events.codec import decode_record, encode, join_record
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.messages import Canceled, EngineType, Input, StartHandoff
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.healthy import success_script
+from kvhandoff.worker.planner import Planner
+from kvhandoff.worker.rows import HandoffLog, HandoffRow, LoggedEvent
+from kvhandoff.worker.store import Batch, Loaded
 
 SUBJECTS = Subjects()
 NOW_MS = 1_700_000_000_000

@@ -32,14 +32,14 @@ import nats
 import nats.js.errors
 import pytest
 
-from events.messages import EngineType, StartHandoff
+from kvhandoff.events.messages import EngineType, StartHandoff
+from kvhandoff.worker.bus import LEASE_BUCKET, LEASE_TTL_S, LeaseHolder, _refusal
+from kvhandoff.worker.child import Child
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.health import answers_ok, worker_healthz
+from kvhandoff.worker.natsserver import EmbeddedNats, free_port
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.bus import LEASE_BUCKET, LEASE_TTL_S, LeaseHolder, _refusal
-from worker.child import Child
-from worker.config import NatsSettings
-from worker.health import answers_ok, worker_healthz
-from worker.natsserver import EmbeddedNats, free_port
 
 LEASE_KEY = "KVHANDOFF_IN.kvhandoff-worker"
 PROMPTLY_S = 3.0  # well under nats-py's 5 s connect and JetStream request timeouts
@@ -51,8 +51,8 @@ SHORT_TTL_S = 2.0
 
 def worker_command(nats_url: str, db: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "worker.cli", "run", "--nats-url", nats_url, "--db", str(db),
-        "--metrics-port", "0", *extra,
+        sys.executable, "-m", "kvhandoff.worker.cli", "run",
+        "--nats-url", nats_url, "--db", str(db), "--metrics-port", "0", *extra,
     ]  # fmt: skip
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from events.codec import encode_record, input_digest
-from events.coordinator import HandoffCoordinator
-from events.messages import (
+from kvhandoff.events.codec import encode_record, input_digest
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.messages import (
     SUBMITTED,
     Action,
     ActionOutcome,
@@ -32,16 +32,13 @@ from events.messages import (
     StartHandoff,
     SubmitPrefill,
 )
-from events.records import ActionRecord, InputRecord
-from tests.tools.conftest import IDS, V1
-from tests.worker.scripted_engine import Script
-from tests.worker.tmpfs import fill, small_filesystem
-from worker.errors import StoreConflict, StoreError, StoreLocked
-from worker.healthy import success_script
-from worker.logreader import open_log
-from worker.rows import HandoffLog, HandoffRow, LoggedEvent
-from worker.schema import RECORD_TYPES, HandoffState
-from worker.store import (
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.worker.errors import StoreConflict, StoreError, StoreLocked
+from kvhandoff.worker.healthy import success_script
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.rows import HandoffLog, HandoffRow, LoggedEvent
+from kvhandoff.worker.schema import RECORD_TYPES, HandoffState
+from kvhandoff.worker.store import (
     Batch,
     Compacted,
     CorruptHandoff,
@@ -50,6 +47,9 @@ from worker.store import (
     UnpublishedAction,
     WriterLock,
 )
+from tests.tools.conftest import IDS, V1
+from tests.worker.scripted_engine import Script
+from tests.worker.tmpfs import fill, small_filesystem
 
 
 class Handoff:

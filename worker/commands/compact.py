@@ -14,9 +14,9 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from worker.clock import DURATION_HELP, duration_ms_arg
-from worker.commands import _offline, _text
-from worker.store import Compacted, EventLog
+from kvhandoff.worker.clock import DURATION_HELP, duration_ms_arg
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.store import Compacted, EventLog
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

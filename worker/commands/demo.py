@@ -29,16 +29,16 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
-from client import BusUnavailable, Connection
-from worker.child import Child, WorkerChild
-from worker.commands.load import print_summary, run_with_progress
-from worker.config import NatsSettings
-from worker.engines import Roster, request_reports
-from worker.errors import ChildError
-from worker.loadgen import LoadConfig
-from worker.logreader import open_log
-from worker.natsserver import EmbeddedNats
-from worker.schema import HandoffState
+from kvhandoff.client import BusUnavailable, Connection
+from kvhandoff.worker.child import Child, WorkerChild
+from kvhandoff.worker.commands.load import print_summary, run_with_progress
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import Roster, request_reports
+from kvhandoff.worker.errors import ChildError
+from kvhandoff.worker.loadgen import LoadConfig
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.schema import HandoffState
 
 # Faults the engines inject: frequent enough that every path shows up in a few thousand
 # handoffs, rare enough that most complete. Modelled times are sped up 20x.
@@ -90,7 +90,7 @@ def execute(args: argparse.Namespace) -> int:
             external = [] if args.external_engine is None else [args.external_engine]
             leave_out = [option for engine_id in external for option in ("--leave-out", engine_id)]
             engines = children.enter_context(
-                Child([sys.executable, "-m", "worker.cli", "engines", "--nats-url", url,
+                Child([sys.executable, "-m", "kvhandoff.worker.cli", "engines", "--nats-url", url,
                        "--seed", str(args.seed), *_ENGINE_FAULTS, *leave_out],
                       folder / "engines.log", name="the engines", new_session=True)
             )  # fmt: skip

@@ -17,10 +17,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from client import BusUnavailable, Connection, Refused
-from events.messages import EngineType, KvTransferTimingMode
-from worker.config import NatsSettings, add_nats_arguments, nats_settings
-from worker.engines import (
+from kvhandoff.client import BusUnavailable, Connection, Refused
+from kvhandoff.events.messages import EngineType, KvTransferTimingMode
+from kvhandoff.worker.config import NatsSettings, add_nats_arguments, nats_settings
+from kvhandoff.worker.engines import (
     DEFAULT_DESTINATIONS,
     DEFAULT_ENGINE_TYPES,
     DEFAULT_SOURCES,
@@ -32,8 +32,8 @@ from worker.engines import (
     MockEngines,
     Roster,
 )
-from worker.errors import ConfigError
-from worker.logs import configure_logging
+from kvhandoff.worker.errors import ConfigError
+from kvhandoff.worker.logs import configure_logging
 
 
 def _engine_types(text: str) -> tuple[EngineType, ...]:

@@ -16,12 +16,12 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from events.messages import EngineType, HandoffOrder
-from worker.commands import _offline, _text
-from worker.logreader import open_log
-from worker.reports import ListedHandoff, ListReport
-from worker.rows import HandoffRow
-from worker.schema import HandoffState
+from kvhandoff.events.messages import EngineType, HandoffOrder
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.reports import ListedHandoff, ListReport
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
 
 # Each key gives None for a handoff that has no such value (an open handoff has no completion);
 # those sort last in either direction.

@@ -19,13 +19,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from client import BusUnavailable, Refused
-from worker.clock import DURATION_HELP, duration_arg
-from worker.commands.engines import add_roster_arguments, print_leaks, roster
-from worker.config import add_nats_arguments, nats_settings
-from worker.errors import ConfigError
-from worker.loadgen import LoadConfig, LoadProgress, LoadReport, run_load
-from worker.logs import configure_logging
+from kvhandoff.client import BusUnavailable, Refused
+from kvhandoff.worker.clock import DURATION_HELP, duration_arg
+from kvhandoff.worker.commands.engines import add_roster_arguments, print_leaks, roster
+from kvhandoff.worker.config import add_nats_arguments, nats_settings
+from kvhandoff.worker.errors import ConfigError
+from kvhandoff.worker.loadgen import LoadConfig, LoadProgress, LoadReport, run_load
+from kvhandoff.worker.logs import configure_logging
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

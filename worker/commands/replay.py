@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from uuid import UUID
 
-from events.messages import (
+from kvhandoff.events.messages import (
     ActionOutcome,
     Canceled,
     DestinationReserved,
@@ -31,11 +31,11 @@ from events.messages import (
     TimedOut,
     TransferCompleted,
 )
-from events.replay import Step, timeline
-from worker.commands import _offline, _text
-from worker.errors import ConfigError
-from worker.logreader import LogSource, open_log
-from worker.reports import ReplayReport
+from kvhandoff.events.replay import Step, timeline
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.errors import ConfigError
+from kvhandoff.worker.logreader import LogSource, open_log
+from kvhandoff.worker.reports import ReplayReport
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -19,17 +19,17 @@ import argparse
 
 import msgspec
 
-from events.coordinator import Mode, Waiting
-from events.errors import LogCorrupt
-from events.messages import Role
-from events.records import ActionRecord, InputRecord
-from events.replay import timeline
-from worker.clock import DURATION_HELP, duration_ms_arg
-from worker.commands import _offline, _text
-from worker.logreader import LogSource, open_log
-from worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
-from worker.rows import HandoffRow
-from worker.schema import HandoffState
+from kvhandoff.events.coordinator import Mode, Waiting
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.messages import Role
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.events.replay import timeline
+from kvhandoff.worker.clock import DURATION_HELP, duration_ms_arg
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.logreader import LogSource, open_log
+from kvhandoff.worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

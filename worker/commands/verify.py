@@ -26,14 +26,14 @@ import itertools
 from collections.abc import Iterator, Sequence
 from uuid import UUID
 
-from events.codec import decode_record, input_digest
-from events.records import InputRecord
-from events.replay import Divergence, StoredCheck, StoredRecord, check_stored
-from worker.commands import _offline, _text
-from worker.logreader import LogSource, open_log
-from worker.reports import Finding, FindingKind, VerifyReport
-from worker.rows import HandoffRow
-from worker.schema import HandoffState
+from kvhandoff.events.codec import decode_record, input_digest
+from kvhandoff.events.records import InputRecord
+from kvhandoff.events.replay import Divergence, StoredCheck, StoredRecord, check_stored
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.logreader import LogSource, open_log
+from kvhandoff.worker.reports import Finding, FindingKind, VerifyReport
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

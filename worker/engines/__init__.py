@@ -27,12 +27,17 @@ republishes the action and gets the stored outcome again, and a lost fact is rec
 handoff's deadline.
 """
 
-from worker.engines.capacity import KvCapacity
-from worker.engines.engines import DestinationEngine, HandoffState, MockEngine, SourceEngine
-from worker.engines.faults import FailureForm, Faults
-from worker.engines.host import EnginesConfig, MockEngines
-from worker.engines.model import EngineModel, prompt_tokens
-from worker.engines.report import (
+from kvhandoff.worker.engines.capacity import KvCapacity
+from kvhandoff.worker.engines.engines import (
+    DestinationEngine,
+    HandoffState,
+    MockEngine,
+    SourceEngine,
+)
+from kvhandoff.worker.engines.faults import FailureForm, Faults
+from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
+from kvhandoff.worker.engines.model import EngineModel, prompt_tokens
+from kvhandoff.worker.engines.report import (
     EngineCounters,
     EnginesReport,
     EngineStatus,
@@ -40,7 +45,7 @@ from worker.engines.report import (
     request_reports,
     settled,
 )
-from worker.engines.roster import (
+from kvhandoff.worker.engines.roster import (
     DEFAULT_DESTINATIONS,
     DEFAULT_ENGINE_TYPES,
     DEFAULT_SOURCES,

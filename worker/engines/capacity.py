@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from events.ids import HandoffId
+from kvhandoff.events.ids import HandoffId
 
 
 class KvCapacity:

@@ -33,9 +33,9 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from client import BusUnavailable, Connection, Engine, Handlers, HandoffFacts
-from events.ids import HandoffId
-from events.messages import (
+from kvhandoff.client import BusUnavailable, Connection, Engine, Handlers, HandoffFacts
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,
@@ -54,10 +54,10 @@ from events.messages import (
     StartTransfer,
     SubmitPrefill,
 )
-from worker.engines.capacity import KvCapacity
-from worker.engines.faults import FailureForm, Faults
-from worker.engines.model import EngineModel
-from worker.engines.report import EngineCounters, EngineStatus, Leak
+from kvhandoff.worker.engines.capacity import KvCapacity
+from kvhandoff.worker.engines.faults import FailureForm, Faults
+from kvhandoff.worker.engines.model import EngineModel
+from kvhandoff.worker.engines.report import EngineCounters, EngineStatus, Leak
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import enum
 import hashlib
 from dataclasses import dataclass
 
-from events.ids import HandoffId
-from worker.errors import ConfigError
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.worker.errors import ConfigError
 
 
 class FailureForm(enum.StrEnum):

@@ -14,17 +14,17 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from client import Connection
-from client.connection import Watch
-from events.codec import encode
-from events.ids import HandoffId
-from events.messages import Complete
-from worker.engines.engines import DestinationEngine, MockEngine, SourceEngine
-from worker.engines.faults import Faults
-from worker.engines.model import EngineModel
-from worker.engines.report import EnginesReport
-from worker.engines.roster import Roster
-from worker.errors import ConfigError
+from kvhandoff.client import Connection
+from kvhandoff.client.connection import Watch
+from kvhandoff.events.codec import encode
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import Complete
+from kvhandoff.worker.engines.engines import DestinationEngine, MockEngine, SourceEngine
+from kvhandoff.worker.engines.faults import Faults
+from kvhandoff.worker.engines.model import EngineModel
+from kvhandoff.worker.engines.report import EnginesReport
+from kvhandoff.worker.engines.roster import Roster
+from kvhandoff.worker.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

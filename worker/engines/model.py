@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from events.ids import HandoffId
-from events.messages import HandoffTransferTiming, KvTransferTimingMode
-from worker.errors import ConfigError
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import HandoffTransferTiming, KvTransferTimingMode
+from kvhandoff.worker.errors import ConfigError
 
 
 def prompt_tokens(handoff_id: HandoffId, shortest: int, longest: int) -> int:

@@ -14,9 +14,9 @@ import logging
 import msgspec
 from msgspec import Struct
 
-from client import Connection
-from events.ids import HandoffId
-from events.messages import EngineType, Role
+from kvhandoff.client import Connection
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import EngineType, Role
 
 logger = logging.getLogger(__name__)
 

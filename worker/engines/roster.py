@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from events.messages import EngineType
-from worker.errors import ConfigError
+from kvhandoff.events.messages import EngineType
+from kvhandoff.worker.errors import ConfigError
 
 DEFAULT_ENGINE_TYPES: tuple[EngineType, ...] = tuple(EngineType)
 DEFAULT_SOURCES = 2
