@@ -14,8 +14,9 @@ re-derives the step's actions beside the logged ones. Four entry points read a l
   step whose re-derived actions are not the logged ones (what the worker's recovery uses: a
   coordinator change that no longer matches the log is an error, not a silent adoption).
 - `timeline`: one `Step` per logged input, as data: the input, which fields of the
-  coordinator's `CoordinatorState` it changed, the actions the current coordinator derives and
-  the actions that were logged; `until` stops after a given step and keeps the full state there.
+  coordinator's `CoordinatorState` it changed (a field of one of its four records is named
+  `record.field`, such as `source.held`), the actions the current coordinator derives and the
+  actions that were logged; `until` stops after a given step and keeps the full state there.
 - `find_divergence` / `verify`: re-derive every action and compare it with the logged one
   (kind, action id, every field, order). The first step where they differ is a `Divergence`,
   returned as data or raised as `ReplayDivergence`. This is the check that makes a coordinator
@@ -130,7 +131,8 @@ def rebuild(log: Iterable[LoggedRecord]) -> tuple[StartHandoff, HandoffCoordinat
 
 
 class Change(Struct, frozen=True):
-    """One field of `CoordinatorState` that a step changed."""
+    """One field of `CoordinatorState` that a step changed: `mode`, say, or `source.held` for a
+    field of one of its records."""
 
     field: str
     before: Any
@@ -168,17 +170,26 @@ class Timeline(Struct, frozen=True):
 
 
 def diff(before: CoordinatorState, after: CoordinatorState) -> tuple[Change, ...]:
-    """The fields of the state that differ, in declaration order."""
-    return tuple(
-        Change(name, old, new)
-        for name, old, new in zip(
-            _STATE_FIELDS,
-            msgspec.structs.astuple(before),
-            msgspec.structs.astuple(after),
-            strict=True,
-        )
-        if old != new
-    )
+    """The fields of the state that differ, in declaration order; within a record that
+    differs, each of its fields that does, as `record.field`."""
+    changes: list[Change] = []
+    for name, old, new in _pairs(_STATE_FIELDS, before, after):
+        if old == new:
+            continue
+        if isinstance(old, Struct) and isinstance(new, Struct):  # one of the four records
+            fields = old.__struct_fields__
+            changes.extend(
+                Change(f"{name}.{field}", o, n)
+                for field, o, n in _pairs(fields, old, new)
+                if o != n
+            )
+        else:
+            changes.append(Change(name, old, new))
+    return tuple(changes)
+
+
+def _pairs(names: Sequence[str], before: Struct, after: Struct) -> Iterator[tuple[str, Any, Any]]:
+    return zip(names, msgspec.structs.astuple(before), msgspec.structs.astuple(after), strict=True)
 
 
 def timeline(log: Iterable[LoggedRecord], *, until: int | None = None) -> Timeline:
