@@ -172,24 +172,20 @@ class Timeline(Struct, frozen=True):
 def diff(before: CoordinatorState, after: CoordinatorState) -> tuple[Change, ...]:
     """The fields of the state that differ, in declaration order; within a record that
     differs, each of its fields that does, as `record.field`."""
+    astuple = msgspec.structs.astuple
     changes: list[Change] = []
-    for name, old, new in _pairs(_STATE_FIELDS, before, after):
+    for name, old, new in zip(_STATE_FIELDS, astuple(before), astuple(after), strict=True):
         if old == new:
             continue
-        if isinstance(old, Struct) and isinstance(new, Struct):  # one of the four records
-            fields = old.__struct_fields__
-            changes.extend(
-                Change(f"{name}.{field}", o, n)
-                for field, o, n in _pairs(fields, old, new)
-                if o != n
-            )
-        else:
+        if not isinstance(old, Struct):
             changes.append(Change(name, old, new))
+            continue
+        # One of the four records: each of its fields that changed.
+        fields = old.__struct_fields__
+        for field, o, n in zip(fields, astuple(old), astuple(new), strict=True):
+            if o != n:
+                changes.append(Change(f"{name}.{field}", o, n))
     return tuple(changes)
-
-
-def _pairs(names: Sequence[str], before: Struct, after: Struct) -> Iterator[tuple[str, Any, Any]]:
-    return zip(names, msgspec.structs.astuple(before), msgspec.structs.astuple(after), strict=True)
 
 
 def timeline(log: Iterable[LoggedRecord], *, until: int | None = None) -> Timeline:
