@@ -136,14 +136,7 @@ def _print(report: ReplayReport) -> None:
         print(f"after step {last.step}: {last.state}")
         return
     print(f"state after step {last.step}:")
-    fields = []
-    for name in tl.state.__struct_fields__:
-        v = getattr(tl.state, name)
-        if isinstance(v, Struct):  # one of the four records: its fields on one line
-            v = " ".join(f"{f}={_text.value(_listed(getattr(v, f)))}" for f in v.__struct_fields__)
-        else:
-            v = _text.value(v)
-        fields.append((name, v))
+    fields = [(name, _state_value(getattr(tl.state, name))) for name in tl.state.__struct_fields__]
     waiting = [
         f"fact {w.fact}" if w.action is None else f"outcome of {_text.action(w.action)}"
         for w in tl.waiting
@@ -151,6 +144,13 @@ def _print(report: ReplayReport) -> None:
     fields.append(("waiting for", ", ".join(waiting) or "nothing"))
     fields.append(("outstanding", ", ".join(map(str, tl.outstanding)) or "-"))
     _text.print_fields(fields)
+
+
+def _state_value(v: object) -> str:
+    """A field of the state; one of its four records as `field=value` pairs on one line."""
+    if isinstance(v, Struct):
+        return " ".join(f"{f}={_text.value(_listed(getattr(v, f)))}" for f in v.__struct_fields__)
+    return _text.value(v)
 
 
 def _changes(changes: Sequence[Change]) -> list[str]:
