@@ -266,15 +266,22 @@ def test_replay_at_a_step_stops_there_and_prints_the_full_state(kvhandoff: Run) 
     result = kvhandoff("replay", LOG, "5aff", "--at", "3", "--format", "json")
     replay = report(ReplayReport, result.out)
     assert replay.at == 3 and replay.timeline.steps[-1].step == 3
-    assert replay.timeline.state.source_held and replay.timeline.outstanding == (1,)
+    assert replay.timeline.state.source.held and replay.timeline.outstanding == (1,)
 
     text = kvhandoff("replay", LOG, "5aff", "--at", "3").out.splitlines()
     assert "state after step 3:" in text
     fields = {
         line.split()[0]: line.split()[1:] for line in text[text.index("state after step 3:") + 1 :]
     }
-    assert fields["mode"] == ["active"] and fields["source_held"] == ["true"]
-    assert fields["issued"] == ["[submit_prefill(0),", "reserve_destination(1)]"]
+    assert fields["mode"] == ["active"] and "held=true" in fields["source"]
+    # Each of the coordinator's four records on one line, its fields as name=value.
+    assert fields["journal"] == [
+        "started=true", "next_id=2", "issued=[submit_prefill(0),", "reserve_destination(1)]",
+        "outcomes=[0:submitted]",
+    ]  # fmt: skip
+    assert fields["transfer"] == [
+        "issued=false", "scheduled=false", "completed=false", "delay_ms=none"
+    ]  # fmt: skip
     assert fields["outstanding"] == ["1"]
     assert len(fields) == len(msgspec.structs.fields(replay.timeline.state)) + 2
 
@@ -287,7 +294,12 @@ def test_replay_table_shows_input_changes_actions_and_state_per_step(kvhandoff: 
         "trtllm-decode-0", "canceled",
     ]  # fmt: skip
     step = lines.index("step 5  +700ms  canceled")
-    assert lines[step + 1].startswith("  changes  mode active → cleaning_up;")
+    # The changed fields grouped by the record they belong to.
+    assert lines[step + 1] == (
+        "  changes  mode active → cleaning_up;"
+        " journal: next_id 2 → 4, issued +cancel_source(2) +cancel_destination(3);"
+        " source: cancel_issued false → true; destination: cancel_issued false → true"
+    )
     assert lines[step + 2] == "  actions  cancel_source(2), cancel_destination(3)"
     assert lines[step + 3].startswith("  state    cleaning_up, awaiting")
     assert lines[-1] == "after step 9: complete (canceled)"
