@@ -25,8 +25,8 @@ _COPY_IGNORES = shutil.ignore_patterns(
 _THEIR_WORKER = '"""The downstream project\'s own worker."""\nNAME = "their worker"\n'
 _THEIR_EVENTS = '"""The downstream project\'s own events."""\nNAME = "their events"\n'
 _THEIR_TEST = """
-import kvhandoff.events
-import kvhandoff.worker
+import events
+import worker
 from kvhandoff.client import Frontend
 from kvhandoff.events.messages import EngineType, StartHandoff
 from kvhandoff.worker.testing import KvhandoffWorkerContainer, NatsContainer
