@@ -1,13 +1,21 @@
 """Fixtures for the scale-out tests: a real three-node JetStream cluster of nats-server
-processes on loopback (`worker.natsserver.NatsCluster`)."""
+processes on loopback (`worker.natsserver.NatsCluster`), a `Bus` connected to all of it, and
+nats-py's JetStream beside it to observe and to play the other clients."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import nats
+import nats.js.errors
 import pytest
+from nats.js import JetStreamContext
 
+from worker.bus import Bus
+from worker.config import NatsSettings
 from worker.natsserver import NatsCluster
 
 # What a step that should take milliseconds may take on a busy two-core machine, elections
@@ -20,3 +28,35 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
     """Three clustered nodes, formed (the meta group has a leader and all three peers)."""
     with NatsCluster(store_dir=tmp_path / "cluster") as cluster:
         yield cluster
+
+
+@pytest.fixture
+async def bus(nats_cluster: NatsCluster) -> AsyncIterator[Bus]:
+    """A Bus given every node's URL, once JetStream answers through it."""
+    bus = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-cluster")
+    await bus.wait_jetstream(WITHIN_S)
+    yield bus
+    await bus.close()
+
+
+@pytest.fixture
+async def js(nats_cluster: NatsCluster) -> AsyncIterator[JetStreamContext]:
+    """nats-py's JetStream on the cluster: the observer and the other clients."""
+    nc = await nats.connect(
+        nats_cluster.url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2
+    )
+    yield nc.jetstream()
+    await nc.close()
+
+
+async def publish(js: JetStreamContext, subject: str, payload: bytes) -> int:
+    """A JetStream publish, retried while no stream answers: a stream just created in a
+    cluster answers on every node only once its interest has spread over the routes (the
+    worker's own `publish_durable` retries the same way); its stream sequence."""
+    deadline = time.monotonic() + WITHIN_S
+    while True:
+        try:
+            return (await js.publish(subject, payload, timeout=5)).seq
+        except nats.js.errors.NoStreamResponseError:
+            assert time.monotonic() < deadline, f"no stream took {subject} in {WITHIN_S}s"
+            await asyncio.sleep(0.05)  # a bounded poll of the cluster's state
