@@ -56,6 +56,18 @@ def free_port() -> int:
         return port
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: probed all at once, so none is handed out twice."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
 class EmbeddedNats:
     """A nats-server child process; use as a context manager or call start()/stop()."""
 
@@ -158,13 +170,19 @@ class ClusterSeat:
     to the other nodes. Fixed at creation, so a restarted node comes back as itself."""
 
     def __init__(
-        self, name: str, cluster_name: str, routes: Sequence[str], *, route_port: int
+        self,
+        name: str,
+        cluster_name: str,
+        routes: Sequence[str],
+        *,
+        route_port: int,
+        monitor_port: int,
     ) -> None:
         self.name = name
         self.cluster_name = cluster_name
         self.routes = list(routes)
         self.route_port = route_port
-        self.monitor_port = free_port()
+        self.monitor_port = monitor_port
 
     def flags(self) -> list[str]:
         return [
@@ -179,6 +197,7 @@ class ClusterSeat:
 CLUSTER_SIZE = 3
 _MONITOR_TIMEOUT_S = 2.0
 _FORMED_POLL_S = 0.1  # a readiness poll of child processes, not test synchronisation
+_START_ATTEMPTS = 3
 
 
 class NatsCluster:
@@ -191,15 +210,29 @@ class NatsCluster:
         if store_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvhandoff-cluster-")
             store_dir = Path(self._tmp.name)
-        route_ports = [free_port() for _ in range(CLUSTER_SIZE)]
+        self._store_dir = store_dir
+        self._name = name
+        self.nodes: list[EmbeddedNats] = self._seat()
+
+    def _seat(self, attempt: int = 1) -> list[EmbeddedNats]:
+        """Three nodes on fresh ports, each with its own store directory (a fresh one for each
+        attempt to start, so that the logs of a failed attempt stay for a post-mortem)."""
+        ports = free_ports(3 * CLUSTER_SIZE)
+        client_ports, route_ports, monitor_ports = (
+            ports[i * CLUSTER_SIZE : (i + 1) * CLUSTER_SIZE] for i in range(3)
+        )
         routes = [f"nats://127.0.0.1:{port}" for port in route_ports]
-        self.nodes: list[EmbeddedNats] = []
-        for index, route_port in enumerate(route_ports):
-            node_dir = store_dir / f"n{index + 1}"
+        nodes = []
+        for index in range(CLUSTER_SIZE):
+            base = self._store_dir if attempt == 1 else self._store_dir / f"attempt-{attempt}"
+            node_dir = base / f"n{index + 1}"
             node_dir.mkdir(parents=True, exist_ok=True)
-            others = routes[:index] + routes[index + 1 :]
-            seat = ClusterSeat(f"n{index + 1}", name, others, route_port=route_port)
-            self.nodes.append(EmbeddedNats(store_dir=node_dir, seat=seat))
+            seat = ClusterSeat(
+                f"n{index + 1}", self._name, routes[:index] + routes[index + 1 :],
+                route_port=route_ports[index], monitor_port=monitor_ports[index],
+            )  # fmt: skip
+            nodes.append(EmbeddedNats(store_dir=node_dir, port=client_ports[index], seat=seat))
+        return nodes
 
     @property
     def url(self) -> str:
@@ -214,14 +247,21 @@ class NatsCluster:
 
     def start(self, timeout: float = 60.0) -> None:
         """Start every node, and return once JetStream's meta group has a leader that every
-        node knows, with every node in it."""
-        try:
-            for node in self.nodes:
-                node.start(timeout=timeout)
-            self.wait_formed(timeout=timeout)
-        except NatsServerError:
-            self.close()
-            raise
+        node knows, with every node in it. A node that exits at once is most likely one whose
+        port another process took since it was probed: the cluster starts over on new ports."""
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                for node in self.nodes:
+                    node.start(timeout=timeout)
+                self.wait_formed(timeout=timeout)
+                return
+            except NatsServerError as exc:
+                for node in self.nodes:
+                    node.stop(kill=True)
+                if attempt == _START_ATTEMPTS or "exited" not in str(exc):
+                    self.close()
+                    raise
+                self.nodes = self._seat(attempt + 1)
 
     def restart(self, node: EmbeddedNats, timeout: float = 60.0) -> None:
         """Start a stopped node again (same ports, same store) and wait until it rejoined."""
