@@ -948,6 +948,8 @@ CLUSTER_REPLICAS = 3
 _JS_INFO = "$JS.API.INFO"
 _JS_API_TIMEOUT_S = 5.0
 _JS_READY_POLL_S = 0.1
+_READ_BATCH = 256
+_READER_IDLE_S = 30.0  # a reader's consumer that its reader left goes away after this
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 # JetStream's err_codes for a refused expected last sequence: 10071 when the stream checked it
 # against what it stores (naming the sequence it holds), 10164 when a replicated stream's leader
@@ -1473,6 +1475,46 @@ class Bus:
         if seq is None:
             raise BusError(f"the last message on {subject} came without its sequence")
         return seq
+
+    async def read_subject(self, stream: str, subject: str) -> list[tuple[int, bytes]]:
+        """Every message stored on `subject`, as (stream sequence, payload), in order: what a
+        new owner reads to catch up. Through an ephemeral consumer (in memory, one replica,
+        gone once read) pulled with `no_wait`, so it returns once it has what was stored when
+        it asked; what is appended meanwhile is left to the caller's compare-and-set."""
+        config = ConsumerConfig(
+            filter_subject=subject,
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL,
+            inactive_threshold=_READER_IDLE_S,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        try:
+            info = await self._js.add_consumer(stream, config)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot read {subject} of {stream}: {_why(exc)}") from exc
+        found: list[tuple[int, bytes]] = []
+        clock = asyncio.get_running_loop().time
+        give_up = clock() + _JS_API_TIMEOUT_S
+        try:
+            async with Pull(self, stream, info.name, max_ahead=_READ_BATCH, no_wait=True) as reader:
+                while True:
+                    try:
+                        batch = await reader.fetch(_READ_BATCH, timeout_s=_JS_API_TIMEOUT_S)
+                    except BusError:
+                        # In a cluster the new consumer may not be known to our node yet (503
+                        # no responders): nothing was read, so asking again changes nothing.
+                        if found or clock() > give_up:
+                            raise
+                        await asyncio.sleep(_JS_READY_POLL_S)
+                        continue
+                    if not batch:
+                        break
+                    found += [(inbound.stream_seq, inbound.data) for inbound in batch]
+        finally:
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                await self._js.delete_consumer(stream, info.name)  # else it idles away
+        return found
 
     async def append_expecting(
         self, subject: str, payload: bytes, last_seq: int, *, give_up_after_s: float = 5.0
