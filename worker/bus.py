@@ -1516,6 +1516,33 @@ class Bus:
                 await self._js.delete_consumer(stream, info.name)  # else it idles away
         return found
 
+    async def unacknowledged(self, stream: str, consumer: str) -> list[tuple[int, str]]:
+        """The messages `consumer` delivered and never had acknowledged, as (stream sequence,
+        subject), in stream order: what a new owner must apply before newer inputs of the same
+        subjects. Between the consumer's ack floor and the last it delivered, one message get
+        per message (a work-queue stream allows no second consumer on the same subjects), so
+        at most `max_ack_pending` of them."""
+        try:
+            info = await self._js.consumer_info(stream, consumer)
+            filter_subject = info.config.filter_subject
+            floor, top = info.ack_floor.stream_seq, info.delivered.stream_seq
+            found: list[tuple[int, str]] = []
+            seq = floor + 1
+            while seq <= top:
+                try:
+                    message = await self._js.get_msg(stream, seq, subject=filter_subject, next=True)
+                except nats.js.errors.NotFoundError:
+                    break  # none left from seq on
+                if message.seq is None or message.subject is None or message.seq > top:
+                    break
+                found.append((message.seq, message.subject))
+                seq = message.seq + 1
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(
+                f"cannot read what {stream} / {consumer} left unacknowledged: {_why(exc)}"
+            ) from exc
+        return found
+
     async def append_expecting(
         self, subject: str, payload: bytes, last_seq: int, *, give_up_after_s: float = 5.0
     ) -> int:

@@ -9,10 +9,12 @@ claim the partition's log (`worker.ownership.PartitionLog.claim`): catch up, app
 Then, batch by batch:
 
     1. drop the inputs that some owner already applied (their stream sequences are in the log:
-       redeliveries of inputs a dead owner appended but did not acknowledge);
+       redeliveries of inputs a dead owner appended but did not acknowledge), to acknowledge;
+       hold back those that must wait for an earlier input of their handoff (see "Order");
     2. `decide` the rest: the records the batch adds to the partition's log;
     3. append them, compare-and-set (`PartitionLog.append`);
-    4. only then `act` (publish what the records say) and acknowledge the whole batch.
+    4. only then `act` (publish what the records say), and acknowledge what was appended and
+       what was dropped in step 1.
 
 The fence. If step 3 is refused (`Fenced`), another worker claimed the partition since: this
 one stops at once. It neither acts nor acknowledges anything more, closes its pull, and `run`
@@ -22,25 +24,31 @@ Order. The consumer's ack wait must be shorter than its priority timeout (less t
 expiry): then a new owner is pinned only after the old owner's unacknowledged inputs are due
 again, and the server hands those out before newer ones (tests/cluster/test_pins.py). But not
 in stream order among themselves: when the old owner held many, JetStream redelivers them in
-the order their ack waits ran out, and an owner that stays pinned while it stalls is sent its own
-redeliveries again, so a handoff's inputs can come to the new owner out of order (measured in
-tests/cluster/test_failover.py: some 20 of 90 to 150 inputs). So applying in delivery order is
-not enough: the check the issue asks for, that no earlier input of the same handoff is still
-pending redelivery, is needed before applying, and is not done here.
+the order their ack waits ran out, and an owner that stays pinned while it stalls is sent its
+own redeliveries again, so a handoff's inputs can come to the new owner out of order (some 20 of
+90 to 150 inputs in tests/cluster/test_failover.py, without the next step). So, right after its
+claim, the owner reads what the consumer delivered and never had acknowledged
+(`Bus.unacknowledged`), keeps what the log does not say was applied (the orphans), and admits
+the inputs of each batch through `worker.input_order.InputOrder`: an input waits, delivered
+but unacknowledged, until the orphans of its handoff before it are applied.
 
-What it does not do yet: that check; hand a partition over cleanly (drain, ack, unpin) when the
-balance rule (worker.partitions) says so; catch a local SQLite log up from the claimed records;
-remember applied inputs in less than a set of every stream sequence since the claim.
+What it does not do yet: hand a partition over cleanly (drain, ack, unpin) when the balance rule
+(worker.partitions) says so; catch a local SQLite log up from the claimed records; remember
+applied inputs in less than a set of every stream sequence since the claim; reorder inputs that
+one owner's own stall (past the ack wait, while still pinned) sent back to it out of order, as
+the single worker does not either (its planner defers inputs that come early).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
-from worker.errors import Fenced, PinMismatch
+from worker.errors import BusError, Fenced, PinMismatch
+from worker.input_order import InputOrder
 from worker.ownership import PartitionLog
 
 logger = logging.getLogger(__name__)
@@ -49,6 +57,14 @@ Decide = Callable[[Sequence[Inbound]], bytes]
 Act = Callable[[Sequence[Inbound]], Awaitable[None]]
 
 _FETCH_TIMEOUT_S = 0.25  # how long an idle owner waits before noticing a stop request
+_FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    """Wait `seconds`, or less if `stop` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
 
 
 class PartitionOwner:
@@ -73,10 +89,12 @@ class PartitionOwner:
         self._expires_s = expires_s
         self._heartbeat_s = heartbeat_s
         self._applied: set[int] = set()
+        self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
         # What it did, for metrics and tests.
         self.claims = 0
         self.applied = 0  # inputs appended and acted on
         self.skipped = 0  # inputs an owner had applied already (redeliveries)
+        self.orphans = 0  # inputs a previous owner left unacknowledged and unapplied
         self.acked = 0
         self.refused_pulls = 0  # 423: another worker held the pin
         self.fenced = False
@@ -89,6 +107,7 @@ class PartitionOwner:
             heartbeat_s=self._heartbeat_s, group=PRIORITY_GROUP,
         )  # fmt: skip
         claimed_under: str | None = None
+        backoff_s = _FETCH_BACKOFF_S[0]
         async with pull:
             while not stop.is_set():
                 try:
@@ -96,6 +115,14 @@ class PartitionOwner:
                 except PinMismatch:
                     self.refused_pulls += 1
                     continue  # the Pull asks to be pinned anew
+                except BusError as exc:
+                    # A consumer just made is not known to every node at once (503), a node
+                    # restarts (409): the next fetch asks again, after a pause.
+                    logger.warning("partition %d: %s; pulling again", self.log.partition, exc)
+                    await _pause(stop, backoff_s)
+                    backoff_s = min(2 * backoff_s, _FETCH_BACKOFF_S[1])
+                    continue
+                backoff_s = _FETCH_BACKOFF_S[0]
                 if not batch:
                     continue
                 if pull.pin_id != claimed_under:
@@ -110,13 +137,23 @@ class PartitionOwner:
                     self.claims += 1
                     self._applied = caught.applied
                     claimed_under = pull.pin_id
+                    # Only now, with the old owner fenced, is what it left for good.
+                    left = await self._bus.unacknowledged(self._stream, self._consumer)
+                    orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
+                    self._order = InputOrder(orphans) if orphans else None
+                    self.orphans += len(orphans)
                 if not await self._handle(batch, decide, act):
                     return
 
     async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> bool:
         """Steps 1-4 for one batch; False once fenced."""
         fresh = [inbound for inbound in batch if inbound.stream_seq not in self._applied]
-        self.skipped += len(batch) - len(fresh)
+        settled = [inbound for inbound in batch if inbound.stream_seq in self._applied]
+        self.skipped += len(settled)
+        if self._order is not None:
+            fresh = self._order.admit(fresh)  # the others are held, unacknowledged
+            if self._order.done:
+                self._order = None
         if fresh:
             inputs = [inbound.stream_seq for inbound in fresh]
             try:
@@ -127,9 +164,9 @@ class PartitionOwner:
             self._applied.update(inputs)
             self.applied += len(fresh)
             await act(fresh)
-        for inbound in batch:
+        for inbound in (*settled, *fresh):
             await inbound.ack()
-        self.acked += len(batch)
+        self.acked += len(settled) + len(fresh)
         return True
 
     def _fenced(self, what: str) -> None:

@@ -85,6 +85,7 @@ def main() -> int:
         "claims": owner.claims,
         "applied": owner.applied,
         "skipped": owner.skipped,
+        "orphans": owner.orphans,
         "acked": owner.acked,
         "refused_pulls": owner.refused_pulls,
         "fenced": owner.fenced,
