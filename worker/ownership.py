@@ -81,7 +81,16 @@ class CaughtUp:
 class PartitionLog:
     """One partition's log as one worker writes it: `claim`, then `append`, until fenced."""
 
-    def __init__(self, bus: Bus, stream: str, prefix: str, partition: int, owner: str) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        stream: str,
+        prefix: str,
+        partition: int,
+        owner: str,
+        *,
+        append_timeout_s: float = 15.0,
+    ) -> None:
         self.partition = partition
         self.owner = owner
         self.subject = partition_log_subject(prefix, partition)
@@ -91,10 +100,15 @@ class PartitionLog:
         self._bus = bus
         self._stream = stream
         self._last_seq: int | None = None  # the subject's last entry, as of our last append
+        # Long enough to ride out the election of a new stream leader on a busy machine.
+        self._append_timeout_s = append_timeout_s
 
     def anew(self) -> PartitionLog:
         """A log for the same worker and partition, to claim again (once pinned anew)."""
-        return PartitionLog(self._bus, self._stream, self._prefix, self.partition, self.owner)
+        return PartitionLog(
+            self._bus, self._stream, self._prefix, self.partition, self.owner,
+            append_timeout_s=self._append_timeout_s,
+        )  # fmt: skip
 
     async def claim(self) -> CaughtUp:
         """Catch up on the partition's log and append our `Claimed`; `Fenced` if another
@@ -125,7 +139,7 @@ class PartitionLog:
         claim = Claimed(epoch=caught.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000)
         try:
             self._last_seq = await self._bus.append_expecting(
-                self.subject, _ENCODER.encode(claim), last
+                self.subject, _ENCODER.encode(claim), last, give_up_after_s=self._append_timeout_s
             )
         except Fenced:
             self.fenced = True
@@ -151,7 +165,10 @@ class PartitionLog:
         entry = Appended(epoch=self.epoch, inputs=inputs, records=records)
         try:
             self._last_seq = await self._bus.append_expecting(
-                self.subject, _ENCODER.encode(entry), self._last_seq
+                self.subject,
+                _ENCODER.encode(entry),
+                self._last_seq,
+                give_up_after_s=self._append_timeout_s,
             )
         except Fenced:
             self.fenced = True

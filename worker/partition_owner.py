@@ -16,6 +16,10 @@ Then, batch by batch:
     4. only then `act` (publish what the records say), and acknowledge what was appended and
        what was dropped in step 1.
 
+Doubt. If an append (or a claim) fails without an answer (NATS out of reach past the append's
+time limit), it may have landed or not: the owner leaves the batch unacknowledged and claims
+anew before the next one, which reads the log and so learns which inputs were applied.
+
 The fence. If step 3 is refused (`Fenced`), another worker claimed the partition since: this
 one stops at once. It neither acts nor acknowledges anything more, closes its pull, and `run`
 returns with `fenced` set (a metric and a warning line say so). The inputs it held come back to
@@ -90,6 +94,8 @@ class PartitionOwner:
         self._heartbeat_s = heartbeat_s
         self._applied: set[int] = set()
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
+        self._claimed = False  # False: claim before the next batch
+        self._claimed_under: str | None = None  # the pin id the claim was made under
         # What it did, for metrics and tests.
         self.claims = 0
         self.applied = 0  # inputs appended and acted on
@@ -106,7 +112,6 @@ class PartitionOwner:
             max_ahead=2 * self._batch, expires_s=self._expires_s,
             heartbeat_s=self._heartbeat_s, group=PRIORITY_GROUP,
         )  # fmt: skip
-        claimed_under: str | None = None
         backoff_s = _FETCH_BACKOFF_S[0]
         async with pull:
             while not stop.is_set():
@@ -125,28 +130,41 @@ class PartitionOwner:
                 backoff_s = _FETCH_BACKOFF_S[0]
                 if not batch:
                     continue
-                if pull.pin_id != claimed_under:
-                    if claimed_under is not None:
-                        # Pinned anew: someone may have owned it between our two pins.
-                        self.log = self.log.anew()
-                    try:
-                        caught = await self.log.claim()
-                    except Fenced:
-                        self._fenced("its claim")
-                        return
-                    self.claims += 1
-                    self._applied = caught.applied
-                    claimed_under = pull.pin_id
-                    # Only now, with the old owner fenced, is what it left for good.
-                    left = await self._bus.unacknowledged(self._stream, self._consumer)
-                    orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
-                    self._order = InputOrder(orphans) if orphans else None
-                    self.orphans += len(orphans)
-                if not await self._handle(batch, decide, act):
+                try:
+                    if not self._claimed or pull.pin_id != self._claimed_under:
+                        await self._claim(pull.pin_id)
+                    await self._handle(batch, decide, act)
+                except Fenced as exc:
+                    self._fenced(exc)
                     return
+                except BusError as exc:
+                    # Whether the last append (or claim) landed is unknown: leave the batch
+                    # unacknowledged, and claim anew, which reads the log and so learns it.
+                    logger.warning(
+                        "partition %d: %s; not acting on %d inputs, claiming anew",
+                        self.log.partition, exc, len(batch),
+                    )  # fmt: skip
+                    self._claimed = False
+                    self.log = self.log.anew()
+                    await _pause(stop, backoff_s)
 
-    async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> bool:
-        """Steps 1-4 for one batch; False once fenced."""
+    async def _claim(self, pin_id: str | None) -> None:
+        """Claim the partition's log (`Fenced` if another worker owns it), learn what was
+        applied, and what the previous owner left unapplied (see "Order")."""
+        if self.log.epoch:
+            self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
+        caught = await self.log.claim()
+        self.claims += 1
+        self._applied = caught.applied
+        self._claimed, self._claimed_under = True, pin_id
+        # Only now, with the old owner fenced, is what it left for good.
+        left = await self._bus.unacknowledged(self._stream, self._consumer)
+        orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
+        self._order = InputOrder(orphans) if orphans else None
+        self.orphans += len(orphans)
+
+    async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> None:
+        """Steps 1-4 for one batch; `Fenced` before acting if another worker owns it now."""
         fresh = [inbound for inbound in batch if inbound.stream_seq not in self._applied]
         settled = [inbound for inbound in batch if inbound.stream_seq in self._applied]
         self.skipped += len(settled)
@@ -156,23 +174,18 @@ class PartitionOwner:
                 self._order = None
         if fresh:
             inputs = [inbound.stream_seq for inbound in fresh]
-            try:
-                await self.log.append(inputs, decide(fresh))
-            except Fenced:
-                self._fenced(f"an append of {len(fresh)} inputs")
-                return False
+            await self.log.append(inputs, decide(fresh))
             self._applied.update(inputs)
             self.applied += len(fresh)
             await act(fresh)
         for inbound in (*settled, *fresh):
             await inbound.ack()
         self.acked += len(settled) + len(fresh)
-        return True
 
-    def _fenced(self, what: str) -> None:
+    def _fenced(self, exc: Fenced) -> None:
         self.fenced = True
         logger.warning(
-            "partition %d: %s was refused, another worker owns it now; %s stops acting for it "
+            "partition %d: %s; another worker owns it now, %s stops acting for it "
             "(applied %d inputs, acknowledged %d)",
-            self.log.partition, what, self.log.owner, self.applied, self.acked,
+            self.log.partition, exc, self.log.owner, self.applied, self.acked,
         )  # fmt: skip

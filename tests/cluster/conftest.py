@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import nats
+import nats.errors
 import nats.js.errors
 import pytest
 from nats.js import JetStreamContext
@@ -50,13 +52,20 @@ async def js(nats_cluster: NatsCluster) -> AsyncIterator[JetStreamContext]:
 
 
 async def publish(js: JetStreamContext, subject: str, payload: bytes) -> int:
-    """A JetStream publish, retried while no stream answers: a stream just created in a
-    cluster answers on every node only once its interest has spread over the routes (the
-    worker's own `publish_durable` retries the same way); its stream sequence."""
+    """A JetStream publish, retried while no stream answers (a stream just created in a
+    cluster answers on every node only once its interest has spread over the routes; a stream
+    whose leader died answers once another is elected), as the worker's own `publish_durable`
+    retries; its stream sequence. Every attempt carries one message id, so it is stored once."""
     deadline = time.monotonic() + WITHIN_S
+    headers = {"Nats-Msg-Id": uuid.uuid4().hex}
     while True:
         try:
-            return (await js.publish(subject, payload, timeout=5)).seq
-        except nats.js.errors.NoStreamResponseError:
+            return (await js.publish(subject, payload, timeout=2, headers=headers)).seq
+        except (
+            nats.js.errors.NoStreamResponseError,
+            nats.js.errors.ServiceUnavailableError,
+            nats.errors.TimeoutError,
+            TimeoutError,
+        ):
             assert time.monotonic() < deadline, f"no stream took {subject} in {WITHIN_S}s"
             await asyncio.sleep(0.05)  # a bounded poll of the cluster's state

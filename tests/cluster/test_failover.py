@@ -44,6 +44,7 @@ from tests.cluster.owner_process import (
     PARTITIONS,
     PREFIX,
     PRIORITY_TIMEOUT_S,
+    STREAM,
 )
 from worker.natsserver import NatsCluster
 from worker.ownership import Appended, Claimed, Entry
@@ -273,3 +274,38 @@ async def test_a_paused_owner_is_fenced_and_every_input_is_applied_once(
         f"failover: B acted {failover_s:.2f}s after A stopped (priority timeout "
         f"{PRIORITY_TIMEOUT_S}s); A={status_a} B={status_b}"
     )
+
+
+async def test_killing_the_input_streams_leader_node_mid_load_loses_nothing(
+    nats_cluster: NatsCluster,
+    js: JetStreamContext,
+    owners: dict[str, Owner],
+    acted: Acted,
+    tmp_path: Path,
+) -> None:
+    inputs = Inputs(js)
+    owners["a"] = a = Owner(nats_cluster.url, "a", tmp_path)
+    await until(lambda: "owner a pulling" in a.logs(), "a pulls", a)
+    await inputs.publish(100)
+    info = await js.stream_info(STREAM)
+    assert info.cluster is not None and info.cluster.leader
+    leader = nats_cluster.node(info.cluster.leader)
+    leader.stop(kill=True)
+    killed_at = time.monotonic()
+    await inputs.publish(100)  # acknowledged by the two nodes left, once they elect a leader
+    republished_s = time.monotonic() - killed_at
+    nats_cluster.restart(leader)
+    await inputs.publish(100)
+    await until(lambda: set(acted.by["a"]) >= set(inputs.published), "all applied", a)
+    a.signal(signal.SIGTERM)
+    assert a.process.wait(timeout=2 * WITHIN_S) == 0, a.logs()
+
+    claims, appended = await appended_by_owner(js)
+    assert {c.owner.split("/")[0] for c in claims} == {"a"}  # it may have claimed anew: itself
+    total = appended["a"]
+    # Every input the stream acknowledged is applied, once; nothing else is.
+    assert set(total) == set(inputs.published) and set(total.values()) == {1}
+    assert inputs.out_of_order(acted.by["a"]) == 0
+    status = a.status()
+    assert status["fenced"] is False
+    print(f"stream leader killed: 100 inputs published in {republished_s:.2f}s after; A={status}")
