@@ -796,6 +796,13 @@ class Pull:
         await self._ask(max_messages)
         return taken
 
+    def take_ready(self) -> list[Inbound]:
+        """The messages delivered and not yet fetched, taken out of the Pull: for an owner
+        that hands its partition over and must settle them (nak) rather than drop them."""
+        taken = list(self._ready)
+        self._ready.clear()
+        return taken
+
     def reset(self) -> None:
         """Forget every open request (after a reconnect: a restarted server has none, and one
         that stayed up resumes them, which costs at most a batch more than `max_ahead`)."""

@@ -67,6 +67,12 @@ class InputOrder(Generic[D]):
         the owner may drop this order (with the sequences it remembers)."""
         return not self._orphans and not self._held
 
+    def take_held(self) -> list[D]:
+        """The deliveries held, taken out (an owner handing over settles them)."""
+        held = [self._held[seq] for seq in sorted(self._held)]
+        self._held.clear()
+        return held
+
     def admit(self, deliveries: Sequence[D]) -> list[D]:
         """Of these deliveries and those held, the ones that may be applied now, in stream
         order; the rest are held. A delivery of an input returned before is dropped."""

@@ -36,11 +36,16 @@ claim, the owner reads what the consumer delivered and never had acknowledged
 the inputs of each batch through `worker.input_order.InputOrder`: an input waits, delivered
 but unacknowledged, until the orphans of its handoff before it are applied.
 
-What it does not do yet: hand a partition over cleanly (drain, ack, unpin) when the balance rule
-(worker.partitions) says so; catch a local SQLite log up from the claimed records; remember
-applied inputs in less than a set of every stream sequence since the claim; reorder inputs that
-one owner's own stall (past the ack wait, while still pinned) sent back to it out of order, as
-the single worker does not either (its planner defers inputs that come early).
+Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.partitions giving the
+partition to another worker), the owner finishes the batch in hand, gives back what it holds
+(nak: redelivered at once) and releases the pin (`Bus.unpin`), so the next owner is pinned at
+once rather than after the priority timeout.
+
+What it does not do yet: run one owner per partition of a worker's share (a tier driven by
+membership and the balance rule); catch a local SQLite log up from the claimed records;
+remember applied inputs in less than a set of every stream sequence since the claim; reorder
+inputs that one owner's own stall (past the ack wait, while still pinned) sent back to it out
+of order, as the single worker does not either (its planner defers inputs that come early).
 """
 
 from __future__ import annotations
@@ -104,9 +109,11 @@ class PartitionOwner:
         self.acked = 0
         self.refused_pulls = 0  # 423: another worker held the pin
         self.fenced = False
+        self.handed_over = False
 
     async def run(self, decide: Decide, act: Act, stop: asyncio.Event) -> None:
-        """Own the partition until `stop` is set or another worker fences this one."""
+        """Own the partition until another worker fences this one, or until `stop` is set:
+        then the batch in hand is finished and the partition handed over (see "Hand-over")."""
         pull = Pull(
             self._bus, self._stream, self._consumer,
             max_ahead=2 * self._batch, expires_s=self._expires_s,
@@ -147,6 +154,33 @@ class PartitionOwner:
                     self._claimed = False
                     self.log = self.log.anew()
                     await _pause(stop, backoff_s)
+            await self._hand_over(pull)
+
+    async def _hand_over(self, pull: Pull) -> None:
+        """Stopped, not fenced: give back what is in hand, then the pin, so that the next
+        owner is pinned at once instead of after the priority timeout. What was delivered and
+        not applied is nak'd (redelivered at once, and an orphan of the next owner's claim, so
+        still in order); what was applied is acknowledged."""
+        in_hand = {inbound.stream_seq: inbound for inbound in pull.take_ready()}
+        if self._order is not None:
+            in_hand.update((inbound.stream_seq, inbound) for inbound in self._order.take_held())
+        try:
+            await pull.close()  # deliveries from now on come back after the ack wait
+            for seq, inbound in sorted(in_hand.items()):
+                await (inbound.ack() if seq in self._applied else inbound.nak())
+            await self._bus.unpin(self._stream, self._consumer)
+        except BusError as exc:
+            logger.warning(
+                "partition %d: hand-over incomplete (%s); the next owner waits for the "
+                "priority timeout",
+                self.log.partition, exc,
+            )  # fmt: skip
+            return
+        self.handed_over = True
+        logger.info(
+            "partition %d: handed over by %s (%d inputs given back)",
+            self.log.partition, self.log.owner, len(in_hand),
+        )  # fmt: skip
 
     async def _claim(self, pin_id: str | None) -> None:
         """Claim the partition's log (`Fenced` if another worker owns it), learn what was

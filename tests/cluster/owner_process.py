@@ -6,7 +6,8 @@ partitioned input stream, the log stream and the partition's consumer (as every 
 tier does, idempotently), then owns the partition: its records are the inputs' payloads, and it
 acts by publishing, after each append, the stream sequence of every input it applied to
 `kvhandoff.acted.<NAME>`. At the end it writes what it did to STATUS_FILE, as JSON, and exits 0
-once stopped by SIGTERM, or 3 once fenced.
+once stopped by SIGTERM (after handing the partition over), or 3 once fenced. Its consumer's
+priority timeout is 3 s, or KVHANDOFF_PRIORITY_TIMEOUT.
 
 With KVHANDOFF_HANG_AFTER=N in its environment it stops short of acknowledging once it has
 applied N inputs: it acts on the batch that reaches N, prints `hanging`, and waits for ever, as
@@ -37,7 +38,7 @@ PARTITIONS = 4
 # A new owner is pinned only after the old owner's unacknowledged inputs are due again.
 ACK_WAIT_S = 1.0
 EXPIRES_S = 1.0
-PRIORITY_TIMEOUT_S = 3.0
+PRIORITY_TIMEOUT_S = float(os.environ.get("KVHANDOFF_PRIORITY_TIMEOUT", "3"))
 FENCED_EXIT = 3
 _HANG_AFTER = int(os.environ.get("KVHANDOFF_HANG_AFTER", "0"))
 
@@ -89,6 +90,7 @@ def main() -> int:
         "acked": owner.acked,
         "refused_pulls": owner.refused_pulls,
         "fenced": owner.fenced,
+        "handed_over": owner.handed_over,
     }
     Path(status).write_text(json.dumps(counts))
     return FENCED_EXIT if owner.fenced else 0

@@ -56,11 +56,15 @@ PARTITION = 0
 class Owner:
     """`tests.cluster.owner_process` in a child process."""
 
-    def __init__(self, url: str, name: str, tmp: Path, hang_after: int = 0) -> None:
+    def __init__(
+        self, url: str, name: str, tmp: Path, hang_after: int = 0, priority_timeout_s: float = 0
+    ) -> None:
         self.name = name
         self.status_path = tmp / f"{name}.json"
         self.log_path = tmp / f"{name}.log"
         env = {**os.environ, "KVHANDOFF_HANG_AFTER": str(hang_after)}
+        if priority_timeout_s:
+            env["KVHANDOFF_PRIORITY_TIMEOUT"] = str(priority_timeout_s)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "tests.cluster.owner_process",
@@ -309,3 +313,41 @@ async def test_killing_the_input_streams_leader_node_mid_load_loses_nothing(
     status = a.status()
     assert status["fenced"] is False
     print(f"stream leader killed: 100 inputs published in {republished_s:.2f}s after; A={status}")
+
+
+async def test_a_stopped_owner_hands_over_at_once_with_nothing_lost_or_reordered(
+    nats_cluster: NatsCluster,
+    js: JetStreamContext,
+    owners: dict[str, Owner],
+    acted: Acted,
+    tmp_path: Path,
+) -> None:
+    forever_s = 3600.0  # a pin that cannot time out: only the hand-over can move it
+    inputs = Inputs(js)
+    owners["a"] = a = Owner(nats_cluster.url, "a", tmp_path, priority_timeout_s=forever_s)
+    await until(lambda: "owner a pulling" in a.logs(), "a pulls", a)
+    owners["b"] = b = Owner(nats_cluster.url, "b", tmp_path, priority_timeout_s=forever_s)
+    await until(lambda: "owner b pulling" in b.logs(), "b pulls (kept waiting)", b)
+    load = asyncio.create_task(inputs.publish(300))
+    try:
+        await until(lambda: len(acted.by["a"]) >= 50, "a applied some", a, b)
+        a.signal(signal.SIGTERM)  # mid-load, with inputs in hand
+        stopped_at = time.monotonic()
+        assert a.process.wait(timeout=2 * WITHIN_S) == 0, a.logs()
+        await until(lambda: "b" in acted.first_at, "b took over", b)
+        took_over_s = acted.first_at["b"] - stopped_at
+        await load
+    finally:
+        load.cancel()
+    await until(lambda: len(set(acted.by["a"]) | set(acted.by["b"])) == 300, "all applied", b)
+    b.signal(signal.SIGTERM)
+    assert b.process.wait(timeout=2 * WITHIN_S) == 0, b.logs()
+
+    claims, appended = await appended_by_owner(js)
+    assert [c.owner.split("/")[0] for c in claims] == ["a", "b"]
+    total = appended["a"] + appended["b"]
+    assert set(total) == set(inputs.published) and set(total.values()) == {1}
+    assert inputs.out_of_order(acted.by["a"] + acted.by["b"]) == 0
+    status_a = a.status()
+    assert status_a["handed_over"] is True and status_a["fenced"] is False
+    print(f"hand-over: B acted {took_over_s:.2f}s after A was told to stop; A={status_a}")
