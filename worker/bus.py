@@ -956,6 +956,7 @@ _JS_INFO = "$JS.API.INFO"
 _JS_API_TIMEOUT_S = 5.0
 _JS_READY_POLL_S = 0.1
 _READ_BATCH = 256
+_ANNOUNCE_GIVE_UP_S = 15.0
 _READER_IDLE_S = 30.0  # a reader's consumer that its reader left goes away after this
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 # JetStream's err_codes for a refused expected last sequence: 10071 when the stream checked it
@@ -1591,19 +1592,32 @@ class Bus:
             backoff_s = min(2 * backoff_s, _PUBLISH_BACKOFF_S[1])
 
     async def announce(self, member: Member) -> Membership:
-        """Announce `member` in `MEMBERS_BUCKET` (created if absent); keep it with `keep`."""
-        try:
-            kv = await self._members_bucket()
-            ttl_s = (await kv.status()).ttl
-            if not ttl_s:
+        """Announce `member` in `MEMBERS_BUCKET` (created if absent); keep it with `keep`.
+        Retried for `_ANNOUNCE_GIVE_UP_S` while no stream answers: a bucket that another
+        worker just made in a cluster answers on every node only once its interest spread."""
+        clock = asyncio.get_running_loop().time
+        give_up = clock() + _ANNOUNCE_GIVE_UP_S
+        while True:
+            try:
+                kv = await self._members_bucket()
+                ttl_s = (await kv.status()).ttl
+                if not ttl_s:
+                    raise BusError(
+                        f"member bucket {MEMBERS_BUCKET} has no TTL, so a dead worker would "
+                        "count as live for ever; delete the bucket and let the worker create it"
+                    )
+                await kv.put(member.instance, _MEMBER_ENCODER.encode(member))
+                return Membership(self._nc, kv, member, ttl_s)
+            except (*_RETRYABLE, nats.js.errors.ServiceUnavailableError) as exc:
+                if clock() > give_up:
+                    raise BusError(
+                        f"cannot announce {member.instance} in {MEMBERS_BUCKET}: {_why(exc)}"
+                    ) from exc
+            except (TimeoutError, nats.errors.Error) as exc:
                 raise BusError(
-                    f"member bucket {MEMBERS_BUCKET} has no TTL, so a dead worker would count "
-                    "as live for ever; delete the bucket and let the worker create it"
-                )
-            await kv.put(member.instance, _MEMBER_ENCODER.encode(member))
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise BusError(f"cannot announce {member.instance} in {MEMBERS_BUCKET}: {exc}") from exc
-        return Membership(self._nc, kv, member, ttl_s)
+                    f"cannot announce {member.instance} in {MEMBERS_BUCKET}: {_why(exc)}"
+                ) from exc
+            await asyncio.sleep(_JS_READY_POLL_S)
 
     async def members(self) -> list[Member]:
         """The workers announced and not expired, oldest first; values that are not a

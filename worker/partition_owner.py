@@ -111,6 +111,11 @@ class PartitionOwner:
         self.fenced = False
         self.handed_over = False
 
+    @property
+    def held(self) -> int:
+        """Inputs delivered and held back behind an earlier input of their handoff."""
+        return 0 if self._order is None else self._order.held
+
     async def run(self, decide: Decide, act: Act, stop: asyncio.Event) -> None:
         """Own the partition until another worker fences this one, or until `stop` is set:
         then the batch in hand is finished and the partition handed over (see "Hand-over")."""

@@ -28,16 +28,14 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import nats
 import pytest
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from tests.cluster.conftest import WITHIN_S, publish
+from tests.cluster.conftest import WITHIN_S, Acted, publish, until
 from tests.cluster.owner_process import (
     FENCED_EXIT,
     LOG_STREAM,
@@ -88,19 +86,6 @@ class Owner:
             self.process.wait(timeout=10)
 
 
-class Acted:
-    """What the owners published after their appends: (owner, input stream sequence)."""
-
-    def __init__(self) -> None:
-        self.by: dict[str, list[int]] = defaultdict(list)
-        self.first_at: dict[str, float] = {}
-
-    async def on(self, msg: Msg) -> None:
-        name = msg.subject.rpartition(".")[2]
-        self.first_at.setdefault(name, time.monotonic())
-        self.by[name].append(int(msg.data))
-
-
 @pytest.fixture
 def owners(nats_cluster: NatsCluster, tmp_path: Path) -> Iterator[dict[str, Owner]]:
     started: dict[str, Owner] = {}
@@ -109,25 +94,6 @@ def owners(nats_cluster: NatsCluster, tmp_path: Path) -> Iterator[dict[str, Owne
         if owner.process.poll() is None:
             owner.signal(signal.SIGCONT)  # a stopped process cannot take SIGKILL's exit
         owner.stop()
-
-
-@pytest.fixture
-async def acted(nats_cluster: NatsCluster) -> AsyncIterator[Acted]:
-    seen = Acted()
-    nc = await nats.connect(nats_cluster.url.split(","))
-    await nc.subscribe(f"{PREFIX}.acted.*", cb=seen.on)
-    await nc.flush()
-    yield seen
-    await nc.close()
-
-
-async def until(holds: Callable[[], bool], what: str, *watched: Owner) -> None:
-    deadline = time.monotonic() + 2 * WITHIN_S
-    while not holds():
-        for owner in watched:
-            assert owner.process.poll() is None, f"{owner.name} died: {owner.logs()}"
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.05)  # a bounded poll of what the owners published
 
 
 async def log_entries(js: JetStreamContext) -> list[Entry]:
