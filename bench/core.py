@@ -53,8 +53,8 @@ from msgspec import Struct
 # Runnable from a checkout (`python bench/core.py`) without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from events.coordinator import HandoffCoordinator
-from events.messages import (
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     SCHEDULED,

@@ -80,12 +80,12 @@ from traffic import (
     max_pending,
 )
 
-from worker.bus import Bus, Inbound
-from worker.config import NatsSettings, WorkerConfig
-from worker.metrics import Metrics
-from worker.natsserver import EmbeddedNats
-from worker.service import Worker
-from worker.store import EventLog
+from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.config import NatsSettings, WorkerConfig
+from kvhandoff.worker.metrics import Metrics
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.service import Worker
+from kvhandoff.worker.store import EventLog
 
 _ROOT = Path(__file__).resolve().parents[1]
 _FETCH_TIMEOUT_S = 2.0  # a preloaded stream never makes a fetch wait this long
@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--runs, --handoffs, --batch-size and --window must be at least 1")
     logging.basicConfig(level=logging.WARNING)
     # Closing a connection reports a disconnect; here that is the end of a run, not news.
-    logging.getLogger("worker.bus").setLevel(logging.ERROR)
+    logging.getLogger("kvhandoff.worker.bus").setLevel(logging.ERROR)
 
     out = sys.stdout
     began = time.monotonic()

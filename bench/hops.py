@@ -55,24 +55,25 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from traffic import (
+    ROOT,
     SUBJECTS,
-    Child,
     RawLog,
     WorkerChild,
     cpu_seconds,
     load_average,
     max_pending,
     new_start,
-    now_ms,
     percentile,
 )
 
-from events.codec import decode_action, encode
-from events.messages import ActionOutcome, Input, StartHandoff
-from worker.bus import Bus
-from worker.config import NatsSettings
-from worker.healthy import success_script
-from worker.natsserver import EmbeddedNats
+from kvhandoff.events.codec import decode_action, encode
+from kvhandoff.events.messages import ActionOutcome, Input, StartHandoff
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.child import Child
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.healthy import success_script
+from kvhandoff.worker.natsserver import EmbeddedNats
 
 _WAIT_S = 60.0  # the longest any closed-loop step may take before the bench gives up
 _ECHO_PAD = b" " * 120  # echo payloads about the size of an input
@@ -225,7 +226,7 @@ async def worker_level(engines: TimedEngines, worker: WorkerChild, level: int, t
         await engines.start_handoff(starts[i])
 
     before = await asyncio.to_thread(worker.commits)
-    pid = worker.process.pid
+    pid = worker.pid
     cpu = cpu_seconds(pid), time.process_time(), time.perf_counter()
     ends = await closed_loop(engines.ended, begin, level, total)
     worker_cpu, bench_cpu, wall = cpu_seconds(pid), time.process_time(), time.perf_counter()
@@ -293,7 +294,11 @@ class EchoChild(Child):
         ]  # fmt: skip
         if commit:
             command += ["--echo-db", str(scratch / f"{prefix}.sqlite3")]
-        super().__init__(command, scratch / f"{prefix}.log", self.marker.exists)
+        super().__init__(command, scratch / f"{prefix}.log", cwd=ROOT)
+        self.start()
+
+    def ready(self) -> bool:
+        return self.marker.exists()
 
 
 async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
@@ -358,7 +363,7 @@ def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
             result.duplicates = worker.counter("kvhandoff_duplicate_inputs_total")
         finally:
             for child in reversed(children):
-                child.stop()
+                child.terminate()
     return result
 
 

@@ -27,11 +27,11 @@ from pathlib import Path
 # holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.bus import Bus
-from worker.config import NatsSettings
-from worker.engines import EngineModel, EnginesConfig, MockEngines
-from worker.loadgen import LoadConfig, LoadReport, run_load
-from worker.natsserver import EmbeddedNats
+from kvhandoff.client import Connection
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EngineModel, EnginesConfig, MockEngines
+from kvhandoff.worker.loadgen import LoadConfig, LoadReport, run_load
+from kvhandoff.worker.natsserver import EmbeddedNats
 
 
 def main() -> None:
@@ -59,13 +59,13 @@ async def bench(
 ) -> list[LoadReport]:
     with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as tmp, EmbeddedNats() as server:
         worker = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "worker.cli", "run", "--nats-url", server.url,
+            sys.executable, "-m", "kvhandoff.worker.cli", "run", "--nats-url", server.url,
             "--db", str(Path(tmp) / "kvhandoff.db"), "--metrics-port", "0",
             "--log-level", "WARNING",
         )  # fmt: skip
         settings = NatsSettings(url=server.url)
-        bus = await Bus.connect(settings, "bench-engines")
-        engines = MockEngines(bus, EnginesConfig(model=EngineModel(speedup=speedup)))
+        connection = await Connection.open(settings, "bench-engines")
+        engines = MockEngines(connection, EnginesConfig(model=EngineModel(speedup=speedup)))
         try:
             await engines.start()
             # The load generator waits for the worker's input stream, so this also waits for
@@ -80,7 +80,7 @@ async def bench(
             return reports
         finally:
             await engines.stop()
-            await bus.close()
+            await connection.close()
             worker.terminate()
             await asyncio.wait_for(worker.wait(), 30)
 

@@ -61,13 +61,14 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
-from events.codec import encode  # noqa: E402
-from events.coordinator import HandoffCoordinator  # noqa: E402
-from events.messages import EngineType, HandoffCompletion, Input, StartHandoff  # noqa: E402
-from events.subjects import Subjects  # noqa: E402
-from worker.healthy import success_script  # noqa: E402
-from worker.planner import Planner  # noqa: E402
-from worker.store import Batch, EventLog  # noqa: E402
+from kvhandoff.events.codec import encode  # noqa: E402
+from kvhandoff.events.coordinator import HandoffCoordinator  # noqa: E402
+from kvhandoff.events.messages import EngineType, HandoffCompletion, Input, StartHandoff  # noqa: E402
+from kvhandoff.events.subjects import Subjects  # noqa: E402
+from kvhandoff.worker.clock import now_ms  # noqa: E402
+from kvhandoff.worker.healthy import success_script  # noqa: E402
+from kvhandoff.worker.planner import Planner  # noqa: E402
+from kvhandoff.worker.store import Batch, EventLog  # noqa: E402
 
 _SUBJECTS = Subjects()
 _DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out
@@ -161,13 +162,13 @@ async def _write(
             decoded = planner.decode(batch)
             missing = planner.missing(decoded)
             loaded = await log.load(missing) if missing else {}
-            now_ms = time.time_ns() // 1_000_000
-            plan = planner.plan(batch, decoded, loaded, now_ms, time.time())
+            now = now_ms()
+            plan = planner.plan(batch, decoded, loaded, now, time.time())
             plans += clock() - planning
             if plan.terms or plan.naks or plan.duplicates:
                 raise SystemExit(f"the traffic went wrong: {plan.reasons}")
             for handoff_id, seq in marks:
-                plan.batch.mark_published(handoff_id, seq, now_ms)
+                plan.batch.mark_published(handoff_id, seq, now)
             began = clock()
             await log.commit(plan.batch)
             commits.append(clock() - began)
@@ -175,7 +176,7 @@ async def _write(
         if marks:  # the last batch's marks, as the worker's drain commits them
             last = Batch()
             for handoff_id, seq in marks:
-                last.mark_published(handoff_id, seq, time.time_ns() // 1_000_000)
+                last.mark_published(handoff_id, seq, now_ms())
             await log.commit(last)
     finally:
         await log.close()

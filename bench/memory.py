@@ -51,7 +51,7 @@ from traffic import (
     scripted_handoff,
 )
 
-from worker.natsserver import EmbeddedNats
+from kvhandoff.worker.natsserver import EmbeddedNats
 
 _WAIT_S = 60.0  # the longest the worker may go without completing a handoff
 _FLUSH_EVERY = 2_000  # inputs published between flushes (and checks of how far ahead)
@@ -89,17 +89,17 @@ class Feeder:
         self.advanced = asyncio.Event()
         self.samples: list[Sample] = []
         self._began = time.perf_counter()
-        self._cpu0 = cpu_seconds(worker.process.pid) or 0.0
+        self._cpu0 = cpu_seconds(worker.pid) or 0.0
 
     async def on_done(self, _msg: Msg) -> None:
         self.completed += 1
         self.last_s = time.perf_counter() - self._began
         self.advanced.set()
         if self.completed % self._every == 0:
-            rss = resident_mb(self._worker.process.pid)
+            rss = resident_mb(self._worker.pid)
             if rss is None:
                 raise SystemExit("cannot read the worker's resident size (Linux only)")
-            cpu = cpu_seconds(self._worker.process.pid) or 0.0
+            cpu = cpu_seconds(self._worker.pid) or 0.0
             sample = Sample(self.completed, time.perf_counter() - self._began, rss, cpu,
                             load_average())  # fmt: skip
             self._print(sample)
@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rejections = worker.counter("kvhandoff_rejections_total")
             republished = worker.counter("kvhandoff_actions_republished_total")
         finally:
-            worker.stop()
+            worker.terminate()
         log_bytes = sum(p.stat().st_size for p in Path(scratch).glob("worker.sqlite3*"))
     samples = feeder.samples
     if feeder.completed != args.handoffs or rejections:

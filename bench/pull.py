@@ -41,9 +41,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 # holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.bus import Bus, Pull
-from worker.config import NatsSettings
-from worker.natsserver import EmbeddedNats
+from kvhandoff.worker.bus import Bus, Pull
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.natsserver import EmbeddedNats
 
 _STREAM = "BENCH_PULL"
 _SUBJECT = "bench.pull"

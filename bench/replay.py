@@ -54,12 +54,13 @@ import msgspec
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT))
 
-from events.codec import join_record  # noqa: E402
-from events.records import ActionRecord, InputRecord, LogRecord  # noqa: E402
-from events.replay import timeline  # noqa: E402
-from worker.commands.verify import verify_log  # noqa: E402
-from worker.logreader import HandoffLog, SqliteLog  # noqa: E402
-from worker.store import Batch, EventLog, HandoffRow  # noqa: E402
+from kvhandoff.events.codec import join_record  # noqa: E402
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord  # noqa: E402
+from kvhandoff.events.replay import timeline  # noqa: E402
+from kvhandoff.worker.commands.verify import verify_log  # noqa: E402
+from kvhandoff.worker.logreader import SqliteLog  # noqa: E402
+from kvhandoff.worker.rows import HandoffLog, HandoffRow  # noqa: E402
+from kvhandoff.worker.store import Batch, EventLog  # noqa: E402
 
 GOLDEN = _ROOT / "tests" / "tools" / "golden" / "v2" / "log.sqlite3"
 BARE_QUERY = "SELECT type, at_ms, record FROM events ORDER BY handoff_key, seq"

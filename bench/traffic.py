@@ -14,23 +14,18 @@ handoff's own inputs stay in order, and about `window` handoffs are open at a ti
 
 The rest is what the benches measure with: the load average, a process's CPU time and resident
 size from /proc, nearest-rank percentiles, and `WorkerChild`, `kvhandoff run` as a child process
-with its metrics endpoint read.
+(`worker.child`, which the demo and the tests share) with its metrics endpoint read.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import signal
 import sqlite3
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -39,9 +34,10 @@ from typing import TypeVar
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from events.codec import encode  # noqa: E402
-from events.coordinator import HandoffCoordinator  # noqa: E402
-from events.messages import (  # noqa: E402
+import kvhandoff.worker.child  # noqa: E402
+from kvhandoff.events.codec import encode  # noqa: E402
+from kvhandoff.events.coordinator import HandoffCoordinator  # noqa: E402
+from kvhandoff.events.messages import (  # noqa: E402
     Action,
     EngineType,
     HandoffCompletion,
@@ -49,17 +45,13 @@ from events.messages import (  # noqa: E402
     Role,
     StartHandoff,
 )
-from events.subjects import Subjects  # noqa: E402
-from worker.healthy import success_script  # noqa: E402
-from worker.natsserver import free_port  # noqa: E402
+from kvhandoff.events.subjects import Subjects  # noqa: E402
+from kvhandoff.worker.child import metric_sum  # noqa: E402
+from kvhandoff.worker.healthy import success_script  # noqa: E402
 
 SUBJECTS = Subjects()
 DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out
 T = TypeVar("T")
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def max_pending(batch_size: int) -> int:
@@ -188,75 +180,27 @@ def resident_mb(pid: int) -> float | None:
     return None
 
 
-class Child:
-    """A child process that is ready once `ready()` says so."""
-
-    def __init__(self, command: list[str], log_path: Path, ready: Callable[[], bool]) -> None:
-        self.log_path = log_path
-        with log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, cwd=ROOT, stdout=log,
-                                            stderr=subprocess.STDOUT)  # fmt: skip
-        deadline = time.monotonic() + 30
-        while not ready():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise SystemExit(f"{command[1:4]} did not start:\n{tail}")
-            time.sleep(0.05)  # readiness poll of a child process
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-class WorkerChild(Child):
-    """`kvhandoff run` with its defaults, on a fresh log, metrics on a free port."""
+class WorkerChild(kvhandoff.worker.child.WorkerChild):
+    """`kvhandoff run` with its defaults, on a fresh log, metrics on a free port: started (and
+    healthy) when made, as every bench wants it."""
 
     def __init__(self, url: str, scratch: Path, batch_size: int) -> None:
-        self.port = free_port()
-        command = [
-            sys.executable, "-m", "worker.cli", "run", "--nats-url", url,
-            "--db", str(scratch / "worker.sqlite3"), "--batch-size", str(batch_size),
-            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.port),
-        ]  # fmt: skip
-        super().__init__(command, scratch / "worker.log", self._healthy)
-
-    def _get(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
-            return bytes(r.read()).decode()
-
-    def _healthy(self) -> bool:
-        try:
-            self._get("/healthz")
-        except (urllib.error.URLError, OSError):
-            return False
-        return True
+        db = scratch / "worker.sqlite3"
+        super().__init__(url, db, "--batch-size", str(batch_size), cwd=ROOT)
+        self.start()
 
     def counter(self, name: str) -> float:
         """The sum of a metric's samples of that name, from /metrics."""
-        return self._sum(self._get("/metrics"), name)
+        return self.metric(name)
 
     def commits(self) -> tuple[float, float, float]:
         """Group commits so far, the inputs they held, and the seconds they took."""
-        text = self._get("/metrics")
+        text = self.metrics()
         return (
-            self._sum(text, "kvhandoff_commit_batch_size_count"),
-            self._sum(text, "kvhandoff_commit_batch_size_sum"),
-            self._sum(text, "kvhandoff_commit_seconds_sum"),
+            metric_sum(text, "kvhandoff_commit_batch_size_count"),
+            metric_sum(text, "kvhandoff_commit_batch_size_sum"),
+            metric_sum(text, "kvhandoff_commit_seconds_sum"),
         )
-
-    @staticmethod
-    def _sum(text: str, name: str) -> float:
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name) and line[len(name)] in " {":
-                total += float(line.rsplit(" ", 1)[1])
-        return total
 
 
 class RawLog:

@@ -40,9 +40,9 @@ from uuid import UUID
 import msgspec
 import msgspec.inspect as mi
 
-from events.errors import LogCorrupt
-from events.messages import Action, Input, Rejection
-from events.records import (
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.messages import Action, Input, Rejection
+from kvhandoff.events.records import (
     SCHEMA_VERSION,
     TYPE_CODES,
     VERBATIM,

@@ -18,9 +18,9 @@ from uuid import UUID
 
 import msgspec
 
-from events.coordinator import HandoffCoordinator
-from events.errors import InputRejected
-from events.messages import (
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.errors import InputRejected
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,

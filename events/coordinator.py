@@ -36,29 +36,62 @@ tell who holds the blocks), so that outcome is rejected rather than recorded.
 A terminal fact after a *successful* completion reopens cleanup: the destination still owns the
 request, so `CancelDestination` is issued and the handoff completes again as `canceled`.
 
+State
+-----
+The coordinator keeps what the reference keeps (the original Rust `HandoffCoordinatorCore`, see
+`tests/core/conformance/README.md`), grouped in the same four small records, beside its handoff
+id, order, mode and completion:
+
+- `ActionJournal`: whether the handoff started, the next action id, the issued actions and
+  the outcomes taken into account (cleared on completion: a reopened cleanup issues fresh ids);
+- `SourceProgress`: the prefill, from `SubmitPrefill` issued to its release or cancel;
+- `DestinationProgress`: the reservation, from `ReserveDestination` to activation or cancel;
+- `TransferProgress`: the one `StartTransfer`, and the delay it carries.
+
+`snapshot()` returns them, copied, in a frozen `CoordinatorState`; `events.replay` shows what each
+step changed as `record.field` (`source.held`, `journal.issued`).
+
 Invariants
 ----------
 - Atomicity: every check happens before the first mutation, so a rejected input raises
   `InputRejected` and leaves the coordinator exactly as it was. This is what makes the event
   log safe: only accepted inputs are logged, and replaying them rebuilds the same state.
+- Every entry point that is given an input checks its handoff id first: `handle` (any input)
+  and `on_fact`. An input for another handoff is rejected like any other, naming this handoff,
+  its state and the input, and changes nothing. `start()` and `on_action_outcome()` are the
+  reference's forms, which take no handoff id; `handle` is their checked form, and the one the
+  worker and replay use.
 - Action ids are 0, 1, 2, ... in issue order; each action is issued at most once, and at most
   one `StartTransfer` per handoff.
 - Determinism: the same inputs give the same actions and the same `snapshot()`.
 - The transfer delay is computed, and validated, by the fact that completes the source/destination
-  pair, before that fact is recorded: it is the only check that depends on both sides.
+  pair, before that fact is recorded: it is the only check that depends on both sides. A payload
+  and its flag (`held` and `transfer_timing`, `reserved` and `transferable_prompt_tokens`) are
+  written together, in one place each.
+
+Speed
+-----
+`handle` runs once per logged input, on the worker's hot path, so it avoids three CPython costs,
+each said where it is paid: enum members are read from module constants; handoff ids are
+compared as their 128-bit ints; and inputs and actions are told apart by exact type (`_APPLY`,
+the outcome checks), not by isinstance() or `match`, whose misses cost several times a hit on
+msgspec Structs. The records are msgspec Structs because they are built in C. The transitions
+themselves read as the reference's do; `bench/core.py` measures the whole.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from typing import assert_never
+from collections.abc import Callable
+from copy import copy
+from typing import Any
 
 from msgspec import Struct
 
-from events.errors import InputRejected
-from events.ids import HandoffId
-from events.messages import (
+from kvhandoff.events.errors import InputRejected
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import (
     Accepted,
     Action,
     ActionFailed,
@@ -140,37 +173,91 @@ class Waiting(Struct, frozen=True):
     action: Action | None = None
 
 
+# The four records are mutable: they are the coordinator's working state, changed in place on
+# every input. `snapshot()` copies them, so a `CoordinatorState` never changes after the fact.
+# gc=False: they hold flags, ids and frozen messages, never a reference cycle, so the collector
+# need not track them; that saves 2-4% of a handoff in `bench/core.py`.
+
+
+class ActionJournal(Struct, gc=False):
+    """The actions issued, and the outcomes the handoff took into account."""
+
+    started: bool = False
+    next_id: int = 0
+    #: Actions awaiting or holding an outcome, by action id, in issue order.
+    issued: dict[int, Action] = {}
+    #: The outcome taken into account for each answered action, by action id.
+    outcomes: dict[int, Outcome] = {}
+
+
+class SourceProgress(Struct, gc=False):
+    """The prefill on the source engine, from `SubmitPrefill` to its release or cancel."""
+
+    submit_issued: bool = False
+    submitted: bool = False
+    held: bool = False
+    #: What `SourceHeld` reported; set with `held`.
+    transfer_timing: HandoffTransferTiming | None = None
+    release_issued: bool = False
+    cancel_issued: bool = False
+    cleanup_done: bool = False
+
+
+class DestinationProgress(Struct, gc=False):
+    """The reservation on the destination engine, from `ReserveDestination` to activation or
+    cancel."""
+
+    reserve_issued: bool = False
+    accepted: bool = False
+    reserved: bool = False
+    #: What `DestinationReserved` reported; set with `reserved`.
+    transferable_prompt_tokens: int | None = None
+    activation_issued: bool = False
+    activation_applied: bool = False
+    cancel_issued: bool = False
+    cleanup_done: bool = False
+
+
+class TransferProgress(Struct, gc=False):
+    """The one KV transfer, from `StartTransfer` to `TransferCompleted`."""
+
+    issued: bool = False
+    scheduled: bool = False
+    completed: bool = False
+    #: Known once the source is held and the destination reserved, whichever came last.
+    delay_ms: float | None = None
+
+
 class CoordinatorState(Struct, frozen=True):
-    """A complete, deterministic snapshot of a coordinator: equal snapshots, equal futures."""
+    """A complete, deterministic snapshot of a coordinator: equal snapshots, equal futures.
+
+    The four records are copies that nothing else holds.
+    """
 
     handoff_id: HandoffId
     order: HandoffOrder
     fallback_delay_ms: float
     mode: Mode
     completion: HandoffCompletion | None
-    started: bool
-    next_action_id: int
-    issued: tuple[Action, ...]
-    outcomes: tuple[tuple[int, Outcome], ...]
-    source_submit_issued: bool
-    source_submitted: bool
-    source_held: bool
-    source_timing: HandoffTransferTiming | None
-    source_release_issued: bool
-    source_cancel_issued: bool
-    source_cleanup_done: bool
-    destination_reserve_issued: bool
-    destination_accepted: bool
-    destination_reserved: bool
-    destination_tokens: int | None
-    destination_activation_issued: bool
-    destination_activation_applied: bool
-    destination_cancel_issued: bool
-    destination_cleanup_done: bool
-    transfer_delay_ms: float | None
-    transfer_issued: bool
-    transfer_scheduled: bool
-    transfer_completed: bool
+    journal: ActionJournal
+    source: SourceProgress
+    destination: DestinationProgress
+    transfer: TransferProgress
+
+    # Shorthands for the three questions a driver (and the property tests) asks of a snapshot
+    # most: has the handoff started, is the source held, is the destination reserved.
+
+    @property
+    def started(self) -> bool:
+        return self.journal.started
+
+    @property
+    def source_held(self) -> bool:
+        return self.source.held
+
+    @property
+    def destination_reserved(self) -> bool:
+        return self.destination.reserved
 
 
 def transfer_delay_ms(
@@ -192,6 +279,9 @@ def transfer_delay_ms(
     return float(tokens) * float(bytes_per_token) / (bandwidth * 1e9) * 1000.0
 
 
+_FOREIGN = "input belongs to a different handoff"
+
+
 class HandoffCoordinator:
     """Coordinates one handoff. Feed it inputs; it returns the actions to carry out, in order.
 
@@ -201,32 +291,12 @@ class HandoffCoordinator:
 
     __slots__ = (
         "_completion",
-        "_destination_accepted",
-        "_destination_activation_applied",
-        "_destination_activation_issued",
-        "_destination_cancel_issued",
-        "_destination_cleanup_done",
-        "_destination_reserve_issued",
-        "_destination_reserved",
-        "_destination_tokens",
+        "_destination",
         "_fallback_delay_ms",
-        "_issued",
+        "_journal",
         "_mode",
-        "_next_action_id",
-        "_order",
-        "_outcomes",
-        "_source_cancel_issued",
-        "_source_cleanup_done",
-        "_source_held",
-        "_source_release_issued",
-        "_source_submit_issued",
-        "_source_submitted",
-        "_source_timing",
-        "_started",
-        "_transfer_completed",
-        "_transfer_delay_ms",
-        "_transfer_issued",
-        "_transfer_scheduled",
+        "_source",
+        "_transfer",
         "handoff_id",
         "order",
     )
@@ -241,31 +311,10 @@ class HandoffCoordinator:
         self._fallback_delay_ms = fallback_delay_ms
         self._mode = _ACTIVE
         self._completion: HandoffCompletion | None = None
-        self._started = False
-        self._next_action_id = 0
-        # Actions awaiting or holding an outcome. Cleared on completion, as in the reference:
-        # once complete, outcomes are ignored, and a reopened cleanup issues fresh ids.
-        self._issued: dict[int, Action] = {}
-        self._outcomes: dict[int, Outcome] = {}
-        self._source_submit_issued = False
-        self._source_submitted = False
-        self._source_held = False
-        self._source_timing: HandoffTransferTiming | None = None
-        self._source_release_issued = False
-        self._source_cancel_issued = False
-        self._source_cleanup_done = False
-        self._destination_reserve_issued = False
-        self._destination_accepted = False
-        self._destination_reserved = False
-        self._destination_tokens: int | None = None
-        self._destination_activation_issued = False
-        self._destination_activation_applied = False
-        self._destination_cancel_issued = False
-        self._destination_cleanup_done = False
-        self._transfer_delay_ms: float | None = None
-        self._transfer_issued = False
-        self._transfer_scheduled = False
-        self._transfer_completed = False
+        self._journal = ActionJournal()
+        self._source = SourceProgress()
+        self._destination = DestinationProgress()
+        self._transfer = TransferProgress()
 
     @classmethod
     def for_start(cls, command: StartHandoff) -> HandoffCoordinator:
@@ -288,7 +337,7 @@ class HandoffCoordinator:
 
     @property
     def next_action_id(self) -> int:
-        return self._next_action_id
+        return self._journal.next_id
 
     def outstanding(self) -> list[Action]:
         """Issued actions whose outcome the handoff still needs, in issue order.
@@ -297,8 +346,8 @@ class HandoffCoordinator:
         is superseded by its cancel, and carrying it out late (a driver retrying it) would take
         ownership that nothing would release.
         """
-        outcomes = self._outcomes
-        pending = [a for i, a in self._issued.items() if i not in outcomes]
+        outcomes = self._journal.outcomes
+        pending = [a for i, a in self._journal.issued.items() if i not in outcomes]
         if self._mode is _CLEANING_UP:
             return [a for a in pending if type(a) is CancelSource or type(a) is CancelDestination]
         return pending
@@ -308,11 +357,12 @@ class HandoffCoordinator:
         waits = [Waiting(role=a.executor, action=a) for a in self.outstanding()]
         if self._mode is not _ACTIVE:
             return waits
-        if self._source_submitted and not self._source_held:
+        source, destination, transfer = self._source, self._destination, self._transfer
+        if source.submitted and not source.held:
             waits.append(Waiting(role=Role.SOURCE, fact="source_held"))
-        if self._destination_accepted and not self._destination_reserved:
+        if destination.accepted and not destination.reserved:
             waits.append(Waiting(role=Role.DESTINATION, fact="destination_reserved"))
-        if self._transfer_scheduled and not self._transfer_completed:
+        if transfer.scheduled and not transfer.completed:
             waits.append(Waiting(role=Role.SOURCE, fact="transfer_completed"))
         return waits
 
@@ -320,7 +370,7 @@ class HandoffCoordinator:
         """A short human-readable state, as used in rejections: mode plus what it waits for."""
         if self._mode is _COMPLETE:
             return f"complete ({self._completion})"
-        if not self._started and not self._issued:
+        if not self._journal.started and not self._journal.issued:
             return f"{self._mode} (not started)"
         waits = [
             f"{w.action.__struct_config__.tag}#{w.action.action_id}" if w.action else str(w.fact)
@@ -329,35 +379,23 @@ class HandoffCoordinator:
         return f"{self._mode}, awaiting {', '.join(waits) or 'nothing'}"
 
     def snapshot(self) -> CoordinatorState:
+        journal = self._journal
         return CoordinatorState(
             handoff_id=self.handoff_id,
             order=self.order,
             fallback_delay_ms=self._fallback_delay_ms,
             mode=self._mode,
             completion=self._completion,
-            started=self._started,
-            next_action_id=self._next_action_id,
-            issued=tuple(self._issued[i] for i in sorted(self._issued)),
-            outcomes=tuple((i, self._outcomes[i]) for i in sorted(self._outcomes)),
-            source_submit_issued=self._source_submit_issued,
-            source_submitted=self._source_submitted,
-            source_held=self._source_held,
-            source_timing=self._source_timing,
-            source_release_issued=self._source_release_issued,
-            source_cancel_issued=self._source_cancel_issued,
-            source_cleanup_done=self._source_cleanup_done,
-            destination_reserve_issued=self._destination_reserve_issued,
-            destination_accepted=self._destination_accepted,
-            destination_reserved=self._destination_reserved,
-            destination_tokens=self._destination_tokens,
-            destination_activation_issued=self._destination_activation_issued,
-            destination_activation_applied=self._destination_activation_applied,
-            destination_cancel_issued=self._destination_cancel_issued,
-            destination_cleanup_done=self._destination_cleanup_done,
-            transfer_delay_ms=self._transfer_delay_ms,
-            transfer_issued=self._transfer_issued,
-            transfer_scheduled=self._transfer_scheduled,
-            transfer_completed=self._transfer_completed,
+            journal=ActionJournal(
+                started=journal.started,
+                next_id=journal.next_id,
+                issued=dict(journal.issued),
+                # In id order, whatever order the outcomes came in: equal states, equal bytes.
+                outcomes=dict(sorted(journal.outcomes.items())),
+            ),
+            source=copy(self._source),
+            destination=copy(self._destination),
+            transfer=copy(self._transfer),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -373,97 +411,100 @@ class HandoffCoordinator:
     # --- Inputs -------------------------------------------------------------------------
 
     def handle(self, message: Input) -> list[Action]:
-        """Apply any input: the one entry point the worker and replay use."""
+        """Apply any input, after checking that it is for this handoff: the one entry point
+        the worker and replay use."""
         # Comparing the 128-bit ints skips `UUID.__eq__`, a Python-level call, on every input.
         if message.handoff_id.int != self.handoff_id.int:
-            raise self._reject(message, "input belongs to a different handoff")
-        # isinstance() rather than `match`: outcomes are most inputs, and a class pattern with
-        # keyword sub-patterns costs several times an exact-type isinstance() hit.
-        if isinstance(message, ActionOutcome):
+            raise self._reject(message, _FOREIGN)
+        if type(message) is ActionOutcome:  # most inputs: straight to their method
             return self.on_action_outcome(message.action_id, message.outcome)
-        if isinstance(message, StartHandoff):
-            return self.start()
-        return self._on_fact(message)
+        return _APPLY[type(message)](self, message)
 
     def start(self) -> list[Action]:
         """Issue the first action of the handoff's order (once)."""
+        journal = self._journal
         # A handoff that a terminal fact already closed must not begin: nothing would ever
         # clean up the prefill or the reservation.
-        if self._started or self._mode is not _ACTIVE:
+        if journal.started or self._mode is not _ACTIVE:
             return []
-        self._started = True
+        journal.started = True
         if self.order is _SOURCE_FIRST:
-            return [self._issue_submit_prefill()]
-        return [self._issue_reserve_destination()]
+            self._source.submit_issued = True
+            return [self._issue(SubmitPrefill)]
+        self._destination.reserve_issued = True
+        return [self._issue(ReserveDestination)]
 
     def on_fact(self, fact: Fact) -> list[Action]:
+        """Apply a fact, after checking that it is for this handoff."""
         if fact.handoff_id.int != self.handoff_id.int:
-            raise self._reject(fact, "fact belongs to a different handoff")
-        return self._on_fact(fact)
+            raise self._reject(fact, _FOREIGN)
+        return _APPLY[type(fact)](self, fact)
 
-    def _on_fact(self, fact: Fact) -> list[Action]:
-        # The handoff id is already checked.
-        if self._mode is not _ACTIVE:
-            if (
-                self._completion is _SUCCESS
-                and self._mode is _COMPLETE
-                and isinstance(fact, Failed | TimedOut | Canceled)
-            ):
-                # The destination owns the request after a success; a late terminal fact
-                # means it must give it up again.
-                return self._begin_cleanup()
+    # One method per kind of input, found by `_APPLY`; the handoff id is checked already.
+
+    def _on_start(self, command: StartHandoff) -> list[Action]:
+        return self.start()
+
+    def _on_source_held(self, fact: SourceHeld) -> list[Action]:
+        source = self._source
+        if self._mode is not _ACTIVE or source.held:
             return []
-        match fact:
-            case SourceHeld(timing=timing):
-                if self._source_held:
-                    return []
-                if not self._source_submitted:
-                    raise self._premature(
-                        fact, "source held before prefill submission was acknowledged"
-                    )
-                bandwidth = timing.bandwidth_gb_s
-                if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth >= 0.0):
-                    raise self._reject(fact, f"invalid handoff transfer bandwidth {bandwidth}")
-                if self._destination_reserved:
-                    assert self._destination_tokens is not None
-                    self._transfer_delay_ms = self._checked_delay(
-                        fact, timing, self._destination_tokens
-                    )
-                self._source_held = True
-                self._source_timing = timing
-                return self._advance_active()
-            case DestinationReserved(transferable_prompt_tokens=tokens):
-                if self._destination_reserved:
-                    return []
-                if not self._destination_accepted:
-                    raise self._premature(
-                        fact, "destination reserved before ownership was accepted"
-                    )
-                if self._source_held:
-                    assert self._source_timing is not None
-                    self._transfer_delay_ms = self._checked_delay(fact, self._source_timing, tokens)
-                self._destination_reserved = True
-                self._destination_tokens = tokens
-                return self._advance_active()
-            case TransferCompleted():
-                if self._transfer_completed:
-                    return []
-                if not self._transfer_scheduled:
-                    raise self._premature(fact, "transfer completed before it was scheduled")
-                self._transfer_completed = True
-                return self._advance_active()
-            case Failed() | TimedOut() | Canceled():
-                return self._begin_cleanup()
-            case _:
-                assert_never(fact)
+        if not source.submitted:
+            raise self._premature(fact, "source held before prefill submission was acknowledged")
+        timing = fact.timing
+        bandwidth = timing.bandwidth_gb_s
+        if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth >= 0.0):
+            raise self._reject(fact, f"invalid handoff transfer bandwidth {bandwidth}")
+        # The pair is complete if the destination is reserved already.
+        tokens = self._destination.transferable_prompt_tokens
+        if tokens is not None:
+            self._transfer.delay_ms = self._checked_delay(fact, timing, tokens)
+        source.held = True
+        source.transfer_timing = timing
+        return self._advance_active()
+
+    def _on_destination_reserved(self, fact: DestinationReserved) -> list[Action]:
+        destination = self._destination
+        if self._mode is not _ACTIVE or destination.reserved:
+            return []
+        if not destination.accepted:
+            raise self._premature(fact, "destination reserved before ownership was accepted")
+        tokens = fact.transferable_prompt_tokens
+        # The pair is complete if the source is held already.
+        timing = self._source.transfer_timing
+        if timing is not None:
+            self._transfer.delay_ms = self._checked_delay(fact, timing, tokens)
+        destination.reserved = True
+        destination.transferable_prompt_tokens = tokens
+        return self._advance_active()
+
+    def _on_transfer_completed(self, fact: TransferCompleted) -> list[Action]:
+        transfer = self._transfer
+        if self._mode is not _ACTIVE or transfer.completed:
+            return []
+        if not transfer.scheduled:
+            raise self._premature(fact, "transfer completed before it was scheduled")
+        transfer.completed = True
+        return self._advance_active()
+
+    def _on_terminal(self, fact: Failed | TimedOut | Canceled) -> list[Action]:
+        if self._mode is _ACTIVE:
+            return self._begin_cleanup()
+        if self._mode is _COMPLETE and self._completion is _SUCCESS:
+            # The destination owns the request after a success; a late terminal fact means
+            # it must give it up again.
+            return self._begin_cleanup()
+        return []
 
     def on_action_outcome(self, action_id: int, outcome: Outcome) -> list[Action]:
+        """Apply an engine's answer to the action `action_id` of this handoff."""
         if self._mode is _COMPLETE:
             return []
-        action = self._issued.get(action_id)
+        journal = self._journal
+        action = journal.issued.get(action_id)
         if action is None:
             raise self._reject_outcome(action_id, outcome, f"unknown handoff action {action_id}")
-        previous = self._outcomes.get(action_id)
+        previous = journal.outcomes.get(action_id)
         if previous is not None:
             if previous != outcome:
                 raise self._reject_outcome(
@@ -476,28 +517,28 @@ class HandoffCoordinator:
                 raise self._reject_outcome(
                     action_id, outcome, f"handoff cleanup action {action_id} failed"
                 )
-            self._outcomes[action_id] = outcome
+            journal.outcomes[action_id] = outcome
             return self._begin_cleanup()
         if type(outcome) not in _ALLOWED_OUTCOMES[kind]:
             raise self._reject_outcome(
                 action_id, outcome, f"invalid handoff action outcome {type(outcome).__name__}"
             )
-        self._outcomes[action_id] = outcome
+        journal.outcomes[action_id] = outcome
         # What the acknowledgement achieved. Exact-type tests rather than `match`: a class
         # pattern is an isinstance() per miss, several times dearer on Struct types, and this
         # runs on every outcome.
         if kind is SubmitPrefill:
-            self._source_submitted = True
+            self._source.submitted = True
         elif kind is ReserveDestination:
-            self._destination_accepted = True
+            self._destination.accepted = True
         elif kind is StartTransfer:
-            self._transfer_scheduled = True
+            self._transfer.scheduled = True
         elif kind is ActivateDestination:
-            self._destination_activation_applied = True
+            self._destination.activation_applied = True
         elif kind is ReleaseSource or kind is CancelSource:
-            self._source_cleanup_done = True
+            self._source.cleanup_done = True
         elif kind is CancelDestination:
-            self._destination_cleanup_done = True
+            self._destination.cleanup_done = True
         else:  # pragma: no cover - `_ALLOWED_OUTCOMES` admits no outcome for Complete
             raise AssertionError(f"no outcome is allowed for {kind.__name__}")
         if self._mode is _ACTIVE:
@@ -508,28 +549,31 @@ class HandoffCoordinator:
 
     def _advance_active(self) -> list[Action]:
         # The progress rule: the first step whose preconditions hold and that was not issued.
-        source_held = self._source_held
-        destination_reserved = self._destination_reserved
+        source, destination, transfer = self._source, self._destination, self._transfer
         if self.order is _SOURCE_FIRST:
-            if source_held and not self._destination_reserve_issued:
-                return [self._issue_reserve_destination()]
-        elif destination_reserved and not self._source_submit_issued:
-            return [self._issue_submit_prefill()]
-        if source_held and destination_reserved and not self._transfer_issued:
-            self._transfer_issued = True
-            delay_ms = self._transfer_delay_ms
-            assert delay_ms is not None
-            action_id = self._take_id()
+            if source.held and not destination.reserve_issued:
+                destination.reserve_issued = True
+                return [self._issue(ReserveDestination)]
+        elif destination.reserved and not source.submit_issued:
+            source.submit_issued = True
+            return [self._issue(SubmitPrefill)]
+        # The delay is known exactly when the source is held and the destination reserved.
+        delay_ms = transfer.delay_ms
+        if delay_ms is not None and not transfer.issued:
+            transfer.issued = True
+            journal = self._journal
+            action_id = journal.next_id
+            journal.next_id = action_id + 1
             action = StartTransfer(self.handoff_id, action_id, delay_ms)
-            self._issued[action_id] = action
+            journal.issued[action_id] = action
             return [action]
-        if self._transfer_completed and not self._destination_activation_issued:
-            self._destination_activation_issued = True
+        if transfer.completed and not destination.activation_issued:
+            destination.activation_issued = True
             return [self._issue(ActivateDestination)]
-        if self._destination_activation_applied and not self._source_release_issued:
-            self._source_release_issued = True
+        if destination.activation_applied and not source.release_issued:
+            source.release_issued = True
             return [self._issue(ReleaseSource)]
-        if self._source_cleanup_done:
+        if source.cleanup_done:
             return [self._complete()]
         return []
 
@@ -538,61 +582,55 @@ class HandoffCoordinator:
         return self._advance_cleanup()
 
     def _advance_cleanup(self) -> list[Action]:
+        # The cleanup rule: cancel each side that was asked to take ownership and is not
+        # cleaned; complete once both are.
+        source, destination = self._source, self._destination
         actions: list[Action] = []
-        if (
-            self._source_submit_issued
-            and not self._source_cancel_issued
-            and not self._source_cleanup_done
-        ):
-            self._source_cancel_issued = True
+        if source.submit_issued and not source.cancel_issued and not source.cleanup_done:
+            source.cancel_issued = True
             actions.append(self._issue(CancelSource))
         if (
-            self._destination_reserve_issued
-            and not self._destination_cancel_issued
-            and not self._destination_cleanup_done
+            destination.reserve_issued
+            and not destination.cancel_issued
+            and not destination.cleanup_done
         ):
-            self._destination_cancel_issued = True
+            destination.cancel_issued = True
             actions.append(self._issue(CancelDestination))
         if (
             not actions
-            and (not self._source_submit_issued or self._source_cleanup_done)
-            and (not self._destination_reserve_issued or self._destination_cleanup_done)
+            and (not source.submit_issued or source.cleanup_done)
+            and (not destination.reserve_issued or destination.cleanup_done)
         ):
             actions.append(self._complete())
         return actions
-
-    def _issue_submit_prefill(self) -> Action:
-        self._source_submit_issued = True
-        return self._issue(SubmitPrefill)
-
-    def _issue_reserve_destination(self) -> Action:
-        self._destination_reserve_issued = True
-        return self._issue(ReserveDestination)
 
     def _complete(self) -> Action:
         completion = _CANCELED if self._mode is _CLEANING_UP else _SUCCESS
         self._completion = completion
         self._mode = _COMPLETE
-        self._issued = {}
-        self._outcomes = {}
-        return Complete(self.handoff_id, self._take_id(), completion)
-
-    def _take_id(self) -> int:
-        action_id = self._next_action_id
-        self._next_action_id = action_id + 1
-        return action_id
+        journal = self._journal
+        action_id = journal.next_id
+        journal.next_id = action_id + 1
+        # As in the reference: once complete, outcomes are ignored, and a reopened cleanup
+        # issues fresh ids.
+        journal.issued = {}
+        journal.outcomes = {}
+        return Complete(self.handoff_id, action_id, completion)
 
     def _issue(self, kind: type[_PlainAction]) -> Action:
         """Issue an action that carries nothing but its ids, and await its outcome."""
-        action_id = self._next_action_id
-        self._next_action_id = action_id + 1
+        journal = self._journal
+        action_id = journal.next_id
+        journal.next_id = action_id + 1
         action = kind(self.handoff_id, action_id)
-        self._issued[action_id] = action
+        journal.issued[action_id] = action
         return action
 
     # --- Rejections ---------------------------------------------------------------------
 
     def _checked_delay(self, fact: Fact, timing: HandoffTransferTiming, tokens: int) -> float:
+        """The transfer delay, once `fact` completes the source/destination pair; rejects
+        `fact` if that delay is not finite and >= 0."""
         delay = transfer_delay_ms(timing, tokens, self._fallback_delay_ms)
         if not (math.isfinite(delay) and delay >= 0.0):
             raise self._reject(fact, f"invalid handoff transfer delay {delay}")
@@ -610,3 +648,17 @@ class HandoffCoordinator:
         return InputRejected(
             self.handoff_id, self.describe(), f"outcome {outcome!r} for action {action_id}", reason
         )
+
+
+# Each kind of input and the method that applies it, looked up by exact type: inputs are final
+# msgspec Structs, and on CPython 3.11 an isinstance() or class pattern that misses costs about
+# six times this lookup. `handle` takes outcomes, most inputs, before it looks.
+_APPLY: dict[type[Input], Callable[[HandoffCoordinator, Any], list[Action]]] = {
+    StartHandoff: HandoffCoordinator._on_start,
+    SourceHeld: HandoffCoordinator._on_source_held,
+    DestinationReserved: HandoffCoordinator._on_destination_reserved,
+    TransferCompleted: HandoffCoordinator._on_transfer_completed,
+    Failed: HandoffCoordinator._on_terminal,
+    TimedOut: HandoffCoordinator._on_terminal,
+    Canceled: HandoffCoordinator._on_terminal,
+}

@@ -2,8 +2,17 @@
 
 HandoffError
 ├── InputRejected       an input the coordinator refused; the coordinator is unchanged
+│                       (events.coordinator)
 ├── ReplayDivergence    a logged action differs from the one the coordinator re-derives
-└── LogCorrupt          a stored record cannot be decoded or upcast
+│                       (events.replay)
+└── LogCorrupt          a stored record cannot be decoded or upcast, or a log breaks the
+                        replay's rules (events.codec, events.replay)
+
+The core reads no files: `LogCorrupt` is about records and their order, whoever stored them.
+What surrounds records in the worker's storage (a SQLite file, its rows, the JSONL export
+format) is the worker's to judge, as `worker.errors.StoreCorrupt`. A `TypeError` or
+`ValueError` from the core is a bug in its caller (a value that no decoder would have let
+through), not a condition to handle.
 """
 
 from __future__ import annotations

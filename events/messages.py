@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from msgspec import Struct
 
-from events.ids import (
+from kvhandoff.events.ids import (
     ActionId,
     BandwidthGBs,
     ByteCount,

@@ -25,7 +25,7 @@ from typing import Final
 
 from msgspec import Struct
 
-from events.messages import Action, Input
+from kvhandoff.events.messages import Action, Input
 
 SCHEMA_VERSION = 1
 

@@ -14,8 +14,9 @@ re-derives the step's actions beside the logged ones. Four entry points read a l
   step whose re-derived actions are not the logged ones (what the worker's recovery uses: a
   coordinator change that no longer matches the log is an error, not a silent adoption).
 - `timeline`: one `Step` per logged input, as data: the input, which fields of the
-  coordinator's `CoordinatorState` it changed, the actions the current coordinator derives and
-  the actions that were logged; `until` stops after a given step and keeps the full state there.
+  coordinator's `CoordinatorState` it changed (a field of one of its four records is named
+  `record.field`, such as `source.held`), the actions the current coordinator derives and the
+  actions that were logged; `until` stops after a given step and keeps the full state there.
 - `find_divergence` / `verify`: re-derive every action and compare it with the logged one
   (kind, action id, every field, order). The first step where they differ is a `Divergence`,
   returned as data or raised as `ReplayDivergence`. This is the check that makes a coordinator
@@ -42,11 +43,11 @@ from uuid import UUID
 import msgspec
 from msgspec import Struct
 
-from events.codec import decode_record, encode_record, input_digest
-from events.coordinator import CoordinatorState, HandoffCoordinator, Waiting
-from events.errors import InputRejected, LogCorrupt, ReplayDivergence
-from events.messages import Action, Input, StartHandoff
-from events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.codec import decode_record, encode_record, input_digest
+from kvhandoff.events.coordinator import CoordinatorState, HandoffCoordinator, Waiting
+from kvhandoff.events.errors import InputRejected, LogCorrupt, ReplayDivergence
+from kvhandoff.events.messages import Action, Input, StartHandoff
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
 
 #: One entry of a handoff's log: its sequence number and the decoded record.
 LoggedRecord = tuple[int, LogRecord]
@@ -130,7 +131,8 @@ def rebuild(log: Iterable[LoggedRecord]) -> tuple[StartHandoff, HandoffCoordinat
 
 
 class Change(Struct, frozen=True):
-    """One field of `CoordinatorState` that a step changed."""
+    """One field of `CoordinatorState` that a step changed: `mode`, say, or `source.held` for a
+    field of one of its records."""
 
     field: str
     before: Any
@@ -168,17 +170,22 @@ class Timeline(Struct, frozen=True):
 
 
 def diff(before: CoordinatorState, after: CoordinatorState) -> tuple[Change, ...]:
-    """The fields of the state that differ, in declaration order."""
-    return tuple(
-        Change(name, old, new)
-        for name, old, new in zip(
-            _STATE_FIELDS,
-            msgspec.structs.astuple(before),
-            msgspec.structs.astuple(after),
-            strict=True,
-        )
-        if old != new
-    )
+    """The fields of the state that differ, in declaration order; within a record that
+    differs, each of its fields that does, as `record.field`."""
+    astuple = msgspec.structs.astuple
+    changes: list[Change] = []
+    for name, old, new in zip(_STATE_FIELDS, astuple(before), astuple(after), strict=True):
+        if old == new:
+            continue
+        if not isinstance(old, Struct):
+            changes.append(Change(name, old, new))
+            continue
+        # One of the four records: each of its fields that changed.
+        fields = old.__struct_fields__
+        for field, o, n in zip(fields, astuple(old), astuple(new), strict=True):
+            if o != n:
+                changes.append(Change(f"{name}.{field}", o, n))
+    return tuple(changes)
 
 
 def timeline(log: Iterable[LoggedRecord], *, until: int | None = None) -> Timeline:

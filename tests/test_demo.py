@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from worker.loadgen import LoadReport
+from kvhandoff.worker.loadgen import LoadReport
 
 
 def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
@@ -18,7 +18,7 @@ def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
     # The demo keeps its logs in a fresh temporary folder; keep that inside tmp_path.
     environment = {**os.environ, "TMPDIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "demo", "--quiet",
+        [sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--quiet",
          "--json", str(report_path), "--db", str(db)],
         capture_output=True, text=True, timeout=600, check=False, env=environment,
     )  # fmt: skip
@@ -41,7 +41,7 @@ def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
     command = replay.split(":", 1)[1].split()
     assert command[:3] == ["kvhandoff", "replay", str(db)]
     shown = subprocess.run(
-        [sys.executable, "-m", "worker.cli", *command[1:]],
+        [sys.executable, "-m", "kvhandoff.worker.cli", *command[1:]],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr

@@ -1,6 +1,7 @@
 """The dependency rules, checked on the source: the core imports only the standard library and
 msgspec; the log and the bus never import each other; `worker.bus` is the one module of the
-worker (and of the load benchmark) that imports nats; the offline commands never reach nats.
+worker, the client (and the load benchmark) that imports nats; the client reaches the worker
+only through the bus and its settings; the offline commands never reach nats.
 
 Imports are read with `ast`, not by importing, so a rule holds for every import statement,
 including those inside functions that a test run might never execute. One check imports for
@@ -21,17 +22,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("events", "worker")
+# The folders that install as kvhandoff.<folder> (through the links in kvhandoff/).
+FOLDERS = ("events", "worker", "client")
 
 # The commands that read the log file alone, and the reader they share.
 OFFLINE_COMMANDS = [
-    f"worker.commands.{name}"
+    f"kvhandoff.worker.commands.{name}"
     for name in ("list", "stuck", "replay", "verify", "export", "compact", "conformance", "schema")
 ]
-OFFLINE = [*OFFLINE_COMMANDS, "worker.logreader"]
+OFFLINE = [*OFFLINE_COMMANDS, "kvhandoff.worker.logreader"]
 # The one module that talks to nats-py: connecting, the barrier, durable publishing and the pull
 # exist once, and every nats-py error is translated there.
-NATS_SEAM = "worker.bus"
+NATS_SEAM = "kvhandoff.worker.bus"
+# What the client may use of the worker: the NATS seam, the settings it connects with, and the
+# errors it translates. Never the log, the service or the commands.
+CLIENT_MAY_IMPORT = {NATS_SEAM, "kvhandoff.worker.config", "kvhandoff.worker.errors"}
 
 
 @dataclass(frozen=True)
@@ -49,11 +54,15 @@ class Import:
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(["kvhandoff", *parts] if parts[0] in FOLDERS else parts)
 
 
 def source_file(module: str) -> Path | None:
-    base = ROOT.joinpath(*module.split("."))
+    parts = module.split(".")
+    if parts[0] == "kvhandoff" and len(parts) > 1:
+        parts = parts[1:]  # the folder the link kvhandoff/<folder> points to
+    base = ROOT.joinpath(*parts)
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():
             return candidate
@@ -117,6 +126,12 @@ def top(name: str) -> str:
     return name.partition(".")[0]
 
 
+def package(name: str) -> str:
+    """What a module belongs to: `kvhandoff.<folder>` for ours, else its top-level name."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "kvhandoff" else parts[0]
+
+
 def violations(modules: list[str], forbidden: set[str]) -> Iterator[str]:
     """Imports of a forbidden module or package (`worker.bus` forbids `worker.bus.x` too)."""
     for module in modules:
@@ -127,49 +142,85 @@ def violations(modules: list[str], forbidden: set[str]) -> Iterator[str]:
 
 def test_the_module_discovery_sees_the_code() -> None:
     # Guards the other tests against passing vacuously on an empty or misread tree.
-    assert {"events", "events.coordinator", "events.codec"} <= set(modules_of("events"))
-    assert {"worker.store", "worker.bus", "worker.commands.run"} <= set(modules_of("worker"))
+    assert {"kvhandoff.events", "kvhandoff.events.coordinator", "kvhandoff.events.codec"} <= set(
+        modules_of("events")
+    )
+    assert {
+        "kvhandoff.worker.store",
+        "kvhandoff.worker.bus",
+        "kvhandoff.worker.commands.run",
+    } <= set(modules_of("worker"))
     # The users of the bus that once had their own nats-py code.
     assert {
-        "worker.engines",
-        "worker.loadgen",
-        "worker.testing",
-        "worker.commands.engines",
-        "worker.commands.demo",
+        "kvhandoff.worker.engines",
+        "kvhandoff.worker.loadgen",
+        "kvhandoff.worker.testing",
+        "kvhandoff.worker.commands.engines",
+        "kvhandoff.worker.commands.demo",
     } <= set(modules_of("worker"))
     assert source_file("bench.load") is not None
-    assert any(top(i.module) == "nats" for i in imports_of("worker.bus"))
-    assert any(i.module == "worker.store" for i in imports_of("worker.commands.run"))
+    assert any(top(i.module) == "nats" for i in imports_of("kvhandoff.worker.bus"))
+    assert any(
+        i.module == "kvhandoff.worker.store" for i in imports_of("kvhandoff.worker.commands.run")
+    )
 
 
 def test_the_core_imports_only_the_standard_library_and_msgspec() -> None:
-    allowed = set(sys.stdlib_module_names) | {"msgspec", "events"}
+    allowed = set(sys.stdlib_module_names) | {"msgspec", "kvhandoff.events"}
     bad = [
-        f"{imp}: events/ may import only the standard library, msgspec and events.*"
+        f"{imp}: events/ may import only the standard library, msgspec and kvhandoff.events.*"
         for module in modules_of("events")
         for imp in imports_of(module)
-        if top(imp.module) not in allowed
+        if package(imp.module) not in allowed
     ]
     assert not bad, "\n".join(bad)
 
 
 def test_the_core_never_imports_the_worker() -> None:
-    bad = list(violations(modules_of("events"), {"worker"}))
-    assert not bad, "the core must not depend on the IO shell:\n" + "\n".join(bad)
+    bad = list(violations(modules_of("events"), {"kvhandoff.worker", "kvhandoff.client"}))
+    assert not bad, "the core must not depend on the IO shell or the client:\n" + "\n".join(bad)
+
+
+def test_the_client_imports_the_core_and_of_the_worker_only_the_bus() -> None:
+    assert {"kvhandoff.client", "kvhandoff.client.engine", "kvhandoff.client.frontend"} <= set(
+        modules_of("client")
+    )
+    allowed = set(sys.stdlib_module_names) | {"msgspec", "kvhandoff.events", "kvhandoff.client"}
+    bad = [
+        f"{imp}: client/ may import the standard library, msgspec, events.* and, of the "
+        f"worker, only {', '.join(sorted(CLIENT_MAY_IMPORT))}"
+        for module in modules_of("client")
+        for imp in imports_of(module)
+        if package(imp.module) not in allowed and imp.module not in CLIENT_MAY_IMPORT
+    ]
+    assert not bad, "\n".join(bad)
 
 
 def test_the_log_and_the_bus_never_import_each_other() -> None:
     bad = [
-        *violations(["worker.store", "worker.schema"], {"worker.bus", "nats"}),
-        *violations(["worker.bus"], {"worker.store", "worker.schema", "aiosqlite"}),
+        *violations(
+            ["kvhandoff.worker.store", "kvhandoff.worker.schema"], {"kvhandoff.worker.bus", "nats"}
+        ),
+        *violations(
+            ["kvhandoff.worker.bus"],
+            {"kvhandoff.worker.store", "kvhandoff.worker.schema", "aiosqlite"},
+        ),
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_the_mock_engines_and_the_load_generator_use_the_client_not_the_bus() -> None:
+    # They are the client's first users: an engine or a frontend needs nothing else.
+    users = [m for m in modules_of("worker") if m.startswith("kvhandoff.worker.engines")]
+    assert "kvhandoff.worker.engines.host" in users
+    bad = list(violations([*users, "kvhandoff.worker.loadgen"], {NATS_SEAM, "nats"}))
+    assert not bad, "go through client.Connection:\n" + "\n".join(bad)
 
 
 def test_only_the_nats_seam_imports_nats() -> None:
     # bench.load drives the worker as a user would; bench.pull and bench.drain set
     # nats-py itself beside the bus as their baseline.
-    users = [*modules_of("worker"), "bench.load"]
+    users = [*modules_of("worker"), *modules_of("client"), "bench.load"]
     bad = [
         f"{imp}: only {NATS_SEAM} may import nats; go through worker.bus.Bus"
         for module in users
@@ -197,7 +248,7 @@ def path_to(start: str, target: str) -> list[Import] | None:
                 continue
             if top(imp.module) == target:
                 return [*chain, imp]
-            if top(imp.module) not in PACKAGES:
+            if top(imp.module) != "kvhandoff":
                 continue
             for name in with_packages(imp.module):
                 if name not in seen and source_file(name) is not None:
@@ -262,7 +313,7 @@ def test_importing_the_offline_modules_leaves_nats_unloaded() -> None:
 
 
 def test_importing_the_core_loads_no_driver() -> None:
-    assert_load_no({"nats", "aiosqlite", "sqlite3"}, ["events"])
+    assert_load_no({"nats", "aiosqlite", "sqlite3"}, ["kvhandoff.events"])
     assert_load_no({"nats", "aiosqlite", "sqlite3"}, modules_of("events"))
 
 
@@ -271,3 +322,10 @@ def test_the_benches_are_programs_that_import_no_tests() -> None:
     assert {"bench.drain", "bench.hops", "bench.log_size"} <= set(benches)
     bad = [str(imp) for imp in violations(benches, {"tests"})]
     assert not bad, "a bench imports test code:\n" + "\n".join(bad)
+
+
+def test_everything_loads_under_the_one_kvhandoff_name() -> None:
+    # A downstream project has its own `worker` or `events` very likely: ours must never
+    # be loaded under those names, whatever imports what.
+    ours = [m for folder in FOLDERS for m in modules_of(folder) if m != "kvhandoff.worker.testing"]
+    assert_load_no(set(FOLDERS), ours)

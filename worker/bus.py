@@ -3,8 +3,10 @@
 Nothing else imports nats-py (tests/test_layering.py checks it), so connecting, the publish
 barrier, durable publishing and pulling from JetStream exist once, and every nats-py error is
 translated to `BusError` here and nowhere else, `Inbound.ack`, `term` and `nak` included. The
-worker consumes its input stream and publishes actions; the mock engines, the load generator,
-the demo and the benchmarks subscribe, publish and gather reports with the same `Bus`.
+worker consumes its input stream and publishes actions; the client library (`client/`: engines
+and frontends, and through it the mock engines and the load generator), the demo and the
+benchmarks subscribe, publish, read the completion stream and gather reports with the same
+`Bus`.
 
 Connecting. nats-py's connect loop retries forever when told to reconnect forever (which every
 long-lived process here must, to outlive NATS restarts), even when the server refuses our
@@ -164,8 +166,9 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from worker.config import NatsSettings
-from worker.errors import (
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import (
     BusError,
     BusRefused,
     ConfigError,
@@ -358,7 +361,7 @@ class LeaseHolder(msgspec.Struct, frozen=True):
             pid=os.getpid(),
             db=str(db_path.resolve()),
             instance=uuid.uuid4().hex,
-            since_ms=time.time_ns() // 1_000_000,
+            since_ms=now_ms(),
         )
 
     def succeeds(self, other: LeaseHolder) -> bool:
@@ -992,6 +995,7 @@ class Bus:
         self._barrier_count = itertools.count()
         # JetStream acks of durable publishes not yet awaited; `flush` awaits them.
         self._unconfirmed: list[asyncio.Future[Any]] = []
+        self._reconnect_listeners: list[Callable[[], None]] = []
 
     async def _start(self) -> None:
         await self._nc.subscribe(self._barrier_subject, cb=self._on_barrier)
@@ -1004,6 +1008,13 @@ class Bus:
     def _reconnected(self) -> None:
         for pull in self._pulls:
             pull.reset()
+        for listener in self._reconnect_listeners:
+            listener()
+
+    def on_reconnect(self, listener: Callable[[], None]) -> None:
+        """Call `listener` after every reconnect, once nats-py has subscribed again: a core
+        message published while we were away is lost, and what a stream kept can be read."""
+        self._reconnect_listeners.append(listener)
 
     @classmethod
     async def connect(cls, settings: NatsSettings, name: str) -> Bus:
@@ -1095,6 +1106,9 @@ class Bus:
         replies: asyncio.Queue[bytes] = asyncio.Queue()
 
         async def collect(msg: Msg) -> None:
+            # The server's own status message (503: nobody listens on `subject`) is no reply.
+            if not msg.data and msg.headers and _STATUS in msg.headers:
+                return
             replies.put_nowait(msg.data)
 
         inbox = self._nc.new_inbox()
@@ -1161,6 +1175,19 @@ class Bus:
                 raise BusError(f"durable publish to {subject} failed: {_why(exc)}") from exc
             await asyncio.sleep(backoff_s)
             backoff_s = min(2 * backoff_s, _PUBLISH_BACKOFF_S[1])
+
+    async def get_last_msg(self, stream: str, subject: str) -> bytes | None:
+        """The last message `stream` keeps on `subject`, or None if it keeps none there (or
+        there is no such stream yet)."""
+        try:
+            message = await self._js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(
+                f"reading the last message on {subject} of {stream}: {_why(exc)}"
+            ) from exc
+        return message.data or b""
 
     async def publish_stored(self, subject: str, payload: bytes) -> None:
         """JetStream publish whose ack the next `flush` awaits: many can be in flight at once."""

@@ -32,7 +32,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            module = importlib.import_module(f"worker.commands.{module_name}")
+            module = importlib.import_module(f"kvhandoff.worker.commands.{module_name}")
             module.configure(command)
             command.set_defaults(execute=module.execute)
     return parser

@@ -16,26 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from worker.errors import ConfigError
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in '250ms', '30s', '5m', '2h', '7d' or a bare number of seconds."""
-    match = _DURATION.match(text)
-    if match is None:
-        raise ConfigError(f"not a duration: {text!r} (try 30s, 5m, 2h, 7d)")
-    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-
-
-def _duration_arg(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
+from kvhandoff.worker.clock import DURATION_HELP, duration_arg
+from kvhandoff.worker.errors import ConfigError
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -194,7 +176,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_arguments(parser)
     env = os.environ
     defaults = WorkerConfig(nats=NatsSettings(), db_path=Path("kvhandoff.db"))
-    group = parser.add_argument_group("worker")
+    group = parser.add_argument_group("worker", f"DURATION is {DURATION_HELP}.")
     group.add_argument(
         "--db",
         type=Path,
@@ -220,7 +202,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--completion-ttl",
-        type=_duration_arg,
+        type=duration_arg,
+        metavar="DURATION",
         default=env.get("KVHANDOFF_COMPLETION_TTL", "1h"),
         help="how long the completion stream keeps a completion "
         "(env KVHANDOFF_COMPLETION_TTL; default %(default)s)",
@@ -229,14 +212,16 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most inputs per group commit (default %(default)s)")  # fmt: skip
     group.add_argument(
         "--retry-interval",
-        type=_duration_arg,
+        type=duration_arg,
+        metavar="DURATION",
         default=env.get("KVHANDOFF_RETRY_INTERVAL", f"{defaults.retry_interval_s}s"),
         help="republish an action with no outcome after this long "
         "(env KVHANDOFF_RETRY_INTERVAL; default %(default)s)",
     )
     group.add_argument(
         "--ack-wait",
-        type=_duration_arg,
+        type=duration_arg,
+        metavar="DURATION",
         default=f"{defaults.ack_wait_s}s",
         help="JetStream redelivers an input not acknowledged in this time",
     )
@@ -248,7 +233,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--retention",
-        type=_duration_arg,
+        type=duration_arg,
+        metavar="DURATION",
         default=env.get("KVHANDOFF_RETENTION"),
         help="delete completed handoffs older than this, hourly (env KVHANDOFF_RETENTION)",
     )

@@ -1,20 +1,31 @@
 """The worker's exceptions, rooted at one class. Driver errors (nats, sqlite) are translated
-into these at exactly one seam per adapter, with `raise ... from exc`.
+into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's in
+`worker.store` (the writer) and `worker.logreader` (the offline reader), nats-py's in
+`worker.bus`. What the core raises (`events.errors`) passes through the worker as it is.
 
     WorkerError
-    ├── ConfigError        invalid configuration, reported at start
-    ├── StoreError         the SQLite event log failed (translated in worker.store)
+    ├── ConfigError        a setting or a command's argument that cannot work, reported at start
+    ├── StoreError         the event log could not be read or written
+    │   ├── StoreCorrupt   a log file, a row of it or an export that this build cannot read
     │   ├── StoreConflict  a second writer appended the same (handoff, sequence)
     │   └── StoreLocked    another worker holds the log's writer lock
-    ├── BusError           NATS / JetStream failed (translated in worker.bus)
+    ├── BusError           NATS / JetStream failed
     │   ├── BusRefused     NATS refused our credentials or TLS: retrying cannot help
     │   ├── LeaseHeld      another worker holds the lease on the stream's consumer
     │   ├── PinMismatch    another client holds the pin of a consumer's priority group
     │   ├── Fenced         a compare-and-set append found that another writer appended first
     │   └── PartitionsMismatch  the input stream was created with another partition count
     ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
+    ├── ChildError         a process we started (`worker.child`) did not come up
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.testing)
+
+Who handles what apart: `kvhandoff run` exits 2 on `ConfigError`, `StoreLocked`, `BusRefused`,
+`LeaseHeld` and `LogDiverges` (retrying cannot help), 1 on any other `StoreError` or `BusError`
+at start. Once running, the worker retries a failed commit after rebuilding its handoffs from
+the log, `StoreConflict` included (the log then holds the other writer's events); a handoff
+whose row or record is `StoreCorrupt` or `LogCorrupt` is quarantined, not the whole load. The
+offline commands print any `WorkerError` or `events.errors.HandoffError` as one line, exit 2.
 """
 
 from __future__ import annotations
@@ -25,11 +36,19 @@ class WorkerError(Exception):
 
 
 class ConfigError(WorkerError):
-    """Configuration that cannot work; the message says which setting and why."""
+    """Configuration or a command's arguments that cannot work; the message says which setting
+    or argument, and why."""
 
 
 class StoreError(WorkerError):
     """The event log could not be read or written."""
+
+
+class StoreCorrupt(StoreError):
+    """The log holds what this build cannot read around its records: a file that is not a log
+    of a layout it reads, a `handoffs` row with a bad column, an export that is not one or is
+    of a newer format. (A record that does not decode is the core's `LogCorrupt`.) The message
+    names the file or the handoff."""
 
 
 class StoreConflict(StoreError):
@@ -76,6 +95,11 @@ class PartitionsMismatch(BusError):
     """The input stream exists with another partition count than this worker was started
     with; partitions are fixed when the stream is created, so the worker refuses to start
     (exit 2). The message names the stream and both counts."""
+
+
+class ChildError(WorkerError):
+    """A child process (`kvhandoff run`, the mock engines) exited or was not ready in time; the
+    message names it and where its output went."""
 
 
 class NatsServerError(WorkerError):

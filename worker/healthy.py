@@ -5,7 +5,7 @@ model capacity and faults on top of the same answers)."""
 
 from __future__ import annotations
 
-from events.messages import (
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     SCHEDULED,

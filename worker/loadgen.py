@@ -9,16 +9,17 @@ The model
   round(cancel_share * handoffs) of them, a frontend cancel after a uniform random 0 to
   cancel_within_ms. Handoff ids are fresh uuid4s whatever the seed: the worker de-duplicates
   inputs durably, so a second run must never reuse an id.
-- It subscribes to `<prefix>.done.>` and `<prefix>.rejected.>` before it publishes anything, so
-  no `Complete` can slip past it. Inputs are stored with JetStream (`Bus.publish_durable`),
-  retried while the input stream does not exist yet.
+- It is a frontend written with the client (`client.Frontend`): subscribed to every `Complete`
+  and `Rejection` before it starts anything, so no `Complete` can slip past it, and reading
+  the completion stream after a reconnect. Inputs are stored with JetStream, retried while the
+  input stream does not exist yet.
 - Pacing is a closed loop (`concurrency` handoffs open at once; the next starts when one ends)
   or, when `rate_per_s` is set, an open loop (starts at that rate however many are open).
-- A handoff ends at its first `Complete`: completed (success) or canceled (any cleanup: a
-  frontend cancel, an engine failure, the worker's deadline). It is rejected if the worker
-  rejects its `StartHandoff`, and timed out if neither happens within `wait_timeout_s` (by
-  default the worker's deadline plus 30 s). A frontend cancel whose handoff already ended is
-  not sent.
+- A handoff ends where `Frontend.wait` returns: at its first `Complete`, completed (success) or
+  canceled (any cleanup: a frontend cancel, an engine failure, the worker's deadline). It is
+  rejected if the worker rejects its `StartHandoff` (`HandoffRejected`), and timed out if
+  neither happens within `wait_timeout_s` (by default the worker's deadline plus 30 s). A
+  frontend cancel whose handoff already saw a `Complete` is not sent.
 - A handoff whose frontend cancel went out ends only at its `Complete(canceled)`. A `Canceled`
   fact always ends in one (events/coordinator.py): during the handoff it starts the cleanup;
   after a success, which may have been on its way while the cancel was, it reopens the cleanup
@@ -53,21 +54,26 @@ from dataclasses import dataclass, field
 import msgspec
 from msgspec import Struct
 
-from events.codec import decode_action, decode_input, decode_rejection, encode
-from events.ids import MAX_TIMER_MS, HandoffId
-from events.messages import (
-    Canceled,
+from kvhandoff.client import (
+    BusUnavailable,
+    CompletionTimeout,
+    Connection,
+    Frontend,
+    HandoffRejected,
+)
+from kvhandoff.events.ids import MAX_TIMER_MS, HandoffId
+from kvhandoff.events.messages import (
     Complete,
     EngineType,
     HandoffCompletion,
     Input,
+    Rejection,
     StartHandoff,
 )
-from events.subjects import Subjects
-from worker.bus import Bus, Message
-from worker.config import NatsSettings
-from worker.engines import EnginesReport, Leak, Roster, request_reports, settled
-from worker.errors import BusError, ConfigError
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EnginesReport, Leak, Roster, request_reports, settled
+from kvhandoff.worker.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -221,22 +227,35 @@ class HandoffPlan:
 class _Handoff:
     """What the load generator knows of one handoff it started."""
 
-    ended: asyncio.Future[tuple[Ending, float]]
-    # Set before the frontend cancel is published, so that a success that crosses it is not
-    # taken for the end: the cancel will reopen that success, and the end is the canceled
-    # completion.
-    cancel_sent: bool = False
-    succeeded_at: float | None = None  # when its first Complete(success) came
-    last_complete: Complete | None = None  # the highest action id: the state in the log
+    # Every Complete seen for it, with its receipt time, in order of arrival.
+    arrivals: list[tuple[float, Complete]] = field(default_factory=list)
+    ending: Ending | None = None
+    # Arrivals up to and including the one that ended it; those after are extra completions.
+    arrivals_at_end: int = 0
+
+    @property
+    def last_complete(self) -> Complete | None:
+        """The Complete with the highest action id: the state the log holds. By action id, not
+        arrival: a republished (recovered) Complete may come again later."""
+        completes = [complete for _, complete in self.arrivals]
+        return max(completes, key=lambda c: c.action_id, default=None)
 
     @property
     def reopened(self) -> bool:
         last = self.last_complete
-        return (
-            self.succeeded_at is not None
-            and last is not None
-            and last.completion is HandoffCompletion.CANCELED
-        )
+        succeeded = any(c.completion is HandoffCompletion.SUCCESS for _, c in self.arrivals)
+        return succeeded and last is not None and last.completion is HandoffCompletion.CANCELED
+
+    def ended_by(self, complete: Complete, now: float) -> float:
+        """Record the end at `complete` (the first arrival of its action id); its time."""
+        for index, (at, seen) in enumerate(self.arrivals):
+            if seen.action_id == complete.action_id:
+                self.arrivals_at_end = index + 1
+                return at
+        # Read from the completion stream after a reconnect: it arrives now.
+        self.arrivals.append((now, complete))
+        self.arrivals_at_end = len(self.arrivals)
+        return now
 
 
 def plan_handoffs(config: LoadConfig) -> list[HandoffPlan]:
@@ -269,28 +288,29 @@ async def run_load(
     config: LoadConfig, *, progress: Callable[[LoadProgress], None] | None = None
 ) -> LoadReport:
     """Run one load against the bus at `config.nats.url` and report. NATS failures raise
-    `BusError`: no server answered within `connect_give_up_s`, an input could not be stored
-    within `publish_give_up_s`; `BusRefused` if NATS refused our credentials or TLS."""
+    `BusUnavailable`: no server answered within `connect_give_up_s`, an input could not be
+    stored within `publish_give_up_s`; `Refused` if NATS refused our credentials or TLS."""
     try:
-        bus = await asyncio.wait_for(
-            Bus.connect(config.nats, "kvhandoff-load"), config.connect_give_up_s
+        connection = await asyncio.wait_for(
+            Connection.open(config.nats, "kvhandoff-load"), config.connect_give_up_s
         )
     except TimeoutError as exc:
-        raise BusError(
+        raise BusUnavailable(
             f"cannot connect to NATS at {config.nats.url}: no answer within "
             f"{config.connect_give_up_s:g}s"
         ) from exc
-    try:
-        return await _LoadRun(bus, config, progress).run()
-    finally:
-        await bus.close()
+    async with connection:
+        return await _LoadRun(connection, config, progress).run()
 
 
 class _LoadRun:
     def __init__(
-        self, bus: Bus, config: LoadConfig, progress: Callable[[LoadProgress], None] | None
+        self,
+        connection: Connection,
+        config: LoadConfig,
+        progress: Callable[[LoadProgress], None] | None,
     ) -> None:
-        self._bus = bus
+        self._connection = connection
         self._config = config
         self._progress = progress
         self._plans = plan_handoffs(config)
@@ -300,39 +320,38 @@ class _LoadRun:
         self._latencies_ms: list[float] = []
         self._started = 0
         self._cancels_sent = 0
-        self._extra_completions = 0
-        self._input_rejections = 0
+        self._rejections = 0
         self._began = 0.0
         self._last_end = 0.0
         self._cancelers: set[asyncio.Task[None]] = set()
 
     async def run(self) -> LoadReport:
-        subjects = self._config.subjects
-        subscriptions = [
-            await self._bus.subscribe(subjects.all_done, self._on_done),
-            await self._bus.subscribe(subjects.all_rejected, self._on_rejected),
-        ]
-        # Both must be registered before the first StartHandoff goes out.
-        await self._bus.flush()
+        # Its subscriptions are registered before the first StartHandoff goes out.
+        frontend = await Frontend.open(
+            self._connection,
+            remember=len(self._plans),  # every handoff's completions count in the report
+            publish_give_up_s=self._config.publish_give_up_s,
+            on_complete=self._on_complete,
+            on_rejection=self._on_rejection,
+        )
         self._began = self._last_end = self._loop.time()
         try:
             if self._config.rate_per_s is None:
-                await self._closed_loop()
+                await self._closed_loop(frontend)
             else:
-                await self._open_loop(self._config.rate_per_s)
+                await self._open_loop(frontend, self._config.rate_per_s)
             reports, engines_settled = await self._settle()
         finally:
             await _cancel_all(self._cancelers)
-            for subscription in subscriptions:
-                await subscription.unsubscribe()
+            await frontend.close()
         return self._report(reports, engines_settled)
 
-    async def _closed_loop(self) -> None:
+    async def _closed_loop(self, frontend: Frontend) -> None:
         plans = iter(self._plans)
 
         async def lane() -> None:
             for plan in plans:
-                await self._one(plan)
+                await self._one(frontend, plan)
 
         lanes = [asyncio.create_task(lane()) for _ in range(self._config.concurrency)]
         try:
@@ -340,34 +359,43 @@ class _LoadRun:
         finally:  # after a failure, the other lanes stop too
             await _cancel_all(lanes)
 
-    async def _open_loop(self, rate_per_s: float) -> None:
+    async def _open_loop(self, frontend: Frontend, rate_per_s: float) -> None:
         handoffs: list[asyncio.Task[None]] = []
         try:
             for index, plan in enumerate(self._plans):
                 start_at = self._began + index / rate_per_s
                 await asyncio.sleep(max(0.0, start_at - self._loop.time()))
-                handoffs.append(asyncio.create_task(self._one(plan)))
+                handoffs.append(asyncio.create_task(self._one(frontend, plan)))
             await asyncio.gather(*handoffs)
         finally:
             await _cancel_all(handoffs)
 
-    async def _one(self, plan: HandoffPlan) -> None:
+    async def _one(self, frontend: Frontend, plan: HandoffPlan) -> None:
         handoff_id = plan.start.handoff_id
-        ended: asyncio.Future[tuple[Ending, float]] = self._loop.create_future()
-        self._handoffs[handoff_id] = _Handoff(ended)
+        handoff = self._handoffs[handoff_id] = _Handoff()
         sent_at = self._loop.time()
-        await self._publish(plan.start)
+        await frontend.start(plan.start)
         self._started += 1
         if plan.cancel_after_s is not None:
-            canceler = asyncio.create_task(self._cancel_later(handoff_id, plan.cancel_after_s))
+            canceler = asyncio.create_task(
+                self._cancel_later(frontend, handoff_id, plan.cancel_after_s)
+            )
             self._cancelers.add(canceler)
             canceler.add_done_callback(self._cancelers.discard)
         try:
-            ending, at = await asyncio.wait_for(asyncio.shield(ended), self._config.wait_timeout)
-        except TimeoutError:
+            complete = await frontend.wait(handoff_id, self._config.wait_timeout)
+        except CompletionTimeout:
             ending, at = Ending.TIMED_OUT, self._loop.time()
+            handoff.arrivals_at_end = len(handoff.arrivals)  # later ones are extra
             logger.warning("handoff %s: no Complete within the wait timeout", handoff_id)
-            ended.cancel()  # a Complete after this counts as an extra completion
+        except HandoffRejected:
+            ending, at = Ending.REJECTED, self._loop.time()
+            handoff.arrivals_at_end = len(handoff.arrivals)
+        else:
+            at = handoff.ended_by(complete, self._loop.time())
+            success = complete.completion is HandoffCompletion.SUCCESS
+            ending = Ending.COMPLETED if success else Ending.CANCELED
+        handoff.ending = ending
         self._counts[ending] += 1
         self._last_end = max(self._last_end, at)
         if ending is Ending.COMPLETED:
@@ -375,75 +403,31 @@ class _LoadRun:
         if self._progress is not None:
             self._progress(self.progress())
 
-    async def _cancel_later(self, handoff_id: HandoffId, after_s: float) -> None:
+    async def _cancel_later(
+        self, frontend: Frontend, handoff_id: HandoffId, after_s: float
+    ) -> None:
         await asyncio.sleep(after_s)
         handoff = self._handoffs[handoff_id]
-        if handoff.ended.done():
+        # Any Complete before the cancel goes out ends the handoff (the wait may not have
+        # returned yet): a cancel now would only reopen it.
+        if handoff.ending is not None or handoff.arrivals:
             return
-        handoff.cancel_sent = True
-        await self._publish(Canceled(handoff_id))
+        await frontend.cancel(handoff_id)
         self._cancels_sent += 1
 
-    async def _publish(self, message: Input) -> None:
-        subject = self._config.subjects.input(message.handoff_id)
-        await self._bus.publish_durable(
-            subject, encode(message), give_up_after_s=self._config.publish_give_up_s
-        )
+    def _on_complete(self, complete: Complete) -> None:
+        self._handoffs[complete.handoff_id].arrivals.append((self._loop.time(), complete))
 
-    async def _on_done(self, msg: Message) -> None:
-        try:
-            action = decode_action(msg.data)
-        except msgspec.DecodeError as exc:
-            logger.warning("ignored an undecodable message on %s: %s", msg.subject, exc)
-            return
-        if not isinstance(action, Complete):
-            return
-        handoff = self._handoffs.get(action.handoff_id)
-        if handoff is None:  # another frontend's handoff
-            return
-        now = self._loop.time()
-        # By action id, not arrival: a republished (recovered) Complete may come again later.
-        last = handoff.last_complete
-        if last is None or action.action_id > last.action_id:
-            handoff.last_complete = action
-        success = action.completion is HandoffCompletion.SUCCESS
-        if success and handoff.succeeded_at is None:
-            handoff.succeeded_at = now
-        if handoff.ended.done():
-            self._extra_completions += 1
-        elif not success:
-            handoff.ended.set_result((Ending.CANCELED, now))
-        elif not handoff.cancel_sent:
-            handoff.ended.set_result((Ending.COMPLETED, now))
-        # Otherwise a success crossed the frontend's cancel, which reopens it: wait on.
-
-    async def _on_rejected(self, msg: Message) -> None:
-        try:
-            rejection = decode_rejection(msg.data)
-        except msgspec.DecodeError as exc:
-            logger.warning("ignored an undecodable rejection on %s: %s", msg.subject, exc)
-            return
-        if rejection.handoff_id is None or rejection.handoff_id not in self._handoffs:
-            return
-        handoff = self._handoffs[rejection.handoff_id]
+    def _on_rejection(self, rejection: Rejection, refused: Input | None) -> None:
         logger.warning(
             "handoff %s: the worker rejected an input: %s", rejection.handoff_id, rejection.reason
         )
-        refused = _rejected_input(rejection.payload)
-        if isinstance(refused, StartHandoff) and not handoff.ended.done():
-            handoff.ended.set_result((Ending.REJECTED, self._loop.time()))
-            return
-        self._input_rejections += 1
-        if isinstance(refused, Canceled) and handoff.cancel_sent:
-            # The cancel will reopen nothing: the handoff ends at its success, had or to come.
-            handoff.cancel_sent = False
-            if handoff.succeeded_at is not None and not handoff.ended.done():
-                handoff.ended.set_result((Ending.COMPLETED, handoff.succeeded_at))
+        self._rejections += 1
 
     async def _settle(self) -> tuple[list[EnginesReport], bool]:
         give_up_at = self._loop.time() + self._config.settle_timeout_s
         while True:
-            reports = await request_reports(self._bus, self._config.subjects)
+            reports = await request_reports(self._connection)
             if settled(reports):
                 return reports, True
             if self._loop.time() >= give_up_at:
@@ -464,10 +448,9 @@ class _LoadRun:
         duration_s = self._last_end - self._began
         ended_with_complete = self._counts[Ending.COMPLETED] + self._counts[Ending.CANCELED]
         leaks = [leak for report in reports for leak in report.leaks]
+        handoffs = self._handoffs.values()
         final = Counter(
-            handoff.last_complete.completion
-            for handoff in self._handoffs.values()
-            if handoff.last_complete is not None
+            last.completion for handoff in handoffs if (last := handoff.last_complete) is not None
         )
         return LoadReport(
             handoffs=len(self._plans),
@@ -480,8 +463,13 @@ class _LoadRun:
             latency_ms=latency_summary(self._latencies_ms),
             duration_s=duration_s,
             cancels_sent=self._cancels_sent,
-            extra_completions=self._extra_completions,
-            input_rejections=self._input_rejections,
+            extra_completions=sum(
+                len(handoff.arrivals) - handoff.arrivals_at_end
+                for handoff in handoffs
+                if handoff.ending is not None
+            ),
+            # A rejected StartHandoff is counted as the handoff's ending instead.
+            input_rejections=self._rejections - self._counts[Ending.REJECTED],
             engine_processes=len(reports),
             engines_settled=engines_settled,
             leak_details=leaks,
@@ -489,17 +477,8 @@ class _LoadRun:
                 succeeded=final[HandoffCompletion.SUCCESS],
                 canceled=final[HandoffCompletion.CANCELED],
             ),
-            reopened=sum(handoff.reopened for handoff in self._handoffs.values()),
+            reopened=sum(handoff.reopened for handoff in handoffs),
         )
-
-
-def _rejected_input(payload: str) -> Input | None:
-    """The input a rejection quotes, or None if that does not decode (an undecodable input, or
-    one the worker cut at its payload limit)."""
-    try:
-        return decode_input(payload)
-    except msgspec.DecodeError:
-        return None
 
 
 async def _cancel_all(tasks: set[asyncio.Task[None]] | list[asyncio.Task[None]]) -> None:

@@ -13,8 +13,12 @@ A log comes in two forms, read through one interface (`LogSource`):
   then one line per event with the record as JSON. `write_jsonl` writes it. An export keeps no
   input digests.
 
+It returns the log's one set of row types (`worker.rows`: `HandoffRow`, `LoggedEvent`,
+`HandoffLog`), read through the same `read_row`/`read_event` as the worker's own reads, and
+`LogSource` extends the readers' one protocol (`worker.rows.HandoffReader`).
+
 A `handoffs` row whose state this build does not know (a newer worker's, or a damaged row) is
-read, not refused: its `HandoffSummary.state` is None and `unknown_state` holds what the row
+read, not refused: its `HandoffRow.state` is None and `unknown_state` holds what the row
 says, so that each command can say which handoff it is.
 
 `open_log` tells them apart by content (SQLite's magic header), not by extension. Records are
@@ -27,6 +31,7 @@ translated to `StoreError` here.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import sqlite3
 from collections.abc import Collection, Iterator, Sequence
@@ -38,12 +43,22 @@ from uuid import UUID
 import msgspec
 from msgspec import Struct
 
-from events.codec import decode_record, encode_record, join_record
-from events.errors import LogCorrupt
-from events.records import SCHEMA_VERSION, ActionRecord, LogRecord
-from events.replay import LoggedRecord, StoredRecord
-from worker.errors import StoreError
-from worker.schema import (
+from kvhandoff.events.codec import encode_record, join_record
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.records import SCHEMA_VERSION
+from kvhandoff.events.replay import StoredRecord
+from kvhandoff.worker.errors import StoreCorrupt, StoreError
+from kvhandoff.worker.rows import (
+    HandoffLog,
+    HandoffReader,
+    HandoffRow,
+    LoggedEvent,
+    Quarantine,
+    read_event,
+    read_record,
+    read_row,
+)
+from kvhandoff.worker.schema import (
     LAYOUT_1,
     LAYOUT_1_SCAN,
     LAYOUT_1_SCAN_OWNERS,
@@ -68,66 +83,9 @@ EXPORT_FORMAT = "kvhandoff-handoff-log"
 EXPORT_VERSION = 1
 
 
-_KNOWN_STATES = frozenset(s.value for s in HandoffState)
-
-
-class Quarantine(Struct, frozen=True):
-    """Why the worker set a handoff aside, and when: its first "quarantined:" rejection."""
-
-    at_ms: int
-    reason: str
-
-
-class HandoffSummary(Struct, frozen=True, omit_defaults=True):
-    """A handoff's row in the `handoffs` projection, and why it was quarantined, if it was.
-
-    `state` is None when the row holds a state this build does not know; `unknown_state` then
-    holds it as written. Both extra fields are left out of JSON when they are None.
-    """
-
-    handoff_id: UUID
-    engine_type: str
-    source: str
-    destination: str
-    started_at_ms: int
-    deadline_at_ms: int
-    state: HandoffState | None
-    completed_at_ms: int | None
-    last_seq: int
-    updated_at_ms: int
-    unknown_state: str | None = None
-    quarantine: Quarantine | None = None
-
-    @property
-    def state_name(self) -> str:
-        """The state as the log spells it, known to this build or not."""
-        if self.state is not None:
-            return self.state.value
-        return "unknown" if self.unknown_state is None else self.unknown_state
-
-
-class LoggedEvent(Struct, frozen=True):
-    """One decoded entry of a handoff's log."""
-
-    seq: int
-    at_ms: int
-    record: LogRecord
-    published_at_ms: int | None = None
-
-
-class HandoffLog(Struct, frozen=True):
-    """One handoff: its projection and its whole log in sequence order."""
-
-    handoff: HandoffSummary
-    events: tuple[LoggedEvent, ...]
-
-    def records(self) -> list[LoggedRecord]:
-        """The log as `events.replay` reads it."""
-        return [(e.seq, e.record) for e in self.events]
-
-
-class LogSource(Protocol):
-    """What the offline tools read, from either form of the log."""
+class LogSource(HandoffReader, Protocol):
+    """What the offline tools read, from either form of the log: `HandoffReader`'s reads of
+    one handoff, and these."""
 
     path: Path
     #: What the log is, for messages: "a layout-1 log", "a layout-2 log", "an export".
@@ -136,21 +94,13 @@ class LogSource(Protocol):
     #: export do not).
     keeps_digests: bool
 
-    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffRow]:
         """Every handoff (in one of `states`, if given; None stands for any state this build
         does not know), oldest start first."""
         ...
 
     def resolve(self, text: str) -> UUID:
         """The handoff whose id is `text` or begins with it (unique prefix, as git does)."""
-        ...
-
-    def summary(self, handoff_id: UUID) -> HandoffSummary:
-        """One handoff's row."""
-        ...
-
-    def load(self, handoff_id: UUID) -> HandoffLog:
-        """One handoff's row and its decoded log."""
         ...
 
     def stored(self, handoff_id: UUID) -> list[StoredRecord]:
@@ -228,11 +178,11 @@ class SqliteLog(_Closing):
             found = self._db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
         except sqlite3.Error as exc:
             self._db.close()
-            raise StoreError(f"{path} is not a kvhandoff event log: {exc}") from exc
+            raise StoreCorrupt(f"{path} is not a kvhandoff event log: {exc}") from exc
         self.layout = None if found is None else found[0]
         if self.layout not in (LAYOUT_1, LAYOUT_VERSION):
             self._db.close()
-            raise StoreError(
+            raise StoreCorrupt(
                 f"event log {path} has layout {self.layout}, this build reads {LAYOUT_1} and"
                 f" {LAYOUT_VERSION}"
             )
@@ -242,16 +192,17 @@ class SqliteLog(_Closing):
     def close(self) -> None:
         self._db.close()
 
-    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffRow]:
         sql, params = SELECT_HANDOFFS, [s.value for s in states if s is not None]
         if states:
             where = [f"state IN ({','.join('?' * len(params))})"] if params else []
             if None in states:
-                where.append(f"state NOT IN ({','.join('?' * len(_KNOWN_STATES))})")
-                params += sorted(_KNOWN_STATES)
+                known = [s.value for s in HandoffState]
+                where.append(f"state NOT IN ({','.join('?' * len(known))})")
+                params += known
             sql += " WHERE " + " OR ".join(where)
         rows = self._fetch(sql + " ORDER BY started_at_ms, handoff_id", params)
-        return [self._quarantined(_summary(row)) for row in rows]
+        return [self._quarantined(read_row(row)) for row in rows]
 
     def resolve(self, text: str) -> UUID:
         prefix = text.strip().lower()
@@ -263,31 +214,31 @@ class SqliteLog(_Closing):
             raise StoreError(f"handoff id prefix {text!r} is ambiguous in {self.path}")
         return UUID(found[0][0])
 
-    def summary(self, handoff_id: UUID) -> HandoffSummary:
+    def summary(self, handoff_id: UUID) -> HandoffRow:
         rows = self._fetch(SELECT_HANDOFF, (str(handoff_id),))
         if not rows:
             raise StoreError(f"no handoff {handoff_id} in {self.path}")
-        return self._quarantined(_summary(rows[0]))
+        return self._quarantined(read_row(rows[0]))
 
     def load(self, handoff_id: UUID) -> HandoffLog:
         summary = self.summary(handoff_id)
-        if self.layout == LAYOUT_1:
-            events = tuple(
-                LoggedEvent(seq, at_ms, _decode(handoff_id, seq, record), published)
-                for seq, at_ms, published, record in self._fetch(
-                    LAYOUT_1_SELECT_EVENTS, (str(handoff_id),)
-                )
-            )
-            return HandoffLog(summary, events)
         logged = []
+        if self.layout == LAYOUT_1:
+            for seq, at_ms, published, blob in self._fetch(
+                LAYOUT_1_SELECT_EVENTS, (str(handoff_id),)
+            ):
+                with _located(handoff_id, seq):
+                    logged.append(LoggedEvent(seq, at_ms, read_record(blob), published))
+            return HandoffLog(summary, logged)
+        raw = handoff_id.bytes
         for seq, code, at_ms, fields, published_seq, marked_at in self._fetch(
             SELECT_EVENTS, (str(handoff_id),)
         ):
-            record = _decode_joined(handoff_id, seq, code, at_ms, fields)
-            # The handoff's one outbox mark covers every action up to its seq.
-            marked = isinstance(record, ActionRecord) and seq <= published_seq
-            logged.append(LoggedEvent(seq, at_ms, record, marked_at if marked else None))
-        return HandoffLog(summary, tuple(logged))
+            with _located(handoff_id, seq):
+                logged.append(
+                    read_event(raw, (seq, code, at_ms, fields), (published_seq, marked_at))
+                )
+        return HandoffLog(summary, logged)
 
     def stored(self, handoff_id: UUID) -> list[StoredRecord]:
         if self.layout == LAYOUT_1:
@@ -384,7 +335,7 @@ class SqliteLog(_Closing):
             if key == row[0]:
                 yield handoff_id, row
 
-    def _quarantined(self, handoff: HandoffSummary) -> HandoffSummary:
+    def _quarantined(self, handoff: HandoffRow) -> HandoffRow:
         if handoff.state is not HandoffState.QUARANTINED:
             return handoff
         found = self._fetch(SELECT_QUARANTINE, (str(handoff.handoff_id),))
@@ -414,9 +365,11 @@ class JsonlLog(_Closing):
         except OSError as exc:
             raise StoreError(f"cannot read {path}: {exc.strerror}") from exc
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise LogCorrupt(f"{path} is not a kvhandoff handoff export: {exc}") from exc
+            raise StoreCorrupt(f"{path} is not a kvhandoff handoff export: {exc}") from exc
+        except StoreCorrupt as exc:
+            raise StoreCorrupt(f"{path}: {exc}") from exc
 
-    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffSummary]:
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffRow]:
         handoff = self.log.handoff
         return [handoff] if not states or handoff.state in states else []
 
@@ -426,7 +379,7 @@ class JsonlLog(_Closing):
             raise StoreError(f"{self.path} holds handoff {handoff_id}, not {text!r}")
         return handoff_id
 
-    def summary(self, handoff_id: UUID) -> HandoffSummary:
+    def summary(self, handoff_id: UUID) -> HandoffRow:
         return self.load(handoff_id).handoff
 
     def load(self, handoff_id: UUID) -> HandoffLog:
@@ -453,11 +406,11 @@ class ExportHeader(Struct, frozen=True, tag=EXPORT_FORMAT, tag_field="format"):
     version: int
     handoff_id: UUID
     schema_version: int
-    handoff: HandoffSummary
+    handoff: HandoffRow
 
 
 class _ReadHeader(Struct, frozen=True, tag=EXPORT_FORMAT, tag_field="format"):
-    # `ExportHeader` as read: the row is checked by `_summary_of`, which reads a state this
+    # `ExportHeader` as read: the row is checked by `read_row`, which reads a state this
     # build does not know instead of refusing the whole export.
     version: int
     handoff_id: UUID
@@ -496,37 +449,31 @@ def read_jsonl(lines: Iterator[bytes] | IO[bytes]) -> HandoffLog:
     lines = (line for line in lines if line.strip())
     first = next(lines, None)
     if first is None:
-        raise LogCorrupt("empty export")
+        raise StoreCorrupt("empty export")
     header = _header_decoder.decode(first)
     if header.version > EXPORT_VERSION:
-        raise LogCorrupt(f"export format version {header.version}, this build reads 1")
-    handoff = _summary_of(header.handoff)
+        raise StoreCorrupt(
+            f"export format version {header.version}, this build reads {EXPORT_VERSION}"
+        )
+    handoff = read_row(header.handoff)
     events = []
     for line in lines:
         event = _event_decoder.decode(line)
         # Through msgpack, so that JSON records meet the same upcaster as stored ones.
         blob = msgspec.msgpack.encode(msgspec.json.decode(event.record))
-        record = _decode(header.handoff_id, event.seq, blob)
+        with _located(header.handoff_id, event.seq):
+            record = read_record(blob)
         events.append(LoggedEvent(event.seq, event.at_ms, record, event.published_at_ms))
-    return HandoffLog(handoff, tuple(events))
+    return HandoffLog(handoff, events)
 
 
-def _decode(handoff_id: object, seq: object, blob: object) -> LogRecord:
-    if not isinstance(blob, bytes):
-        raise LogCorrupt(f"handoff {handoff_id} seq {seq}: record is not a blob")
+@contextlib.contextmanager
+def _located(handoff_id: UUID, seq: int) -> Iterator[None]:
+    """A record that does not read says where it is: its handoff and its seq."""
     try:
-        return decode_record(blob)
+        yield
     except LogCorrupt as exc:
         raise LogCorrupt(f"handoff {handoff_id} seq {seq}: {exc}") from exc
-
-
-def _decode_joined(handoff_id: UUID, seq: int, code: int, at_ms: int, fields: bytes) -> LogRecord:
-    """A layout-2 record put back together and decoded, or `LogCorrupt` naming where it is."""
-    try:
-        blob = join_record(handoff_id.bytes, code, at_ms, fields)
-    except LogCorrupt as exc:
-        raise LogCorrupt(f"handoff {handoff_id} seq {seq}: {exc}") from exc
-    return _decode(handoff_id, seq, blob)
 
 
 def _stored(raw: bytes, code: int, at_ms: int, fields: bytes) -> bytes:
@@ -544,24 +491,8 @@ def _unjoined(exc: LogCorrupt) -> bytes:
     return msgspec.msgpack.encode({"record": str(exc)})
 
 
-def _summary(row: Sequence[object]) -> HandoffSummary:
-    # sqlite3 gives untyped rows; convert validates every column against the Struct.
-    fields = HandoffSummary.__struct_fields__[: len(row)]
-    return _summary_of(dict(zip(fields, row, strict=True)))
-
-
-def _summary_of(fields: dict[str, Any]) -> HandoffSummary:
-    state = fields.get("state")
-    if state is not None and state not in _KNOWN_STATES:
-        fields = {**fields, "state": None, "unknown_state": state}
-    try:
-        return msgspec.convert(fields, HandoffSummary)
-    except msgspec.ValidationError as exc:
-        raise LogCorrupt(f"handoff {fields.get('handoff_id')!r}: bad handoffs row: {exc}") from exc
-
-
 def _uuid(text: str) -> UUID:
     try:
         return UUID(text)
     except ValueError:
-        raise LogCorrupt(f"events row with handoff id {text!r}, which is not a UUID") from None
+        raise StoreCorrupt(f"events row with handoff id {text!r}, which is not a UUID") from None

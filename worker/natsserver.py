@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from worker.errors import NatsServerError
+from kvhandoff.worker.errors import NatsServerError
 
 
 def nats_server_binary() -> Path:

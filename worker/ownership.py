@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from worker.bus import Bus, partition_log_subject
-from worker.errors import BusError, Fenced
+from kvhandoff.worker.bus import Bus, partition_log_subject
+from kvhandoff.worker.errors import BusError, Fenced
 
 logger = logging.getLogger(__name__)
 

@@ -55,10 +55,10 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
-from worker.errors import BusError, Fenced, PinMismatch
-from worker.input_order import InputOrder
-from worker.ownership import PartitionLog
+from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
+from kvhandoff.worker.errors import BusError, Fenced, PinMismatch
+from kvhandoff.worker.input_order import InputOrder
+from kvhandoff.worker.ownership import PartitionLog
 
 logger = logging.getLogger(__name__)
 

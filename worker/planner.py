@@ -8,7 +8,10 @@ A batch is planned in two calls, with the one read the plan may need between the
 
     decoded = planner.decode(deliveries)     # bytes -> inputs; rejects what cannot be read
     loaded  = await log.load(planner.missing(decoded))   # handoffs not in memory (the executor)
-    plan    = planner.plan(decoded, loaded, now_ms, now_s)
+    plan    = planner.plan(deliveries, decoded, loaded, now_ms, now_s)
+
+A plan may share its batch with the plan before it (`into`): the executor tops up a batch with
+what arrived while the previous batch was being carried out, so that it commits once.
 
 `plan` applies every accepted input to its handoff's coordinator in stream order, so the
 handoffs in memory are left as they will be once the plan's batch commits. The plan holds:
@@ -49,10 +52,10 @@ from uuid import UUID
 
 import msgspec
 
-from events.codec import decode_input, input_digest
-from events.coordinator import HandoffCoordinator
-from events.errors import HandoffError, InputRejected, ReplayDivergence
-from events.messages import (
+from kvhandoff.events.codec import decode_input, input_digest
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.errors import HandoffError, InputRejected, ReplayDivergence
+from kvhandoff.events.messages import (
     Action,
     ActionOutcome,
     HandoffCompletion,
@@ -60,11 +63,12 @@ from events.messages import (
     Rejection,
     StartHandoff,
 )
-from events.records import ActionRecord, InputRecord
-from events.replay import rebuild
-from events.subjects import Subjects
-from worker.schema import HandoffState
-from worker.store import Batch, CorruptHandoff, HandoffRow, Loaded
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.events.replay import rebuild
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.store import Batch, CorruptHandoff, Loaded
 
 logger = logging.getLogger(__name__)
 
@@ -190,8 +194,12 @@ class Planner:
         loaded: Mapping[UUID, Loaded],
         now_ms: int,
         now_s: float,
+        *,
+        into: Batch | None = None,
     ) -> Plan:
-        r = _Round(Plan(), deliveries, now_ms, now_s)
+        """Apply the decoded batch. With `into`, the plan's rows are added to that batch (of
+        a plan made just before, whose commit this one shares) instead of a new one."""
+        r = _Round(Plan() if into is None else Plan(batch=into), deliveries, now_ms, now_s)
         # Handoffs loaded only to check an input against their log leave memory again.
         visiting = self.adopt(loaded.values(), r.plan.batch, now_ms)
         touched: dict[UUID, OpenHandoff] = {}
@@ -222,7 +230,7 @@ class Planner:
             if isinstance(logged, CorruptHandoff):
                 self.quarantine(batch, now_ms, logged.handoff_id, logged.reason)
                 continue
-            handoff_id = logged.row.handoff_id
+            handoff_id = logged.handoff.handoff_id
             try:
                 start, coordinator = rebuild((event.seq, event.record) for event in logged.events)
             except ReplayDivergence:
@@ -234,7 +242,7 @@ class Planner:
                 self.quarantine(batch, now_ms, handoff_id, f"cannot rebuild it from its log: {exc}")
                 continue
             digests = {e.digest for e in logged.events if e.digest is not None}
-            handoff = OpenHandoff(start, coordinator, logged.row, digests)
+            handoff = OpenHandoff(start, coordinator, logged.handoff, digests)
             self.open[handoff_id] = handoff
             adopted.append(handoff)
         return adopted

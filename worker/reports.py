@@ -17,15 +17,15 @@ from uuid import UUID
 import msgspec
 from msgspec import Struct
 
-from events.messages import Action, HandoffOrder, Input, Role
-from events.replay import Divergence, Timeline
-from worker.logreader import HandoffSummary
+from kvhandoff.events.messages import Action, HandoffOrder, Input, Role
+from kvhandoff.events.replay import Divergence, Timeline
+from kvhandoff.worker.rows import HandoffRow
 
 
 class ListedHandoff(Struct, frozen=True):
     """One handoff of `kvhandoff list`. `duration_ms` is null while it is open."""
 
-    handoff: HandoffSummary
+    handoff: HandoffRow
     order: HandoffOrder | None
     events: int
     age_ms: int
@@ -69,7 +69,7 @@ class StuckHandoff(Struct, frozen=True):
     a record does not decode (`last_input` is then null).
     """
 
-    handoff: HandoffSummary
+    handoff: HandoffRow
     state: str
     age_ms: int
     idle_ms: int
@@ -95,7 +95,7 @@ class StuckReport(Struct, frozen=True):
 class ReplayReport(Struct, frozen=True):
     """A handoff's timeline; `at` is the step it stopped at (`--at`), else null."""
 
-    handoff: HandoffSummary
+    handoff: HandoffRow
     at: int | None
     timeline: Timeline
 

@@ -34,6 +34,8 @@ input by `events.codec.input_digest` of the logged inputs, computed when it load
 log, before it applies anything to it, whatever NATS redelivers and however long ago the
 original came.
 
+In memory, a `handoffs` row and an event are `worker.rows`' types, whoever reads them.
+
 Layout 1 is still read by the offline tools (queries `LAYOUT_1_*` below), which also check its
 stored digests. The worker converts a layout-1 log to layout 2 when it starts (`worker.store`).
 """
@@ -43,8 +45,8 @@ from __future__ import annotations
 import enum
 from typing import get_args
 
-from events.messages import Action, Input
-from events.records import TYPE_CODES
+from kvhandoff.events.messages import Action, Input
+from kvhandoff.events.records import TYPE_CODES
 
 LAYOUT_VERSION = "2"
 LAYOUT_1 = "1"

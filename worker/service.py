@@ -8,8 +8,10 @@ The input stream is handled in batches, in stream order, as a pipeline of three 
            ->  carry out (commit one transaction; publish the actions; ack, term or nak)
 
 `worker.planner` decides everything a batch does without IO; this module carries it out. While
-batch k is carried out (the event loop waits on aiosqlite's thread and the fsync), batch k+1 is
-fetched and planned. What may overlap, and why it is safe:
+batch k is carried out (the event loop waits on the log's writer thread and the fsync), batch
+k+1 is fetched and planned. When k's carry-out returns, k+1 is topped up with what arrived in the
+meantime, planned into the same commit: an input that arrives during a commit goes out with the
+next one, not the one after. What may overlap, and why it is safe:
 
 - Planning k+1 mutates the handoffs in memory on top of k's effects before k has committed. That
   is only ever visible inside this process: nothing of k+1 is written, published or settled until
@@ -17,7 +19,9 @@ fetched and planned. What may overlap, and why it is safe:
   planned, so k's commit writes k's state of a handoff, not k+1's.)
 - Planning reads the log only for handoffs not in memory. A handoff that k completed has left
   memory before k committed, so a read of one waits for k's carry-out first; any other handoff
-  not in memory is not in k either, so its read may overtake k's commit.
+  not in memory is not in k either, so its read may overtake k's commit. A top-up is planned
+  after k's carry-out, but before k+1's commit: a top-up input that needs a handoff k+1 took out
+  of memory is held back, to be planned with k+2.
 - Commits stay in order and one at a time (one writer): k+1's carry-out starts after k's ended.
 - An action is published only after the commit that recorded it, and an input acknowledged only
   after its commit: each within its own batch's carry-out.
@@ -32,10 +36,11 @@ A crash anywhere loses nothing acknowledged:
 - after publishing, before the acks: the inputs are redelivered and dropped as exact
   duplicates, which the log recognises by digest.
 
-Every action is marked published only after the server confirmed it (the barrier in
-`Bus.flush`, which the next commit awaits before it writes the marks). `Complete` goes to
-JetStream's completion stream as well, so a frontend that was disconnected can read its
-handoff's last completion afterwards.
+Every action is marked published only after the server confirmed it: each carry-out starts a
+barrier (`Bus.flush`) behind its publishes and does not wait for it; a batch's marks ride on
+the first commit after its barrier returned, so no commit waits for a round trip to NATS.
+`Complete` goes to JetStream's completion stream as well, so a frontend that was disconnected
+can read its handoff's last completion afterwards.
 
 Faults
 ------
@@ -59,32 +64,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from uuid import UUID
 
-from events.codec import encode
-from events.coordinator import Mode
-from events.errors import ReplayDivergence
-from events.messages import Action, Complete, Role, TimedOut
-from events.subjects import Subjects
-from worker.bus import Bus, Inbound
-from worker.config import WorkerConfig
-from worker.errors import BusError, LogDiverges, StoreError
-from worker.metrics import Metrics
-from worker.planner import Decoded, Plan, Planner
-from worker.store import Batch, CorruptHandoff, EventLog, HandoffRow
-from worker.timers import TimerQueue
+from kvhandoff.events.codec import encode
+from kvhandoff.events.coordinator import Mode
+from kvhandoff.events.errors import ReplayDivergence
+from kvhandoff.events.messages import Action, Complete, Role, TimedOut
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.config import WorkerConfig
+from kvhandoff.worker.errors import BusError, LogDiverges, StoreConflict, StoreError
+from kvhandoff.worker.metrics import Metrics
+from kvhandoff.worker.planner import Decoded, Plan, Planner
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog
+from kvhandoff.worker.timers import TimerQueue
 
 logger = logging.getLogger(__name__)
 
 _FETCH_TIMEOUT_S = 0.25  # how long an idle worker waits before noticing a stop request
 _RETRY_BACKOFF_CAP = 8
 _COMMIT_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed commit
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Worker:
@@ -100,8 +103,9 @@ class Worker:
         self._retries: TimerQueue[tuple[UUID, int]] = TimerQueue()
         self._attempts: dict[tuple[UUID, int], int] = {}  # publications per outstanding action
         self._timers_changed = asyncio.Event()
-        # Outbox marks for actions published since the last commit; they ride on the next one.
-        self._published: list[tuple[UUID, int, int]] = []
+        # Outbox marks of published actions, each batch's with the barrier that confirms them;
+        # they ride on the first commit after their barrier returned.
+        self._published: deque[tuple[asyncio.Future[None], list[tuple[UUID, int, int]]]] = deque()
         self._commit_failure: str | None = None
         self._commit_backoff_s = _COMMIT_BACKOFF_S[0]
         self.recovered = False
@@ -116,10 +120,12 @@ class Worker:
         timers = asyncio.create_task(self._run_timers(stop), name="kvhandoff-timers")
         carrying: asyncio.Task[None] | None = None  # the previous batch's carry-out
         evicted: set[UUID] = set()  # handoffs that batch completed and took out of memory
+        held: list[Inbound] = []  # fetched for a top-up, but to be planned with the next batch
         try:
             while not stop.is_set():
-                deliveries = await self._fetch()
-                plan = None
+                deliveries = await self._fetch(held)
+                held = []
+                parts: list[tuple[Plan, list[Inbound]]] = []
                 if deliveries:
                     decoded = self._planner.decode(deliveries)
                     missing = self._planner.missing(decoded)
@@ -133,7 +139,7 @@ class Worker:
                             await self._failed(failure, stop)
                             continue
                     try:
-                        plan = await self._plan(deliveries, decoded, missing)
+                        parts.append((await self._plan(deliveries, decoded, missing), deliveries))
                     except StoreError as exc:  # the read failed before anything was applied
                         logger.error("cannot read the log (%s); inputs will be redelivered", exc)
                         await self._give_back(deliveries, self._commit_backoff_s)
@@ -141,15 +147,17 @@ class Worker:
                     failure = await _failure_of(carrying)
                     carrying = None
                     if failure is not None:
-                        if plan is not None:  # planned on top of the batch that failed
-                            await self._give_back(deliveries, self._commit_backoff_s)
+                        for _, planned in parts:  # planned on top of the batch that failed
+                            await self._give_back(planned, self._commit_backoff_s)
                         await self._failed(failure, stop)
                         continue
-                if plan is not None:
-                    carrying = asyncio.create_task(self._carry_out(plan, deliveries))
-                    evicted = set(plan.left_memory)
-                elif self._published:
-                    carrying = asyncio.create_task(self._carry_out(Plan(), []))
+                    if parts:
+                        held = await self._top_up(parts)
+                if parts:
+                    carrying = asyncio.create_task(self._carry_out(parts))
+                    evicted = {h for plan, _ in parts for h in plan.left_memory}
+                elif self._published:  # idle: write the marks still waiting for a commit
+                    carrying = asyncio.create_task(self._carry_out([], every_mark=True))
         finally:
             if carrying is not None:
                 await _failure_of(carrying)
@@ -158,16 +166,45 @@ class Worker:
                 await timers
             if self._published:
                 with contextlib.suppress(StoreError, BusError):
-                    await self._commit(Batch())
+                    await self._commit(Batch(), every_mark=True)
         logger.info("stopped with %d open handoffs", len(self._planner.open))
 
-    async def _fetch(self) -> list[Inbound]:
+    async def _fetch(self, held: list[Inbound]) -> list[Inbound]:
+        """The held deliveries and what else is ready, or else the next to arrive in a while."""
         try:
+            if held:
+                return held + await self._bus.fetch(self._config.batch_size - len(held), 0.0)
             return await self._bus.fetch(self._config.batch_size, _FETCH_TIMEOUT_S)
         except BusError as exc:
             logger.warning("fetch failed, retrying: %s", exc)
             await asyncio.sleep(_FETCH_TIMEOUT_S)  # NATS is reconnecting; back off
+            return held
+
+    async def _top_up(self, parts: list[tuple[Plan, list[Inbound]]]) -> list[Inbound]:
+        """Plan what arrived while the previous batch was carried out into the batch about to
+        be carried out, so that it commits now rather than after that batch. Returns the
+        deliveries to hold for the next batch instead: those that need a handoff this batch
+        took out of memory (not committed yet, so not to be read)."""
+        plan, deliveries = parts[0]
+        room = self._config.batch_size - len(deliveries)
+        if room <= 0:
             return []
+        try:
+            more = await self._bus.fetch(room, 0.0)
+        except BusError:
+            return []  # the next fetch reports it
+        if not more:
+            return []
+        decoded = self._planner.decode(more)
+        missing = self._planner.missing(decoded)
+        if not set(plan.left_memory).isdisjoint(missing):
+            return more
+        try:
+            parts.append((await self._plan(more, decoded, missing, into=plan.batch), more))
+        except StoreError as exc:
+            logger.error("cannot read the log (%s); inputs will be redelivered", exc)
+            await self._give_back(more, self._commit_backoff_s)
+        return []
 
     async def _failed(self, failure: BusError | StoreError, stop: asyncio.Event) -> None:
         if isinstance(failure, BusError):
@@ -191,18 +228,32 @@ class Worker:
 
     async def _commit_failed(self, exc: StoreError, stop: asyncio.Event) -> None:
         """A commit failed, so nothing of its batch happened (its inputs were given back): the
-        handoffs in memory are rebuilt from the log, and nothing is republished."""
+        handoffs in memory are rebuilt from the log, and nothing is republished. A conflict
+        (the log changed under us: an event where this worker meant to append one) is not a
+        failing disk: once memory is rebuilt from the log, the next commit can succeed, so it
+        is retried without growing the backoff."""
         delay_s = self._commit_backoff_s
-        self._commit_backoff_s = min(delay_s * 2, _COMMIT_BACKOFF_S[1])
         self._commit_failure = str(exc)
         self._metrics.commit_failures.inc()
-        logger.error("commit failed, retrying in %.1fs: %s", delay_s, exc)
+        if isinstance(exc, StoreConflict):
+            logger.error("the log changed under this worker; rebuilding from it: %s", exc)
+        else:
+            self._commit_backoff_s = min(delay_s * 2, _COMMIT_BACKOFF_S[1])
+            logger.error("commit failed, retrying in %.1fs: %s", delay_s, exc)
         try:
             await self._rebuild_memory()
         except StoreError as read_exc:
             logger.error("cannot read the log either: %s", read_exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), delay_s)
+
+    def _drop_marks(self) -> None:
+        """Forget the marks not yet committed: their actions count as never published."""
+        for barrier, _ in self._published:
+            if barrier.done() and not barrier.cancelled():
+                barrier.exception()  # retrieved: a failure that nobody waits for any more
+            barrier.cancel()
+        self._published.clear()
 
     async def _give_back(self, deliveries: Sequence[Inbound], delay_s: float) -> None:
         """Return inputs to JetStream unapplied, to be delivered again after `delay_s`."""
@@ -218,9 +269,9 @@ class Worker:
         """Rebuild every open handoff from the log, rearm its timers, and publish the actions
         that were never published or still await an outcome."""
         began = time.perf_counter()
-        self._published.clear()  # re-derived below from the log's own marks
+        self._drop_marks()  # re-derived below from the log's own marks
         marks = Batch()
-        now = _now_ms()
+        now = now_ms()
         loaded = await self._rebuild_memory(marks)
         # The backlog may include a closed handoff's last actions (e.g. its Complete); its
         # row is all that routing needs.
@@ -268,7 +319,7 @@ class Worker:
         # Not `batch or Batch()`: a Batch is falsy until it holds rows.
         into = Batch() if batch is None else batch
         try:
-            adopted = planner.adopt(loaded.values(), into, _now_ms(), diverging=True)
+            adopted = planner.adopt(loaded.values(), into, now_ms(), diverging=True)
         except ReplayDivergence as exc:
             raise LogDiverges(
                 f"{exc}; this build's coordinator does not re-derive the log of an open handoff."
@@ -288,11 +339,14 @@ class Worker:
 
     # --- A batch ------------------------------------------------------------------------
 
-    async def _plan(self, deliveries: list[Inbound], decoded: Decoded, missing: list[UUID]) -> Plan:
+    async def _plan(
+        self, deliveries: list[Inbound], decoded: Decoded, missing: list[UUID],
+        into: Batch | None = None,
+    ) -> Plan:  # fmt: skip
         """Load the handoffs the batch names that are not in memory, and apply the batch."""
         planner = self._planner
         loaded = await self._log.load(missing) if missing else {}
-        plan = planner.plan(deliveries, decoded, loaded, _now_ms(), time.time())
+        plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time(), into=into)
         for handoff_id, due in plan.new_deadlines:
             self._deadlines.schedule(handoff_id, due)
         for answered in plan.answered:
@@ -303,20 +357,33 @@ class Worker:
         self._timers_changed.set()
         return plan
 
-    async def _carry_out(self, plan: Plan, deliveries: Sequence[Inbound]) -> None:
-        """Commit the plan's batch, then publish its actions and settle its inputs."""
+    async def _carry_out(
+        self, parts: Sequence[tuple[Plan, Sequence[Inbound]]], *, every_mark: bool = False
+    ) -> None:
+        """Commit the batch that the plans share, then publish their actions and settle their
+        inputs, plan by plan."""
         try:
-            await self._commit(plan.batch)
+            await self._commit(parts[0][0].batch if parts else Batch(), every_mark=every_mark)
         except StoreError:
-            await self._give_back(deliveries, self._commit_backoff_s)
+            for _, deliveries in parts:
+                await self._give_back(deliveries, self._commit_backoff_s)
             raise
-        now = _now_ms()
+        for plan, deliveries in parts:
+            await self._settle(plan, deliveries)
+
+    async def _settle(self, plan: Plan, deliveries: Sequence[Inbound]) -> None:
+        """Publish a committed plan's actions and rejections, and settle its inputs."""
+        now = now_ms()
         completions: Counter[str] = Counter()
+        marks = []
         for row, seq, action in plan.publish:
             await self._publish_action(row, action)
-            self._published.append((action.handoff_id, seq, now))
+            marks.append((action.handoff_id, seq, now))
             if isinstance(action, Complete):
                 completions[action.completion.value] += 1
+        if marks:
+            # Not awaited here: the next batch goes on while the server confirms these.
+            self._published.append((asyncio.ensure_future(self._bus.flush()), marks))
         for _, rejection in plan.terms:
             await self._bus.publish(
                 self._subjects.rejected(rejection.handoff_id), encode(rejection)
@@ -342,16 +409,26 @@ class Worker:
         m.open_handoffs.set(len(self._planner.open))
         m.quarantined.set(len(self._planner.quarantined))
 
-    async def _commit(self, batch: Batch) -> None:
-        if self._published:
-            # "Published" must mean the server has it, not that it sits in our write buffer.
-            await self._bus.flush()
-        for handoff_id, seq, at_ms in self._published:
-            batch.mark_published(handoff_id, seq, at_ms)
+    async def _commit(self, batch: Batch, *, every_mark: bool = False) -> None:
+        """Commit `batch` with the outbox marks whose barrier has returned, in publication
+        order; with `every_mark`, first wait for every barrier. A barrier that failed raises
+        its `BusError` before anything is written."""
+        # "Published" must mean the server has it, not that it sits in our write buffer.
+        confirmed = 0
+        for barrier, marks in self._published:
+            if every_mark:
+                await barrier
+            elif not barrier.done():
+                break
+            barrier.result()
+            for handoff_id, seq, at_ms in marks:
+                batch.mark_published(handoff_id, seq, at_ms)
+            confirmed += 1
         began = time.perf_counter()
         await self._log.commit(batch)
         self._metrics.commit_seconds.observe(time.perf_counter() - began)
-        self._published.clear()
+        for _ in range(confirmed):
+            self._published.popleft()
         if self._commit_failure is not None:
             logger.info("commits succeed again")
             self._commit_failure = None

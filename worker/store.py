@@ -1,4 +1,4 @@
-"""The worker's side of the event log: one aiosqlite connection, WAL mode, one writer.
+"""The worker's side of the event log: SQLite in WAL mode, one writer, one reader.
 
 Durability rule: an input is durable when the transaction that appends it commits. With
 `synchronous=FULL` (the default) SQLite fsyncs the WAL at every commit, so a committed input
@@ -11,16 +11,26 @@ handoffs, events, rejections, outbox marks) into a `Batch` and commits it in one
 When a transaction fails, the error is SQLite's own ("database or disk is full"), never that of
 the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
 
-The layout is `worker.schema`'s layout 2. A log of layout 1 is migrated when the worker opens
-it (`EventLog.open(..., migrate=True)`, which only `kvhandoff run` asks for, under its
-`WriterLock`): in one transaction, so a log is either layout 1 or layout 2, never half of each.
-Every record is carried over as it decodes: split, filed under its handoff's new key; one that
-does not decode (or names another handoff than its row) is kept whole, as written, so the
-handoff is quarantined when loaded, as it would have been before. An event with no handoff row
-has nowhere to go in layout 2, so such a log is refused rather than converted. The stored input
-digests are dropped (layout 2 derives them); the outbox marks become one per handoff, up to the
-first action that was not published. Other tools open a layout-1 log read-only
-(`worker.logreader`) and leave it as it is.
+Two connections, each on its own thread. The writer's thread runs a whole transaction as one
+call (BEGIN to COMMIT): the worker's hop waits for its commit, and a statement per thread round
+trip, as aiosqlite runs them, made a small batch's commit cost several wake-ups of the event
+loop for one fsync. The reader is an aiosqlite connection: in WAL mode it reads the last commit
+without waiting for the one in flight, so the worker loads the handoffs of its next batch while
+the previous batch commits.
+
+The layout is `worker.schema`'s layout 2; its rows are `worker.rows`' types, read back through
+the same `read_row`/`read_event` as the offline reader's (a row with a state this build does not
+know makes that handoff a `CorruptHandoff`, which the worker quarantines).
+
+A log of layout 1 is migrated when the worker opens it (`EventLog.open(..., migrate=True)`,
+which only `kvhandoff run` asks for, under its `WriterLock`): in one transaction, so a log is
+either layout 1 or layout 2, never half of each. Every record is carried over as it decodes:
+split, filed under its handoff's new key; one that does not decode (or names another handoff
+than its row) is kept whole, as written, so the handoff is quarantined when loaded, as it would
+have been before. An event with no handoff row has nowhere to go in layout 2, so such a log is
+refused rather than converted. The stored input digests are dropped (layout 2 derives them); the
+outbox marks become one per handoff, up to the first action that was not published. Other tools
+open a layout-1 log read-only (`worker.logreader`) and leave it as it is.
 
 The file. A new log is built under a temporary name and linked into place once its layout is
 written, so a log at the path is never a half-made one: an empty file there is a log that was
@@ -46,20 +56,30 @@ import socket
 import sqlite3
 import tempfile
 import time
-from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 from uuid import UUID
 
 import aiosqlite
 
-from events.codec import decode_record, input_digest, join_record, split_record
-from events.errors import LogCorrupt
-from events.records import VERBATIM, ActionRecord, InputRecord, LogRecord
-from worker.errors import StoreConflict, StoreError, StoreLocked
-from worker.schema import (
+from kvhandoff.events.codec import split_record
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.records import VERBATIM, ActionRecord, InputRecord, LogRecord
+from kvhandoff.worker.errors import StoreConflict, StoreCorrupt, StoreError, StoreLocked
+from kvhandoff.worker.rows import (
+    HandoffLog,
+    HandoffRow,
+    LoggedEvent,
+    read_event,
+    read_record,
+    read_row,
+)
+from kvhandoff.worker.schema import (
     ACTION_TYPES,
     HANDOFF_COLUMNS,
     INDEXES,
@@ -75,56 +95,12 @@ from worker.schema import (
 
 logger = logging.getLogger(__name__)
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
 # SQLite's default limit on host parameters is 32766; stay far below it.
 _CHUNK = 500
 _SYNCHRONOUS = ("FULL", "NORMAL", "EXTRA")
-
-
-@dataclass(slots=True)
-class HandoffRow:
-    """The `handoffs` projection of one handoff."""
-
-    handoff_id: UUID
-    engine_type: str
-    source: str
-    destination: str
-    started_at_ms: int
-    deadline_at_ms: int
-    state: HandoffState
-    completed_at_ms: int | None
-    last_seq: int
-    updated_at_ms: int
-
-    def copy(self) -> HandoffRow:
-        # Spelled out: `dataclasses.replace` costs six times as much, once per handoff per batch.
-        return HandoffRow(
-            self.handoff_id, self.engine_type, self.source, self.destination,
-            self.started_at_ms, self.deadline_at_ms, self.state, self.completed_at_ms,
-            self.last_seq, self.updated_at_ms,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class LoggedEvent:
-    """One event of a handoff's log as the worker reads it back.
-
-    `digest` is `events.codec.input_digest` of an input (None for an action), computed from the
-    record. `published_at_ms` is None for an input and for an action not yet published, and
-    otherwise the time of the handoff's outbox mark that covers the action (layout 2 keeps one
-    mark per handoff: the action was published by then).
-    """
-
-    seq: int
-    at_ms: int
-    record: LogRecord
-    digest: bytes | None
-    published_at_ms: int | None
-
-
-@dataclass(slots=True)
-class LoadedHandoff:
-    row: HandoffRow
-    events: list[LoggedEvent]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +111,8 @@ class CorruptHandoff:
     reason: str
 
 
-Loaded = LoadedHandoff | CorruptHandoff
+#: What the worker's read of one handoff gives: its log, or why it could not be read.
+Loaded = HandoffLog | CorruptHandoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,14 +380,8 @@ def _migrate(path: Path) -> None:
     began = time.perf_counter()
     with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as db:
         db.execute("PRAGMA busy_timeout=5000")
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(db):
             migrated = _migrate_in(db, path)
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
     logger.info(
         "event log %s: migrated from layout %s to %s in %.1fs: %d handoffs, %d events, %d of"
         " them kept whole as they do not read as records of their handoff; run VACUUM on the"
@@ -466,9 +437,7 @@ def _split_layout_1(
     for key, handoff_id, seq, at_ms, blob in rows:
         migrated.events += 1
         try:
-            if not isinstance(blob, bytes):
-                raise LogCorrupt(f"a record stored as {type(blob).__name__}")
-            record = decode_record(blob)
+            record = read_record(blob)
             message = record.input if isinstance(record, InputRecord) else record.action
             if str(message.handoff_id) != handoff_id:
                 raise LogCorrupt(f"a record of handoff {message.handoff_id}")
@@ -483,39 +452,35 @@ def _split_layout_1(
 # --- Reading rows back ----------------------------------------------------------------------
 
 
-def _handoff_row(values: Sequence[Any]) -> HandoffRow:
-    (hid, engine_type, source, destination, started, deadline, state, completed, last_seq,
-     updated) = values  # fmt: skip
-    return HandoffRow(
-        UUID(hid), engine_type, source, destination, started, deadline, HandoffState(state),
-        completed, last_seq, updated,
-    )  # fmt: skip
-
-
 def _row_values(row: HandoffRow) -> tuple[object, ...]:
+    if row.state is None:  # only the offline reader reads a state this build does not know
+        raise StoreError(f"handoff {row.handoff_id}: a row to write must have a known state")
     return (
         str(row.handoff_id), row.engine_type, row.source, row.destination, row.started_at_ms,
         row.deadline_at_ms, row.state.value, row.completed_at_ms, row.last_seq, row.updated_at_ms,
     )  # fmt: skip
 
 
-def _event(
-    handoff_id: bytes, row: tuple[int, int, int, bytes], published_seq: int, marked_at: int | None
-) -> LoggedEvent:
-    """One stored event of the handoff whose id's 16 bytes are `handoff_id`, decoded, with the
-    digest of an input and, for an action, the handoff's outbox mark if it covers it."""
-    seq, code, at_ms, blob = row
-    record = decode_record(join_record(handoff_id, code, at_ms, blob))
-    if isinstance(record, InputRecord):
-        return LoggedEvent(seq, at_ms, record, input_digest(record.input), None)
-    return LoggedEvent(seq, at_ms, record, None, marked_at if seq <= published_seq else None)
+def _handoff_row(values: Sequence[Any]) -> HandoffRow:
+    """A row as the worker reads it back: one with a state this build does not know cannot be
+    rebuilt, and is `StoreCorrupt` like a bad column."""
+    row = read_row(values)
+    if row.state is None:
+        raise StoreCorrupt(f"state {row.unknown_state!r} is not one this build knows")
+    return row
 
 
 class EventLog:
     """The append-only log of every accepted input and issued action, per handoff in order."""
 
-    def __init__(self, connection: aiosqlite.Connection, path: Path) -> None:
-        self._db = connection
+    def __init__(
+        self, writer: ThreadPoolExecutor, db: sqlite3.Connection, reader: aiosqlite.Connection,
+        path: Path,
+    ) -> None:  # fmt: skip
+        self._writer = writer  # the one thread that uses `_db`
+        self._db = db
+        self._reader = reader
+        self._closed = False
         self.path = path
 
     @classmethod
@@ -533,71 +498,42 @@ class EventLog:
                 f" {', '.join(_SYNCHRONOUS)}"
             )
         await asyncio.to_thread(_prepare, path)
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhandoff-log")
+        loop = asyncio.get_running_loop()
+        db: sqlite3.Connection | None = None
+        reader: aiosqlite.Connection | None = None
         try:
-            db = await aiosqlite.connect(path, isolation_level=None)
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open event log {path}: {exc}") from exc
-        try:
-            await cls._configure(db, path, synchronous, migrate)
-        except BaseException:
-            # An unclosed connection keeps its thread alive, and the process with it.
-            await db.close()
+            db = await loop.run_in_executor(writer, _connect_writer, path, synchronous, migrate)
+            reader = await aiosqlite.connect(path, isolation_level=None)
+            await reader.execute("PRAGMA query_only=1")
+            await reader.execute("PRAGMA busy_timeout=5000")
+        except BaseException as exc:
+            if reader is not None:
+                # An unclosed aiosqlite connection keeps its thread alive, and the process.
+                await reader.close()
+            if db is not None:
+                await loop.run_in_executor(writer, db.close)
+            writer.shutdown()
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"cannot open event log {path}: {exc}") from exc
             raise
-        return cls(db, path)
-
-    @staticmethod
-    async def _configure(
-        db: aiosqlite.Connection, path: Path, synchronous: str, migrate: bool
-    ) -> None:
-        try:
-            # An offline `compact` may hold the write lock briefly; wait rather than fail.
-            await db.execute("PRAGMA busy_timeout=5000")
-            # Checked before anything is written: another application's database, or a log of
-            # another layout, must be left as it is.
-            layout = await _layout(db)
-            if layout == LAYOUT_1 and migrate:
-                await asyncio.to_thread(_migrate, path)
-                layout = await _layout(db)
-            if layout == LAYOUT_1:
-                raise StoreError(
-                    f"event log {path} has layout {LAYOUT_1!r}, which this build reads but does"
-                    f" not write: the worker (kvhandoff run) of this build migrates it to layout"
-                    f" {LAYOUT_VERSION!r} when it starts"
-                )
-            if layout != LAYOUT_VERSION:
-                raise StoreError(
-                    f"event log {path} has layout {layout!r}, this build reads and writes layout"
-                    f" {LAYOUT_VERSION!r}"
-                )
-            await db.execute("PRAGMA journal_mode=WAL")
-            await db.execute(f"PRAGMA synchronous={synchronous}")
-            # The numbers of message types this build knows, for people reading the file.
-            await db.execute(INSERT_RECORD_TYPES, RECORD_TYPE_VALUES)
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open event log {path}: {exc}") from exc
+        return cls(writer, db, reader, path)
 
     async def close(self) -> None:
-        await self._db.close()
+        """Close both connections; closing a closed log does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._reader.close()
+        finally:
+            await self._write(sqlite3.Connection.close)
+            self._writer.shutdown()
 
     async def commit(self, batch: Batch) -> None:
         """Write the batch in one transaction, or nothing at all."""
         try:
-            async with self._transaction() as db:
-                if batch.handoffs:
-                    await db.executemany(
-                        _UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()]
-                    )
-                if batch.events:
-                    await db.executemany(_INSERT_EVENT, batch.events)
-                if batch.published:
-                    await db.executemany(
-                        _MARK_PUBLISHED,
-                        [(seq, at, str(h)) for h, (seq, at) in batch.published.items()],
-                    )
-                if batch.rejections:
-                    await db.executemany(_INSERT_REJECTION, batch.rejections)
-                if batch.quarantined:
-                    await db.executemany(_QUARANTINE, batch.quarantined)
+            await self._write(_commit, batch)
         except sqlite3.IntegrityError as exc:
             raise StoreConflict(f"append collided with the log: {exc}") from exc
         except sqlite3.Error as exc:
@@ -648,19 +584,19 @@ class EventLog:
             seq, code, at_ms, blob = values[-4:]
             try:
                 row = _handoff_row(values[:-4])
-                record = decode_record(join_record(row.handoff_id.bytes, code, at_ms, blob))
-            except (LogCorrupt, ValueError) as exc:
+                event = read_event(row.handoff_id.bytes, (seq, code, at_ms, blob), (-1, None))
+            except (StoreCorrupt, LogCorrupt) as exc:
                 backlog.append(CorruptHandoff(UUID(values[0]), f"seq {seq}: {exc}"))
                 continue
-            if isinstance(record, ActionRecord):  # not an input kept whole
-                backlog.append(UnpublishedAction(row, seq, record))
+            if isinstance(event.record, ActionRecord):  # not an input kept whole
+                backlog.append(UnpublishedAction(row, seq, event.record))
         return backlog
 
     async def events_of(self, handoff_id: UUID) -> list[LoggedEvent]:
         rows = await self._fetch(SELECT_EVENTS, (str(handoff_id),))
         raw = handoff_id.bytes
         return [
-            _event(raw, (seq, code, at_ms, blob), published_seq, marked_at)
+            read_event(raw, (seq, code, at_ms, blob), (published_seq, marked_at))
             for seq, code, at_ms, blob, published_seq, marked_at in rows
         ]
 
@@ -668,46 +604,22 @@ class EventLog:
         """Delete the handoffs that completed before `before_ms`, with their logs, and the
         rejections logged before it. Open and quarantined handoffs are kept."""
         try:
-            async with self._transaction() as db:
-                await db.execute(
-                    "CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_key INTEGER PRIMARY KEY)"
-                )
-                await db.execute("DELETE FROM doomed")
-                await db.execute(_DOOM_HANDOFFS, (before_ms,))
-                await db.execute(
-                    "DELETE FROM events WHERE handoff_key IN (SELECT handoff_key FROM doomed)"
-                )
-                handoffs = await db.execute(
-                    "DELETE FROM handoffs WHERE handoff_key IN (SELECT handoff_key FROM doomed)"
-                )
-                rejections = await db.execute(_DELETE_REJECTIONS, (before_ms,))
+            return await self._write(_compact, before_ms)
         except sqlite3.Error as exc:
             raise StoreError(f"compaction of event log {self.path} failed: {exc}") from exc
-        return Compacted(handoffs.rowcount, rejections.rowcount)
 
-    @contextlib.asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
-        """BEGIN IMMEDIATE, then COMMIT, or a rollback on any error. sqlite errors pass
-        through unchanged, for the caller to translate."""
-        db = self._db
-        await db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-            await db.execute("COMMIT")
-        except BaseException as exc:
-            # SQLite itself rolls back on some errors (SQLITE_FULL, SQLITE_IOERR, ...), even on
-            # a failed COMMIT. A ROLLBACK then fails with "no transaction is active", and its
-            # error must never replace the one that says what went wrong.
-            if db.in_transaction:
-                try:
-                    await db.execute("ROLLBACK")
-                except sqlite3.Error as rollback_error:
-                    exc.add_note(f"the rollback failed too: {rollback_error}")
-            raise
+    async def _write(
+        self, work: Callable[Concatenate[sqlite3.Connection, _P], _T], *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T:  # fmt: skip
+        """Run `work(db, ...)` on the writer's thread. sqlite errors pass through unchanged,
+        for the caller to translate."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._writer, partial(work, self._db, *args, **kwargs))
 
     async def _fetch(self, sql: str, parameters: Iterable[object] = ()) -> list[sqlite3.Row]:
         try:
-            async with self._db.execute(sql, tuple(parameters)) as cursor:
+            async with self._reader.execute(sql, tuple(parameters)) as cursor:
                 return list(await cursor.fetchall())
         except sqlite3.Error as exc:
             raise StoreError(f"read failed: {exc}") from exc
@@ -723,8 +635,8 @@ class EventLog:
             hid = UUID(values[0])
             marks[values[0]] = (values[-2], values[-1])
             try:
-                loaded[hid] = LoadedHandoff(_handoff_row(values[:-2]), [])
-            except ValueError as exc:  # e.g. a state this build does not know
+                loaded[hid] = HandoffLog(_handoff_row(values[:-2]), [])
+            except StoreCorrupt as exc:  # e.g. a state this build does not know
                 loaded[hid] = CorruptHandoff(hid, f"unreadable handoff row: {exc}")
         # A handoff's events come together: what they share is worked out once per handoff.
         current, hid, raw = "", UUID(int=0), b""
@@ -734,24 +646,104 @@ class EventLog:
             if hid_text != current:
                 current, hid = hid_text, UUID(hid_text)
                 raw, mark, handoff = hid.bytes, marks[hid_text], loaded[hid]
-            if not isinstance(handoff, LoadedHandoff):
+            if not isinstance(handoff, HandoffLog):
                 continue
             try:
-                handoff.events.append(_event(raw, (seq, code, at_ms, blob), *mark))
+                handoff.events.append(read_event(raw, (seq, code, at_ms, blob), mark))
             except LogCorrupt as exc:
                 handoff = loaded[hid] = CorruptHandoff(hid, f"seq {seq}: {exc}")
         return loaded
 
 
-async def _layout(db: aiosqlite.Connection) -> str | None:
+def _layout(db: sqlite3.Connection) -> str | None:
     """The layout the file's meta table names, or None (a new file is created with one)."""
-    tables = {
-        name
-        for (name,) in await db.execute_fetchall(
-            "SELECT name FROM sqlite_master WHERE type = 'table'"
-        )
-    }
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if "meta" not in tables:
         return None
-    rows = list(await db.execute_fetchall("SELECT value FROM meta WHERE key = 'layout'"))
-    return str(rows[0][0]) if rows else None
+    row = db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+    return None if row is None else str(row[0])
+
+
+def _connect_writer(path: Path, synchronous: str, migrate: bool) -> sqlite3.Connection:
+    """The writer's connection to the log at `path`, made (and then used) on the writer's
+    thread; see `EventLog.open`. sqlite errors pass through, `StoreError` for the layout."""
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        # An offline `compact` may hold the write lock briefly; wait rather than fail.
+        db.execute("PRAGMA busy_timeout=5000")
+        # Checked before anything is written: another application's database, or a log of
+        # another layout, must be left as it is.
+        layout = _layout(db)
+        if layout == LAYOUT_1 and migrate:
+            _migrate(path)
+            layout = _layout(db)
+        if layout == LAYOUT_1:
+            raise StoreError(
+                f"event log {path} has layout {LAYOUT_1!r}, which this build reads but does"
+                f" not write: the worker (kvhandoff run) of this build migrates it to layout"
+                f" {LAYOUT_VERSION!r} when it starts"
+            )
+        if layout != LAYOUT_VERSION:
+            raise StoreError(
+                f"event log {path} has layout {layout!r}, this build reads and writes layout"
+                f" {LAYOUT_VERSION!r}"
+            )
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={synchronous}")
+        # The numbers of message types this build knows, for people reading the file.
+        db.execute(INSERT_RECORD_TYPES, RECORD_TYPE_VALUES)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+@contextlib.contextmanager
+def _transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """BEGIN IMMEDIATE, then COMMIT, or a rollback on any error. sqlite errors pass through
+    unchanged, for the caller to translate."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+        db.execute("COMMIT")
+    except BaseException as exc:
+        # SQLite itself rolls back on some errors (SQLITE_FULL, SQLITE_IOERR, ...), even on a
+        # failed COMMIT. A ROLLBACK then fails with "no transaction is active", and its error
+        # must never replace the one that says what went wrong.
+        if db.in_transaction:
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error as rollback_error:
+                exc.add_note(f"the rollback failed too: {rollback_error}")
+        raise
+
+
+def _commit(db: sqlite3.Connection, batch: Batch) -> None:
+    """`EventLog.commit`, on the writer's thread."""
+    with _transaction(db):
+        if batch.handoffs:
+            db.executemany(_UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()])
+        if batch.events:
+            db.executemany(_INSERT_EVENT, batch.events)
+        if batch.published:
+            db.executemany(
+                _MARK_PUBLISHED, [(seq, at, str(h)) for h, (seq, at) in batch.published.items()]
+            )
+        if batch.rejections:
+            db.executemany(_INSERT_REJECTION, batch.rejections)
+        if batch.quarantined:
+            db.executemany(_QUARANTINE, batch.quarantined)
+
+
+def _compact(db: sqlite3.Connection, before_ms: int) -> Compacted:
+    """`EventLog.compact`, on the writer's thread."""
+    with _transaction(db):
+        db.execute("CREATE TEMP TABLE IF NOT EXISTS doomed (handoff_key INTEGER PRIMARY KEY)")
+        db.execute("DELETE FROM doomed")
+        db.execute(_DOOM_HANDOFFS, (before_ms,))
+        db.execute("DELETE FROM events WHERE handoff_key IN (SELECT handoff_key FROM doomed)")
+        handoffs = db.execute(
+            "DELETE FROM handoffs WHERE handoff_key IN (SELECT handoff_key FROM doomed)"
+        )
+        rejections = db.execute(_DELETE_REJECTIONS, (before_ms,))
+    return Compacted(handoffs.rowcount, rejections.rowcount)

@@ -28,12 +28,16 @@ Example, a test module of a downstream project (a frontend) that starts one hand
 
     os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")  # before the first start
 
-    from events.codec import decode_action, encode
-    from events.messages import Action, EngineType, StartHandoff
-    from events.subjects import Subjects
-    from worker.bus import Bus, Message
-    from worker.config import NatsSettings
-    from worker.testing import KvhandoffWorkerContainer, MockEnginesContainer, NatsContainer
+    from kvhandoff.events.codec import decode_action, encode
+    from kvhandoff.events.messages import Action, EngineType, StartHandoff
+    from kvhandoff.events.subjects import Subjects
+    from kvhandoff.worker.bus import Bus, Message
+    from kvhandoff.worker.config import NatsSettings
+    from kvhandoff.worker.testing import (
+        KvhandoffWorkerContainer,
+        MockEnginesContainer,
+        NatsContainer,
+    )
 
     def test_a_handoff_completes() -> None:
         with (
@@ -88,8 +92,8 @@ from testcontainers.core.container import DockerContainer
 from testcontainers.core.network import Network
 from testcontainers.core.waiting_utils import WaitStrategy, WaitStrategyTarget
 
-from worker.errors import WorkerError
-from worker.health import answers_ok
+from kvhandoff.worker.errors import WorkerError
+from kvhandoff.worker.health import answers_ok
 
 __all__ = [
     "NATS_IMAGE",

@@ -33,11 +33,11 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from worker.bus import Bus, Member
-from worker.errors import BusError
-from worker.ownership import PartitionLog
-from worker.partition_owner import Act, Decide, PartitionOwner
-from worker.partitions import rebalance
+from kvhandoff.worker.bus import Bus, Member
+from kvhandoff.worker.errors import BusError
+from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.partition_owner import Act, Decide, PartitionOwner
+from kvhandoff.worker.partitions import rebalance
 
 logger = logging.getLogger(__name__)
 

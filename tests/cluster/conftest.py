@@ -21,9 +21,9 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from worker.bus import Bus
-from worker.config import NatsSettings
-from worker.natsserver import NatsCluster
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.natsserver import NatsCluster
 
 # What a step that should take milliseconds may take on a busy two-core machine, elections
 # included.

@@ -25,10 +25,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from worker.bus import Bus, Inbound, Member
-from worker.config import NatsSettings
-from worker.ownership import PartitionLog
-from worker.partition_owner import PartitionOwner
+from kvhandoff.worker.bus import Bus, Inbound, Member
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.partition_owner import PartitionOwner
 
 PREFIX = "kvhandoff"
 STREAM = "KVHANDOFF_IN"

@@ -15,9 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.partitions import assign, fair_share, partition_of, rebalance
 from tests.cluster.conftest import publish
-from worker.bus import Bus
-from worker.partitions import assign, fair_share, partition_of, rebalance
 
 names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
 workers = st.sets(names, min_size=1, max_size=12)

@@ -17,8 +17,8 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js.api import StreamConfig
 
+from kvhandoff.worker.natsserver import CLUSTER_SIZE, NatsCluster
 from tests.cluster.conftest import WITHIN_S
-from worker.natsserver import CLUSTER_SIZE, NatsCluster
 
 STREAM = "REPLICATED"
 

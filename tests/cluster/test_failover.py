@@ -35,6 +35,9 @@ import msgspec
 import pytest
 from nats.js import JetStreamContext
 
+from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.ownership import Appended, Claimed, Entry
+from kvhandoff.worker.partitions import partition_of
 from tests.cluster.conftest import WITHIN_S, Acted, publish, until
 from tests.cluster.owner_process import (
     FENCED_EXIT,
@@ -44,9 +47,6 @@ from tests.cluster.owner_process import (
     PRIORITY_TIMEOUT_S,
     STREAM,
 )
-from worker.natsserver import NatsCluster
-from worker.ownership import Appended, Claimed, Entry
-from worker.partitions import partition_of
 
 PARTITION = 0
 

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.js import JetStreamContext
 
+from kvhandoff.worker.bus import Bus, partition_log_subject
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import Fenced
+from kvhandoff.worker.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S
-from worker.bus import Bus, partition_log_subject
-from worker.config import NatsSettings
-from worker.errors import Fenced
-from worker.natsserver import NatsCluster
 
 PREFIX = "kvhandoff"
 LOG_STREAM = "KVHANDOFF_LOG"

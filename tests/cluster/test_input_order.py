@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.input_order import InputOrder
+from kvhandoff.worker.input_order import InputOrder
 
 
 @dataclass(frozen=True)

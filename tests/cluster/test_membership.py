@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from nats.js import JetStreamContext
 
+from kvhandoff.worker.bus import MEMBER_TTL_S, MEMBERS_BUCKET, Bus, Member
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S
-from worker.bus import MEMBER_TTL_S, MEMBERS_BUCKET, Bus, Member
-from worker.config import NatsSettings
-from worker.natsserver import NatsCluster
 
 
 async def listed(bus: Bus) -> set[str]:

@@ -13,11 +13,11 @@ import msgspec
 import pytest
 from nats.js import JetStreamContext
 
-from worker.bus import Bus
-from worker.config import NatsSettings
-from worker.errors import BusError, Fenced
-from worker.natsserver import NatsCluster
-from worker.ownership import Appended, Claimed, Entry, PartitionLog
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import BusError, Fenced
+from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.ownership import Appended, Claimed, Entry, PartitionLog
 
 PREFIX = "kvhandoff"
 LOG_STREAM = "KVHANDOFF_LOG"

@@ -16,12 +16,12 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
+from kvhandoff.worker.bus import PARTITIONS_METADATA, Bus, partition_subject
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import ConfigError, PartitionsMismatch
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.cluster.conftest import publish
 from tests.worker.conftest import WorkerProcess
-from worker.bus import PARTITIONS_METADATA, Bus, partition_subject
-from worker.config import NatsSettings
-from worker.errors import ConfigError, PartitionsMismatch
-from worker.natsserver import EmbeddedNats
 
 PREFIX = "kvhandoff"
 STREAM = "KVHANDOFF_IN"

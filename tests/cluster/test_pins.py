@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.js import JetStreamContext
 
+from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import BusError, PinMismatch
+from kvhandoff.worker.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S, publish
-from worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
-from worker.config import NatsSettings
-from worker.errors import BusError, PinMismatch
-from worker.natsserver import NatsCluster
 
 PREFIX = "kvhandoff"
 STREAM = "KVHANDOFF_IN"

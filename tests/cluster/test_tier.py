@@ -23,11 +23,11 @@ import msgspec
 import pytest
 from nats.js import JetStreamContext
 
+from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.ownership import Appended, Claimed, Entry
+from kvhandoff.worker.partitions import partition_of
 from tests.cluster.conftest import WITHIN_S, Acted, publish, until
 from tests.cluster.tier_process import PARTITIONS, SETTINGS
-from worker.natsserver import NatsCluster
-from worker.ownership import Appended, Claimed, Entry
-from worker.partitions import partition_of
 
 
 class WorkerProcess:

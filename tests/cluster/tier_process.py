@@ -17,9 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from worker.bus import Bus, Inbound
-from worker.config import NatsSettings
-from worker.tier import Tier, TierSettings
+from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.tier import Tier, TierSettings
 
 PARTITIONS = 4
 SETTINGS = TierSettings(partitions=PARTITIONS)

@@ -41,8 +41,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from testcontainers.core.labels import LABEL_SESSION_ID, SESSION_ID
 
-from worker.loadgen import LoadReport
-from worker.testing import (
+from kvhandoff.worker.loadgen import LoadReport
+from kvhandoff.worker.testing import (
     KvhandoffCommandContainer,
     KvhandoffWorkerContainer,
     MockEnginesContainer,

@@ -7,14 +7,14 @@ from tests.test_layering import loaded_drivers, modules_of
 
 
 def test_nothing_but_worker_testing_loads_testcontainers() -> None:
-    modules = [module for module in modules_of("worker") if module != "worker.testing"]
-    assert "worker.cli" in modules and "worker.commands.run" in modules
+    modules = [module for module in modules_of("worker") if module != "kvhandoff.worker.testing"]
+    assert "kvhandoff.worker.cli" in modules and "kvhandoff.worker.commands.run" in modules
     assert loaded_drivers(modules, {"testcontainers", "docker"}) == []
 
 
 def test_worker_testing_itself_loads_testcontainers() -> None:
     # Guards the test above against a probe that never sees the package.
-    assert loaded_drivers(["worker.testing"], {"testcontainers", "docker"}) == [
+    assert loaded_drivers(["kvhandoff.worker.testing"], {"testcontainers", "docker"}) == [
         "docker",
         "testcontainers",
     ]

@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from kvhandoff.worker.commands.verify import verify_log
+from kvhandoff.worker.loadgen import LoadReport
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.testing import KvhandoffWorkerContainer, MockEnginesContainer, NatsContainer
 from tests.containers.conftest import (
     Loads,
     Workers,
@@ -26,10 +30,6 @@ from tests.containers.conftest import (
     recovered_open_handoffs,
     wait_until,
 )
-from worker.commands.verify import verify_log
-from worker.loadgen import LoadReport
-from worker.logreader import open_log
-from worker.testing import KvhandoffWorkerContainer, MockEnginesContainer, NatsContainer
 
 pytestmark = pytest.mark.containers
 

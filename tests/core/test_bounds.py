@@ -21,10 +21,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import codec
-from events.errors import LogCorrupt
-from events.ids import MAX_BANDWIDTH_GB_S, MAX_EXACT_INT, MAX_REASON_LENGTH, MAX_TIMER_MS
-from events.messages import (
+from kvhandoff.events import codec
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.ids import MAX_BANDWIDTH_GB_S, MAX_EXACT_INT, MAX_REASON_LENGTH, MAX_TIMER_MS
+from kvhandoff.events.messages import (
     NOOP,
     ActionFailed,
     ActionOutcome,
@@ -42,7 +42,7 @@ from events.messages import (
     StartTransfer,
     SubmitPrefill,
 )
-from events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
 
 H = UUID("6f1c2b9e-8a4d-4c3e-9f70-1d2e3f405162")
 INF = math.inf

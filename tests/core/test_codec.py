@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import codec
-from events.errors import LogCorrupt
-from events.ids import MAX_EXACT_INT
-from events.messages import (
+from kvhandoff.events import codec
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.ids import MAX_EXACT_INT
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,
@@ -50,8 +50,8 @@ from events.messages import (
     TimedOut,
     TransferCompleted,
 )
-from events.records import SCHEMA_VERSION, TYPE_CODES, VERBATIM, ActionRecord, InputRecord
-from worker.cli import main
+from kvhandoff.events.records import SCHEMA_VERSION, TYPE_CODES, VERBATIM, ActionRecord, InputRecord
+from kvhandoff.worker.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 H = UUID("6f1c2b9e-8a4d-4c3e-9f70-1d2e3f405162")
@@ -471,9 +471,10 @@ def test_the_schema_command_prints_the_schema_as_json(capsys: pytest.CaptureFixt
 
 def test_the_core_imports_no_bus_database_or_worker_module() -> None:
     script = (
-        "import events, events.coordinator, events.codec, events.conformance, events.records, "
-        "events.subjects; import sys; print(sorted(m for m in sys.modules "
-        "if m.split('.')[0] in {'nats','aiosqlite','sqlite3','worker'}))"
+        "import kvhandoff.events, kvhandoff.events.coordinator, kvhandoff.events.codec, "
+        "kvhandoff.events.conformance, kvhandoff.events.records, kvhandoff.events.subjects; "
+        "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'nats','aiosqlite','sqlite3'} or m.startswith(('kvhandoff.worker', 'kvhandoff.client'))))"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True

@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from events import conformance
-from worker.cli import main
+from kvhandoff.events import conformance
+from kvhandoff.worker.cli import main
 
 VECTORS = Path(__file__).resolve().parent / "conformance" / "vectors.jsonl.gz"
 CASES = 1500

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from events.coordinator import CoordinatorState, HandoffCoordinator, Mode, Waiting
-from events.errors import InputRejected
-from events.messages import (
+from kvhandoff.events.coordinator import CoordinatorState, HandoffCoordinator, Mode, Waiting
+from kvhandoff.events.errors import InputRejected
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,

@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from events import codec
-from events.errors import LogCorrupt
-from events.ids import MAX_BANDWIDTH_GB_S, MAX_EXACT_INT, MAX_TIMER_MS
-from events.messages import (
+from kvhandoff.events import codec
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.ids import MAX_BANDWIDTH_GB_S, MAX_EXACT_INT, MAX_TIMER_MS
+from kvhandoff.events.messages import (
     Action,
     Canceled,
     Failed,
@@ -35,7 +35,7 @@ from events.messages import (
     Outcome,
     Rejection,
 )
-from events.records import ActionRecord, InputRecord
+from kvhandoff.events.records import ActionRecord, InputRecord
 
 H = UUID("6f1c2b9e-8a4d-4c3e-9f70-1d2e3f405162")
 INPUT_TYPES = get_args(Input)

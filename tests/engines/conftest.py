@@ -4,9 +4,6 @@ apart without restarting the server."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -14,12 +11,14 @@ from pathlib import Path
 import nats
 import pytest
 
-from events.subjects import Subjects
+from kvhandoff.client import Connection
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.child import WorkerChild
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.engines.harness import FAST, ONE_PAIR, WorkerSide
-from worker.bus import Bus
-from worker.config import NatsSettings
-from worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
-from worker.natsserver import EmbeddedNats
 
 
 @pytest.fixture(scope="session")
@@ -62,10 +61,8 @@ async def start_engines(
         model: EngineModel = FAST, faults: Faults | None = None, roster: Roster = ONE_PAIR
     ) -> MockEngines:
         bus = await Bus.connect(NatsSettings(url=nats_server.url), "test-engines")
-        config = EnginesConfig(
-            roster=roster, model=model, faults=faults or Faults(), subjects=subjects
-        )
-        engines = MockEngines(bus, config)
+        config = EnginesConfig(roster=roster, model=model, faults=faults or Faults())
+        engines = MockEngines(Connection(bus, subjects), config)
         await engines.start()
         started.append((bus, engines))
         return engines
@@ -78,18 +75,15 @@ async def start_engines(
 
 @pytest.fixture
 def worker(nats_server: EmbeddedNats, subjects: Subjects, tmp_path: Path) -> Iterator[Path]:
-    """`kvhandoff run` on the test's subjects; yields its log. Needs no readiness check: the
-    load generator retries its publishes until the worker has created the input stream."""
+    """`kvhandoff run` on the test's subjects, up and healthy; yields its log."""
     prefix = subjects.prefix
-    command = [
-        sys.executable, "-m", "worker.cli", "run",
-        "--nats-url", nats_server.url, "--db", str(tmp_path / "kvhandoff.db"),
-        "--subject-prefix", prefix, "--stream", f"IN_{prefix}", "--consumer", f"W_{prefix}",
-        "--retry-interval", "0.25s", "--metrics-port", "0",
-    ]  # fmt: skip
     log = tmp_path / "worker.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    child = WorkerChild(
+        nats_server.url, tmp_path / "kvhandoff.db",
+        "--subject-prefix", prefix, "--stream", f"IN_{prefix}", "--consumer", f"W_{prefix}",
+        "--retry-interval", "0.25s",
+        log_path=log,
+    )  # fmt: skip
+    child.start()
     yield log
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=30) == 0, log.read_text()
+    assert child.terminate() == 0, log.read_text()

@@ -10,11 +10,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from uuid import UUID
 
-from events.codec import decode_input, encode
-from events.messages import Action, Complete, EngineType, HandoffCompletion, Input
-from events.subjects import Subjects
-from worker.bus import Bus, Message
-from worker.engines import EngineModel, EnginesReport, MockEngine, Roster, request_reports
+from kvhandoff.client import Connection
+from kvhandoff.events.codec import decode_input, encode
+from kvhandoff.events.messages import Action, Complete, EngineType, HandoffCompletion, Input
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Message
+from kvhandoff.worker.engines import EngineModel, EnginesReport, MockEngine, Roster, request_reports
 
 SOURCE = "vllm-prefill-0"
 DESTINATION = "vllm-decode-0"
@@ -71,7 +72,7 @@ class WorkerSide:
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + wait_s
         while True:
-            reports = await request_reports(self.bus, self.subjects, quiet_s=0.05)
+            reports = await request_reports(Connection(self.bus, self.subjects), quiet_s=0.05)
             assert len(reports) == 1
             if condition(reports[0]):
                 return reports[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import replace
 
-from events.messages import (
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,

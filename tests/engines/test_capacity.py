@@ -6,7 +6,7 @@ import asyncio
 import uuid
 from dataclasses import replace
 
-from events.messages import (
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,
@@ -22,9 +22,9 @@ from events.messages import (
     SourceHeld,
     SubmitPrefill,
 )
+from kvhandoff.worker.engines import KvCapacity
 from tests.engines.conftest import StartEngines
 from tests.engines.harness import BLOCKS, DESTINATION, FAST, SOURCE, WorkerSide, held
-from worker.engines import KvCapacity
 
 
 async def test_a_reservation_waits_for_blocks_and_proceeds_when_they_are_released(

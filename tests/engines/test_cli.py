@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from events.messages import ActionOutcome, SourceHeld, SubmitPrefill
-from events.subjects import Subjects
+from kvhandoff.events.messages import ActionOutcome, SourceHeld, SubmitPrefill
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.engines.harness import FAST, SOURCE, WorkerSide
-from worker.natsserver import EmbeddedNats
 
-KVHANDOFF = [sys.executable, "-m", "worker.cli"]
+KVHANDOFF = [sys.executable, "-m", "kvhandoff.worker.cli"]
 FAST_ENGINES = ["--sources", "1", "--destinations", "1", "--speedup", "1000"]
 
 

@@ -14,7 +14,7 @@ from uuid import UUID
 
 import pytest
 
-from events.messages import (
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,
@@ -31,6 +31,8 @@ from events.messages import (
     SourceHeld,
     SubmitPrefill,
 )
+from kvhandoff.worker.engines import FailureForm, Faults
+from kvhandoff.worker.errors import ConfigError
 from tests.engines.conftest import StartEngines
 from tests.engines.harness import (
     BLOCKS,
@@ -41,7 +43,6 @@ from tests.engines.harness import (
     WorkerSide,
     held,
 )
-from worker.engines import FailureForm, Faults
 
 
 def handoff_where(condition: Callable[[UUID], bool]) -> UUID:
@@ -74,9 +75,9 @@ def test_decisions_are_a_function_of_the_seed_and_honour_the_rates() -> None:
 
 
 def test_faults_refuse_settings_that_could_never_finish() -> None:
-    with pytest.raises(ValueError, match="drop_rate 1"):
+    with pytest.raises(ConfigError, match="drop_rate 1"):
         Faults(drop_rate=1.0)
-    with pytest.raises(ValueError, match="fail_rate"):
+    with pytest.raises(ConfigError, match="fail_rate"):
         Faults(fail_rate=1.5)
 
 

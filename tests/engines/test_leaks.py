@@ -6,7 +6,7 @@ import uuid
 from dataclasses import replace
 from uuid import UUID
 
-from events.messages import (
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     SUBMITTED,
@@ -21,9 +21,9 @@ from events.messages import (
     SourceHeld,
     SubmitPrefill,
 )
+from kvhandoff.worker.engines import EngineCounters, EnginesReport, EngineStatus, Leak, settled
 from tests.engines.conftest import StartEngines
 from tests.engines.harness import BLOCKS, DESTINATION, FAST, SOURCE, WorkerSide
-from worker.engines import EngineCounters, EnginesReport, EngineStatus, Leak, settled
 
 
 def leaked(report: EnginesReport) -> set[UUID]:

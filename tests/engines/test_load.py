@@ -11,8 +11,8 @@ from uuid import UUID
 import nats
 from nats.aio.msg import Msg
 
-from events.codec import decode_input, encode
-from events.messages import (
+from kvhandoff.events.codec import decode_input, encode
+from kvhandoff.events.messages import (
     Canceled,
     Complete,
     EngineType,
@@ -20,15 +20,15 @@ from events.messages import (
     Rejection,
     StartHandoff,
 )
-from events.subjects import Subjects
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import Faults, Roster
+from kvhandoff.worker.loadgen import FinalStates, LoadConfig, LoadProgress, run_load
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.schema import HandoffState
 from tests.engines.conftest import StartEngines
 from tests.engines.harness import FAST
-from worker.config import NatsSettings
-from worker.engines import Faults, Roster
-from worker.loadgen import FinalStates, LoadConfig, LoadProgress, run_load
-from worker.logreader import open_log
-from worker.natsserver import EmbeddedNats
-from worker.schema import HandoffState
 
 ROSTER = Roster(sources=1, destinations=1)
 FATES = ("success", "canceled", "rejected", "silent", "success, then reopened")

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from events.codec import decode_input, encode
-from events.messages import EngineType, StartHandoff
-from worker.config import NatsSettings
-from worker.engines import EngineModel, Roster, prompt_tokens
-from worker.errors import ConfigError
-from worker.loadgen import LoadConfig, latency_summary, plan_handoffs
+from kvhandoff.events.codec import decode_input, encode
+from kvhandoff.events.messages import EngineType, StartHandoff
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EngineModel, Roster, prompt_tokens
+from kvhandoff.worker.errors import ConfigError
+from kvhandoff.worker.loadgen import LoadConfig, latency_summary, plan_handoffs
 
 
 @given(st.uuids(), st.integers(1, 10_000), st.integers(0, 10_000))
@@ -63,16 +63,16 @@ def test_model_arithmetic() -> None:
     [{"block_size": 0}, {"speedup": 0.0}, {"shortest_prompt": 10, "longest_prompt": 9}],
 )
 def test_model_refuses_impossible_settings(settings: dict[str, int | float]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         EngineModel(**settings)  # type: ignore[arg-type]
 
 
 def test_roster_refuses_empty_or_repeated_types() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         Roster(engine_types=())
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         Roster(engine_types=(EngineType.VLLM, EngineType.VLLM))
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         Roster(sources=0)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.cli import main
+from kvhandoff.worker.cli import main
 
 GOLDEN = Path(__file__).parent / "golden"
 V1 = GOLDEN / "v1"

@@ -14,10 +14,16 @@ from uuid import UUID
 
 import msgspec
 
-from events.codec import decode_record, encode_record, input_digest, join_record, split_record
-from events.messages import Action, Input
-from events.records import InputRecord, LogRecord
-from worker.schema import LAYOUT_1
+from kvhandoff.events.codec import (
+    decode_record,
+    encode_record,
+    input_digest,
+    join_record,
+    split_record,
+)
+from kvhandoff.events.messages import Action, Input
+from kvhandoff.events.records import InputRecord, LogRecord
+from kvhandoff.worker.schema import LAYOUT_1
 
 #: Layout 2's key of a handoff, by its id (the first parameter).
 KEY_OF = "(SELECT handoff_key FROM handoffs WHERE handoff_id = ?1)"

@@ -21,12 +21,19 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from events.messages import APPLIED, ActionOutcome
-from events.records import InputRecord, LogRecord
+from kvhandoff.events.messages import APPLIED, ActionOutcome
+from kvhandoff.events.records import InputRecord, LogRecord
+from kvhandoff.worker.commands import _text
+from kvhandoff.worker.reports import (
+    REPORTS,
+    ListReport,
+    ReplayReport,
+    StuckReport,
+    VerifyReport,
+    json_schema,
+)
 from tests.tools import logedit
 from tests.tools.conftest import IDS, V1, V2, Run
-from worker.commands import _text
-from worker.reports import REPORTS, ListReport, ReplayReport, StuckReport, VerifyReport, json_schema
 
 R = TypeVar("R")
 LOG = V1 / "log.sqlite3"
@@ -259,15 +266,22 @@ def test_replay_at_a_step_stops_there_and_prints_the_full_state(kvhandoff: Run) 
     result = kvhandoff("replay", LOG, "5aff", "--at", "3", "--format", "json")
     replay = report(ReplayReport, result.out)
     assert replay.at == 3 and replay.timeline.steps[-1].step == 3
-    assert replay.timeline.state.source_held and replay.timeline.outstanding == (1,)
+    assert replay.timeline.state.source.held and replay.timeline.outstanding == (1,)
 
     text = kvhandoff("replay", LOG, "5aff", "--at", "3").out.splitlines()
     assert "state after step 3:" in text
     fields = {
         line.split()[0]: line.split()[1:] for line in text[text.index("state after step 3:") + 1 :]
     }
-    assert fields["mode"] == ["active"] and fields["source_held"] == ["true"]
-    assert fields["issued"] == ["[submit_prefill(0),", "reserve_destination(1)]"]
+    assert fields["mode"] == ["active"] and "held=true" in fields["source"]
+    # Each of the coordinator's four records on one line, its fields as name=value.
+    assert fields["journal"] == [
+        "started=true", "next_id=2", "issued=[submit_prefill(0),", "reserve_destination(1)]",
+        "outcomes=[0:submitted]",
+    ]  # fmt: skip
+    assert fields["transfer"] == [
+        "issued=false", "scheduled=false", "completed=false", "delay_ms=none"
+    ]  # fmt: skip
     assert fields["outstanding"] == ["1"]
     assert len(fields) == len(msgspec.structs.fields(replay.timeline.state)) + 2
 
@@ -280,7 +294,12 @@ def test_replay_table_shows_input_changes_actions_and_state_per_step(kvhandoff: 
         "trtllm-decode-0", "canceled",
     ]  # fmt: skip
     step = lines.index("step 5  +700ms  canceled")
-    assert lines[step + 1].startswith("  changes  mode active → cleaning_up;")
+    # The changed fields grouped by the record they belong to.
+    assert lines[step + 1] == (
+        "  changes  mode active → cleaning_up;"
+        " journal: next_id 2 → 4, issued +cancel_source(2) +cancel_destination(3);"
+        " source: cancel_issued false → true; destination: cancel_issued false → true"
+    )
     assert lines[step + 2] == "  actions  cancel_source(2), cancel_destination(3)"
     assert lines[step + 3].startswith("  state    cleaning_up, awaiting")
     assert lines[-1] == "after step 9: complete (canceled)"
@@ -573,8 +592,9 @@ def test_each_report_has_a_self_contained_json_schema(kvhandoff: Run, name: str)
 
 def test_the_offline_commands_do_not_import_nats() -> None:
     code = (
-        "import worker.commands.replay, worker.commands.list, worker.commands.stuck, "
-        "worker.commands.verify, worker.commands.export, worker.commands.compact, sys; "
+        "import kvhandoff.worker.commands.replay, kvhandoff.worker.commands.list, "
+        "kvhandoff.worker.commands.stuck, kvhandoff.worker.commands.verify, "
+        "kvhandoff.worker.commands.export, kvhandoff.worker.commands.compact, sys; "
         "print('nats' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -583,7 +603,8 @@ def test_the_offline_commands_do_not_import_nats() -> None:
 
 def test_the_log_reader_imports_neither_nats_nor_aiosqlite() -> None:
     code = (
-        "import worker.logreader, worker.commands.replay, worker.commands.verify, sys; "
+        "import kvhandoff.worker.logreader, kvhandoff.worker.commands.replay, "
+        "kvhandoff.worker.commands.verify, sys; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'aiosqlite')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -15,12 +15,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from events.messages import ActionFailed, ActionOutcome, SourceHeld
-from events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.messages import ActionFailed, ActionOutcome, SourceHeld
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.worker.reports import (
+    FindingKind,
+    ListReport,
+    ReplayReport,
+    StuckReport,
+    VerifyReport,
+)
 from tests.tools import logedit
 from tests.tools.conftest import IDS, V1, Run
 from tests.tools.test_commands import report
-from worker.reports import FindingKind, ListReport, ReplayReport, StuckReport, VerifyReport
 
 NOW = "2025-01-01T00:15:20Z"
 QUARANTINED_AT = 1_735_690_000_000
@@ -357,7 +363,7 @@ def test_a_quarantined_handoffs_export_keeps_the_reason(
 def test_every_report_schema_knows_the_quarantined_state(kvhandoff: Run, command: str) -> None:
     schema = msgspec.json.decode(kvhandoff(command, "--print-schema").out)
     assert "quarantined" in schema["$defs"]["HandoffState"]["enum"]
-    summary = schema["$defs"]["HandoffSummary"]
+    summary = schema["$defs"]["HandoffRow"]
     assert {"unknown_state", "quarantine"} <= set(summary["properties"])
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from events.replay import StoredRecord, check_stored, find_divergence, timeline
+from kvhandoff.events.replay import StoredRecord, check_stored, find_divergence, timeline
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.schema import LAYOUT_VERSION
 from tests.tools.conftest import GOLDEN, IDS, V1, V2
 from tests.tools.golden.generate import generate
-from worker.logreader import open_log
-from worker.schema import LAYOUT_VERSION
 
 # Every golden log of every layout, found on disk so that a new layout cannot be forgotten.
 LOGS = sorted(p for p in GOLDEN.glob("v*/*") if p.suffix in (".sqlite3", ".jsonl"))

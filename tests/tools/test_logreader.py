@@ -12,13 +12,12 @@ from uuid import UUID
 import msgspec
 import pytest
 
-from events.codec import decode_record, input_digest
-from events.errors import LogCorrupt
-from events.records import InputRecord
-from tests.tools.conftest import IDS, V1, V2
-from worker.commands.verify import verify_log
-from worker.errors import StoreError
-from worker.logreader import (
+from kvhandoff.events.codec import decode_record, input_digest
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.records import InputRecord
+from kvhandoff.worker.commands.verify import verify_log
+from kvhandoff.worker.errors import StoreCorrupt, StoreError
+from kvhandoff.worker.logreader import (
     ExportHeader,
     JsonlLog,
     SqliteLog,
@@ -26,7 +25,8 @@ from worker.logreader import (
     read_jsonl,
     write_jsonl,
 )
-from worker.schema import HandoffState
+from kvhandoff.worker.schema import HandoffState
+from tests.tools.conftest import IDS, V1, V2
 
 CANCEL = UUID(IDS["frontend-cancel"])
 
@@ -228,7 +228,7 @@ def test_a_file_that_is_not_an_export_is_refused(
 ) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
-    with pytest.raises(LogCorrupt, match=error):
+    with pytest.raises(StoreCorrupt, match=error):
         open_log(path)
 
 
@@ -237,5 +237,5 @@ def test_a_newer_export_format_is_refused(tmp_path: Path) -> None:
     lines[0] = lines[0].replace(b'"version":1', b'"version":2')
     path = tmp_path / "newer.jsonl"
     path.write_bytes(b"\n".join(lines))
-    with pytest.raises(LogCorrupt, match="export format version 2"):
+    with pytest.raises(StoreCorrupt, match="export format version 2, this build reads 1"):
         open_log(path)

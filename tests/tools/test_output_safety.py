@@ -18,14 +18,14 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from events.messages import ActionFailed, ActionOutcome, SourceHeld, StartHandoff
-from events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.messages import ActionFailed, ActionOutcome, SourceHeld, StartHandoff
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.worker.commands import _text, export
+from kvhandoff.worker.logreader import SqliteLog
+from kvhandoff.worker.reports import ListReport
 from tests.tools import logedit
 from tests.tools.conftest import IDS, V1, Run
 from tests.tools.test_commands import EXPORT, LOG, report
-from worker.commands import _text, export
-from worker.logreader import SqliteLog
-from worker.reports import ListReport
 
 # C0 but the newline that ends each line, DEL, C1.
 CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]")
@@ -209,7 +209,7 @@ def big_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_reader_that_stops_reading_is_not_a_failure(
     big_log: Path, args: list[str], status: int
 ) -> None:
-    argv = [sys.executable, "-m", "worker.cli", *(a.format(log=big_log) for a in args)]
+    argv = [sys.executable, "-m", "kvhandoff.worker.cli", *(a.format(log=big_log) for a in args)]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         assert proc.stdout.readline()  # `| head -1`
@@ -220,7 +220,7 @@ def test_a_reader_that_stops_reading_is_not_a_failure(
 
 
 def test_schema_stops_quietly_too() -> None:
-    argv = [sys.executable, "-m", "worker.cli", "schema", "--indent", "100"]
+    argv = [sys.executable, "-m", "kvhandoff.worker.cli", "schema", "--indent", "100"]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         assert proc.stdout.readline()

@@ -10,10 +10,10 @@ from uuid import UUID
 import msgspec
 import pytest
 
-from events.codec import encode_record, input_digest
-from events.coordinator import Mode
-from events.errors import LogCorrupt, ReplayDivergence
-from events.messages import (
+from kvhandoff.events.codec import encode_record, input_digest
+from kvhandoff.events.coordinator import Mode
+from kvhandoff.events.errors import LogCorrupt, ReplayDivergence
+from kvhandoff.events.messages import (
     APPLIED,
     Action,
     ActionOutcome,
@@ -25,8 +25,8 @@ from events.messages import (
     SourceHeld,
     StartTransfer,
 )
-from events.records import ActionRecord, InputRecord
-from events.replay import (
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.events.replay import (
     Divergence,
     LoggedRecord,
     StoredRecord,
@@ -36,8 +36,8 @@ from events.replay import (
     timeline,
     verify,
 )
+from kvhandoff.worker.logreader import SqliteLog
 from tests.tools.conftest import IDS, V1
-from worker.logreader import SqliteLog
 
 
 def golden(name: str) -> list[LoggedRecord]:
@@ -61,7 +61,7 @@ def test_timeline_has_one_step_per_input_numbered_by_its_seq() -> None:
 def test_timeline_changes_name_exactly_the_fields_a_step_changed() -> None:
     steps = timeline(golden("frontend-cancel")).steps
     submitted = steps[1]
-    assert [c.field for c in submitted.changes] == ["outcomes", "source_submitted"]
+    assert [c.field for c in submitted.changes] == ["journal.outcomes", "source.submitted"]
     assert submitted.changes[1].before is False and submitted.changes[1].after is True
     mode = next(c for c in steps[3].changes if c.field == "mode")
     assert (mode.before, mode.after) == (Mode.ACTIVE, Mode.CLEANING_UP)
@@ -72,7 +72,7 @@ def test_timeline_until_stops_after_that_step_with_its_full_state(until: int, la
     tl = timeline(golden("frontend-cancel"), until=until)
     assert tl.steps[-1].step == last
     if last == 3:
-        assert tl.state.source_held and tl.state.destination_reserve_issued
+        assert tl.state.source.held and tl.state.destination.reserve_issued
         assert tl.outstanding == (1,)
         (waiting,) = tl.waiting
         assert isinstance(waiting.action, ReserveDestination)

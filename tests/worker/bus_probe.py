@@ -29,9 +29,9 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from events import codec
-from events.messages import Complete, Rejection
-from events.subjects import Subjects
+from kvhandoff.events import codec
+from kvhandoff.events.messages import Complete, Rejection
+from kvhandoff.events.subjects import Subjects
 from tests.worker.conftest import WorkerProcess
 
 INPUT_STREAM = "KVHANDOFF_IN"
@@ -273,7 +273,7 @@ def gauge(metrics: str, name: str) -> float | None:
 def listed(db: Path, *filters: str) -> set[UUID]:
     """The handoff ids `kvhandoff list DB --json FILTERS...` prints (a separate process)."""
     result = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "list", str(db), "--json", *filters],
+        [sys.executable, "-m", "kvhandoff.worker.cli", "list", str(db), "--json", *filters],
         capture_output=True,
         check=False,
         timeout=60,

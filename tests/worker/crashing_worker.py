@@ -15,11 +15,11 @@ import os
 import sys
 from uuid import UUID
 
-from worker import service
-from worker.bus import Inbound
-from worker.cli import main
-from worker.planner import Decoded, Plan
-from worker.store import Batch
+from kvhandoff.worker import service
+from kvhandoff.worker.bus import Inbound
+from kvhandoff.worker.cli import main
+from kvhandoff.worker.planner import Decoded, Plan
+from kvhandoff.worker.store import Batch
 
 _AFTER = int(os.environ.get("KVHANDOFF_CRASH_AFTER_COMMITS", "3"))
 _seen = {"plans": 0, "commits": 0}
@@ -29,16 +29,21 @@ _commit = service.Worker._commit
 
 
 async def _counting_plan(
-    self: service.Worker, deliveries: list[Inbound], decoded: Decoded, missing: list[UUID]
+    self: service.Worker,
+    deliveries: list[Inbound],
+    decoded: Decoded,
+    missing: list[UUID],
+    into: Batch | None = None,
 ) -> Plan:
-    plan = await _plan(self, deliveries, decoded, missing)
-    _seen["plans"] += 1
-    _planned.set()
+    plan = await _plan(self, deliveries, decoded, missing, into)
+    if into is None:  # a batch of its own, not a top-up of one
+        _seen["plans"] += 1
+        _planned.set()
     return plan
 
 
-async def _crashing_commit(self: service.Worker, batch: Batch) -> None:
-    await _commit(self, batch)
+async def _crashing_commit(self: service.Worker, batch: Batch, *, every_mark: bool = False) -> None:
+    await _commit(self, batch, every_mark=every_mark)
     if batch.events:
         _seen["commits"] += 1
         if _seen["commits"] >= _AFTER:

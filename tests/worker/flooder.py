@@ -18,9 +18,9 @@ from uuid import UUID
 
 import nats
 
-from events import codec
-from events.messages import Failed
-from events.subjects import Subjects
+from kvhandoff.events import codec
+from kvhandoff.events.messages import Failed
+from kvhandoff.events.subjects import Subjects
 
 _IN_FLIGHT = 500  # publishes awaiting their ack at once
 

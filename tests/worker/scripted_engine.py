@@ -22,8 +22,8 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from events import codec
-from events.messages import (
+from kvhandoff.events import codec
+from kvhandoff.events.messages import (
     Action,
     ActionOutcome,
     Complete,
@@ -31,8 +31,8 @@ from events.messages import (
     Rejection,
     StartHandoff,
 )
-from events.subjects import Subjects
-from worker.healthy import success_script
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.healthy import success_script
 
 Script = Callable[[Action], list[Input]]
 

@@ -1,4 +1,4 @@
-"""`kvhandoff run`'s settings: durations, flags, environment fallbacks, and a `ConfigError` that
+"""`kvhandoff run`'s settings: flags, environment fallbacks, and a `ConfigError` that
 names the setting for every invalid one, before anything connects."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import worker.commands.run as run_command
-from worker.cli import build_parser, main
-from worker.config import NatsSettings, WorkerConfig, parse_duration, worker_config
-from worker.errors import ConfigError
+import kvhandoff.worker.commands.run as run_command
+from kvhandoff.worker.cli import build_parser, main
+from kvhandoff.worker.config import NatsSettings, WorkerConfig, worker_config
+from kvhandoff.worker.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -33,30 +33,6 @@ def parse(*argv: str) -> argparse.Namespace:
     """Parse `kvhandoff run ARGV`; environment fallbacks are read here, when defaults are built."""
     arguments = ["run", *argv]
     return build_parser(arguments).parse_args(arguments)
-
-
-@pytest.mark.parametrize(
-    ("text", "seconds"),
-    [
-        ("250ms", 0.25),
-        ("30s", 30.0),
-        ("5m", 300.0),
-        ("2h", 7_200.0),
-        ("7d", 604_800.0),
-        ("1.5", 1.5),
-        ("0.5m", 30.0),
-        (" 10 s ", 10.0),
-        ("0", 0.0),
-    ],
-)
-def test_parse_duration(text: str, seconds: float) -> None:
-    assert parse_duration(text) == pytest.approx(seconds)
-
-
-@pytest.mark.parametrize("text", ["", "s", "soon", "5x", "-1s", "1e3", "5mm", "1,5s", "5 m s"])
-def test_parse_duration_rejects_what_is_not_a_duration(text: str) -> None:
-    with pytest.raises(ConfigError, match=f"not a duration: {re.escape(repr(text))}"):
-        parse_duration(text)
 
 
 def test_defaults() -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from events.replay import find_divergence
+from kvhandoff.events.replay import find_divergence
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 from tests.worker.test_faults import make_starts
 from tests.worker.tmpfs import fill, small_filesystem
-from worker.natsserver import EmbeddedNats
 
 
 def metric(text: str, name: str) -> float:

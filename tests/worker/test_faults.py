@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from events.coordinator import HandoffCoordinator
-from events.messages import Complete, EngineType, ReserveDestination, StartHandoff
-from events.records import ActionRecord, InputRecord
-from events.replay import find_divergence
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.messages import Complete, EngineType, ReserveDestination, StartHandoff
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.events.replay import find_divergence
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.store import Batch, EventLog
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.natsserver import EmbeddedNats
-from worker.schema import HandoffState
-from worker.store import Batch, EventLog, HandoffRow
 
 ENGINE_TYPES = [EngineType.VLLM, EngineType.SGLANG, EngineType.TRTLLM]
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from events.messages import EngineType, HandoffCompletion, StartHandoff
+from kvhandoff.events.messages import EngineType, HandoffCompletion, StartHandoff
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.worker.bus_probe import BusProbe, assert_alive, rejected_ids
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.natsserver import EmbeddedNats
 
 LOAD = 300  # valid handoffs per measured run
 CONCURRENCY = 32  # handoffs open at once (the load generator's default)

@@ -8,8 +8,8 @@ import uuid
 import msgspec
 import pytest
 
-from events import codec
-from events.messages import (
+from kvhandoff.events import codec
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     SUBMITTED,
@@ -35,9 +35,9 @@ from events.messages import (
     TimedOut,
     TransferCompleted,
 )
+from kvhandoff.worker.healthy import TIMING, success_script
 from tests.worker.conftest import WorkerProcess, logged_actions, logged_inputs
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.healthy import TIMING, success_script
 
 
 def start(engine_type: EngineType, deadline_ms: int = 60_000) -> StartHandoff:

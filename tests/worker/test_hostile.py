@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from events.messages import (
+from kvhandoff.events.messages import (
     SUBMITTED,
     Action,
     ActionOutcome,
@@ -40,6 +40,8 @@ from events.messages import (
     StartHandoff,
     SubmitPrefill,
 )
+from kvhandoff.worker.healthy import TIMING, success_script
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.worker.bus_probe import (
     SUBJECTS,
     BusProbe,
@@ -55,8 +57,6 @@ from tests.worker.bus_probe import (
 )
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import Script, ScriptedEngines
-from worker.healthy import TIMING, success_script
-from worker.natsserver import EmbeddedNats
 
 DEADLINE_MS = 120_000
 QUARANTINED_GAUGE = "kvhandoff_quarantined_handoffs"

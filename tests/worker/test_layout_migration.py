@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
-import time
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -14,20 +13,21 @@ from uuid import UUID
 
 import pytest
 
-from events.messages import (
+from kvhandoff.events.messages import (
     SCHEDULED,
     ActionOutcome,
     HandoffCompletion,
     TransferCompleted,
 )
-from events.replay import find_divergence
+from kvhandoff.events.replay import find_divergence
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.commands.verify import verify_log
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.tools.conftest import IDS, V1
 from tests.worker.bus_probe import poll
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.commands.verify import verify_log
-from worker.logreader import open_log
-from worker.natsserver import EmbeddedNats
 
 OPEN = [UUID(IDS[name]) for name in ("stuck-on-reserve", "stuck-on-transfer", "just-started")]
 
@@ -48,7 +48,7 @@ def layout_1(tmp_path: Path) -> Path:
     with closing(sqlite3.connect(db)) as connection, connection:
         connection.execute(
             "UPDATE handoffs SET deadline_at_ms = ? WHERE state = 'open'",
-            (time.time_ns() // 1_000_000 + 3_600_000,),
+            (now_ms() + 3_600_000,),
         )
     return db
 

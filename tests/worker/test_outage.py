@@ -24,12 +24,13 @@ from uuid import UUID
 
 import pytest
 
-from events.messages import Complete, EngineType, StartHandoff
-from events.replay import find_divergence
+from kvhandoff.events.messages import Complete, EngineType, StartHandoff
+from kvhandoff.events.replay import find_divergence
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.worker.bus_probe import DONE_STREAM, BusProbe, assert_running, poll
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.natsserver import EmbeddedNats
 
 HANDOFFS = 1000
 PACE_S = 0.002  # between start commands: some 500/s, more than the worker keeps up with
@@ -48,10 +49,6 @@ async def probe(nats_server: EmbeddedNats) -> AsyncIterator[BusProbe]:
     await observer.start()
     yield observer
     await observer.close()
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def marked_between(db: Path, since_ms: int, until_ms: int) -> list[tuple[str, int, str]]:

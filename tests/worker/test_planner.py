@@ -12,7 +12,6 @@ again: in one-by-one order that happens after every input, in batches only betwe
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections import deque
 from collections.abc import Collection
@@ -22,14 +21,14 @@ from uuid import UUID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.codec import decode_record, encode, input_digest, join_record
-from events.coordinator import HandoffCoordinator
-from events.messages import Canceled, EngineType, Input, StartHandoff
-from events.records import InputRecord
-from events.subjects import Subjects
-from worker.healthy import success_script
-from worker.planner import Planner
-from worker.store import Batch, HandoffRow, Loaded, LoadedHandoff, LoggedEvent
+from kvhandoff.events.codec import decode_record, encode, join_record
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.messages import Canceled, EngineType, Input, StartHandoff
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.healthy import success_script
+from kvhandoff.worker.planner import Planner
+from kvhandoff.worker.rows import HandoffLog, HandoffRow, LoggedEvent
+from kvhandoff.worker.store import Batch, Loaded
 
 SUBJECTS = Subjects()
 NOW_MS = 1_700_000_000_000
@@ -56,18 +55,17 @@ class MemoryLog:
             logged = self.events.setdefault(UUID(hid), [])
             assert seq == len(logged), "sequence numbers must follow the log without gaps"
             record = decode_record(join_record(UUID(hid).bytes, code, at_ms, fields))
-            digest = input_digest(record.input) if isinstance(record, InputRecord) else None
-            logged.append(LoggedEvent(seq, at_ms, record, digest, None))
+            logged.append(LoggedEvent(seq, at_ms, record))
         for handoff_id, row in batch.handoffs.items():
             # A row is the projection of its log as this commit leaves it, not a later state.
             assert row.last_seq == len(self.events[handoff_id]) - 1, (row, "ahead of its log")
-            self.rows[handoff_id] = dataclasses.replace(row)
+            self.rows[handoff_id] = row.copy()
         self.rejections += [(hid, reason) for _, hid, reason, _ in batch.rejections]
         assert not batch.quarantined
 
     def load(self, handoff_ids: Collection[UUID]) -> dict[UUID, Loaded]:
         return {
-            h: LoadedHandoff(dataclasses.replace(self.rows[h]), list(self.events[h]))
+            h: HandoffLog(self.rows[h].copy(), list(self.events[h]))
             for h in handoff_ids
             if h in self.rows
         }
@@ -125,41 +123,68 @@ def deliveries(draw: st.DrawFn) -> list[Delivery]:
 
 
 def run(
-    stream: list[Delivery], cuts: list[int], *, pipelined: bool = False
+    stream: list[Delivery],
+    cuts: list[int],
+    *,
+    pipelined: bool = False,
+    top_ups: Collection[int] = (),
 ) -> tuple[MemoryLog, list[str]]:
     """Plan the stream in batches ending at `cuts`; the log and how each delivery was settled.
 
     `pipelined` commits each batch only after the next one was planned, as the worker's loop
     does, except that a batch that must read a handoff the previous batch took out of memory
-    waits for the previous commit first; other reads overtake it.
+    waits for the previous commit first; other reads overtake it. A position of `top_ups`
+    inside a batch (pipelined only) splits it as the worker's top-up does: the rest is planned
+    after the previous batch committed, into the same batch, unless it needs a handoff that
+    the first part took out of memory; then it is held, to begin the next batch.
     """
     planner = Planner(SUBJECTS, defer_budget=4, ack_wait_s=30.0)
     log = MemoryLog()
     settled: dict[int, str] = {}
     uncommitted: list[Batch] = []
     evicted: set[UUID] = set()
+    held: list[Delivery] = []
     begin = 0
-    for end in [*sorted(set(cuts)), len(stream)]:
-        batch = stream[begin:end]
+    ends = deque([*sorted(set(cuts)), len(stream)])
+    while ends or held:
+        end = ends.popleft() if ends else len(stream)
+        fresh = stream[begin:end]
+        inside = [t - begin for t in top_ups if begin < t < end] if pipelined else []
         begin = end
+        batch, held = held + fresh, []
         if not batch:
             continue
-        decoded = planner.decode(batch)
+        split = len(batch) - len(fresh) + min(inside) if inside else len(batch)
+        first, rest = batch[:split], batch[split:]
+        decoded = planner.decode(first)
         missing = planner.missing(decoded)
         if evicted.intersection(missing) or not pipelined:
             for earlier in uncommitted:
                 log.commit(earlier)
             uncommitted.clear()
-        plan = planner.plan(batch, decoded, log.load(missing), NOW_MS, 0.0)
+        plan = planner.plan(first, decoded, log.load(missing), NOW_MS, 0.0)
         for earlier in uncommitted:
             log.commit(earlier)
-        uncommitted, evicted = [plan.batch], set(plan.left_memory)
-        for i in plan.acks:
-            settled[batch[i].stream_seq] = "ack"
-        for i, rejection in plan.terms:
-            settled[batch[i].stream_seq] = f"term: {rejection.reason}"
-        for i, _ in plan.naks:
-            settled[batch[i].stream_seq] = "nak"
+        parts = [(plan, first)]
+        if rest:
+            decoded = planner.decode(rest)
+            missing = planner.missing(decoded)
+            if set(plan.left_memory).intersection(missing):
+                held = rest
+            else:
+                loaded = log.load(missing)
+                parts.append(
+                    (planner.plan(rest, decoded, loaded, NOW_MS, 0.0, into=plan.batch), rest)
+                )
+        uncommitted = [plan.batch]
+        evicted = {h for part, _ in parts for h in part.left_memory}
+        for part, delivered in parts:
+            for i in part.acks:
+                settled[delivered[i].stream_seq] = "ack"
+            for i, rejection in part.terms:
+                settled[delivered[i].stream_seq] = f"term: {rejection.reason}"
+            for i, _ in part.naks:
+                settled[delivered[i].stream_seq] = "nak"
     for earlier in uncommitted:
         log.commit(earlier)
     assert sorted(settled) == [d.stream_seq for d in stream], "every delivery settled once"
@@ -173,8 +198,9 @@ def test_any_cut_into_batches_plans_what_one_by_one_does(
 ) -> None:
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=6))
     pipelined = data.draw(st.booleans())
+    top_ups = data.draw(st.sets(st.integers(1, len(stream)), max_size=4))
     one_by_one, settled_singly = run(stream, list(range(len(stream))))
-    batched, settled_batched = run(stream, cuts, pipelined=pipelined)
+    batched, settled_batched = run(stream, cuts, pipelined=pipelined, top_ups=top_ups)
     assert batched.events == one_by_one.events
     assert batched.rows == one_by_one.rows
     assert batched.rejections == one_by_one.rejections

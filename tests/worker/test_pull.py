@@ -26,14 +26,14 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from events.replay import find_divergence
+from kvhandoff.events.replay import find_divergence
+from kvhandoff.worker.bus import Bus, Inbound, Message, Pull
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import BusError, ConfigError, PinMismatch
+from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.worker.conftest import WorkerProcess, logged
 from tests.worker.scripted_engine import ScriptedEngines
 from tests.worker.test_faults import make_starts, wait_closed
-from worker.bus import Bus, Inbound, Message, Pull
-from worker.config import NatsSettings
-from worker.errors import BusError, ConfigError, PinMismatch
-from worker.natsserver import EmbeddedNats
 
 STREAM = "PULLS"
 CONSUMER = "reader"
@@ -243,7 +243,7 @@ async def test_100_idle_heartbeats_keep_a_long_pull_alive(
     bus: Bus, js: JetStreamContext, requests: Requests
 ) -> None:
     lost = Logged(LOST)
-    logging.getLogger("worker.bus").addHandler(lost)
+    logging.getLogger("kvhandoff.worker.bus").addHandler(lost)
     try:
         async with Pull(bus, STREAM, CONSUMER, max_ahead=4, heartbeat_s=0.3) as pull:
             # Eight heartbeat intervals with nothing to deliver: one request, kept.
@@ -252,7 +252,7 @@ async def test_100_idle_heartbeats_keep_a_long_pull_alive(
             await publish(js, range(1))
             [message] = await pull.fetch(1, timeout_s=WITHIN_S)
     finally:
-        logging.getLogger("worker.bus").removeHandler(lost)
+        logging.getLogger("kvhandoff.worker.bus").removeHandler(lost)
 
     assert message.data == b"0"
     assert not lost.seen.is_set()
@@ -262,7 +262,7 @@ async def test_missed_heartbeats_make_the_pull_ask_again(
     nats_server: EmbeddedNats, bus: Bus, js: JetStreamContext, requests: Requests
 ) -> None:
     lost = Logged(LOST)
-    logging.getLogger("worker.bus").addHandler(lost)
+    logging.getLogger("kvhandoff.worker.bus").addHandler(lost)
     try:
         async with Pull(bus, STREAM, CONSUMER, max_ahead=4, heartbeat_s=0.1) as pull:
             fetching = asyncio.create_task(pull.fetch(1, timeout_s=30))
@@ -278,7 +278,7 @@ async def test_missed_heartbeats_make_the_pull_ask_again(
             await publish(js, range(1))
             [message] = await asyncio.wait_for(fetching, WITHIN_S)
     finally:
-        logging.getLogger("worker.bus").removeHandler(lost)
+        logging.getLogger("kvhandoff.worker.bus").removeHandler(lost)
     assert message.data == b"0"
 
 
@@ -301,7 +301,7 @@ async def test_408_an_expired_request_is_asked_again(
     bus: Bus, js: JetStreamContext, requests: Requests
 ) -> None:
     lost = Logged(LOST)
-    logging.getLogger("worker.bus").addHandler(lost)
+    logging.getLogger("kvhandoff.worker.bus").addHandler(lost)
     try:
         async with Pull(bus, STREAM, CONSUMER, max_ahead=4, expires_s=0.3, heartbeat_s=0) as pull:
             fetching = asyncio.create_task(pull.fetch(1, timeout_s=60))
@@ -310,7 +310,7 @@ async def test_408_an_expired_request_is_asked_again(
             await publish(js, range(1))
             [message] = await asyncio.wait_for(fetching, WITHIN_S)
     finally:
-        logging.getLogger("worker.bus").removeHandler(lost)
+        logging.getLogger("kvhandoff.worker.bus").removeHandler(lost)
 
     assert message.data == b"0"
     assert not lost.seen.is_set()  # asked again on the 408, not after counting it lost
@@ -482,7 +482,7 @@ async def test_a_reconnect_makes_the_pull_ask_again_at_once(
     nats_server: EmbeddedNats, bus: Bus, js: JetStreamContext
 ) -> None:
     lost = Logged(LOST)
-    logging.getLogger("worker.bus").addHandler(lost)
+    logging.getLogger("kvhandoff.worker.bus").addHandler(lost)
     try:
         # Heartbeats every 5 s: without the reconnect, it would count its request lost after 10.
         async with Pull(bus, STREAM, CONSUMER, max_ahead=4, heartbeat_s=5.0) as pull:
@@ -496,7 +496,7 @@ async def test_a_reconnect_makes_the_pull_ask_again_at_once(
             await publish(js, range(1))
             [message] = await pull.fetch(1, timeout_s=5.0)
     finally:
-        logging.getLogger("worker.bus").removeHandler(lost)
+        logging.getLogger("kvhandoff.worker.bus").removeHandler(lost)
     assert message.data == b"0"
     assert not lost.seen.is_set()
 

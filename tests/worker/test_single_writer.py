@@ -10,14 +10,14 @@ import sys
 import time
 import uuid
 
-from events.messages import EngineType, StartHandoff
+from kvhandoff.events.messages import EngineType, StartHandoff
+from kvhandoff.worker.natsserver import free_port
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.natsserver import free_port
 
 
 def kvhandoff(*argv: object, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "worker.cli", *map(str, argv)]
+    command = [sys.executable, "-m", "kvhandoff.worker.cli", *map(str, argv)]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -88,7 +88,7 @@ async def test_the_offline_tools_and_compact_work_beside_a_live_worker(
 async def run(*argv: object) -> tuple[int, str, str]:
     """`kvhandoff ARGS...` in a child process, without blocking the event loop."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker.cli", *map(str, argv),
+        sys.executable, "-m", "kvhandoff.worker.cli", *map(str, argv),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(process.communicate(), 60)

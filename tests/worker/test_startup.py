@@ -32,13 +32,14 @@ import nats
 import nats.js.errors
 import pytest
 
-from events.messages import EngineType, StartHandoff
+from kvhandoff.events.messages import EngineType, StartHandoff
+from kvhandoff.worker.bus import LEASE_BUCKET, LEASE_TTL_S, LeaseHolder, _refusal
+from kvhandoff.worker.child import Child
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.health import answers_ok, worker_healthz
+from kvhandoff.worker.natsserver import EmbeddedNats, free_port
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
-from worker.bus import LEASE_BUCKET, LEASE_TTL_S, LeaseHolder, _refusal
-from worker.config import NatsSettings
-from worker.health import answers_ok, worker_healthz
-from worker.natsserver import EmbeddedNats, free_port
 
 LEASE_KEY = "KVHANDOFF_IN.kvhandoff-worker"
 PROMPTLY_S = 3.0  # well under nats-py's 5 s connect and JetStream request timeouts
@@ -50,8 +51,8 @@ SHORT_TTL_S = 2.0
 
 def worker_command(nats_url: str, db: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "worker.cli", "run", "--nats-url", nats_url, "--db", str(db),
-        "--metrics-port", "0", *extra,
+        sys.executable, "-m", "kvhandoff.worker.cli", "run",
+        "--nats-url", nats_url, "--db", str(db), "--metrics-port", "0", *extra,
     ]  # fmt: skip
 
 
@@ -70,55 +71,45 @@ def error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if " ERROR " in line]
 
 
-@dataclass
-class Launched:
-    """A worker process that is not waited for: start-up is what the test watches."""
+def full_log(child: Child) -> str:
+    return child.log_path.read_text(errors="replace")
 
-    process: subprocess.Popen[bytes]
-    log_path: Path
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+def wait_for_log(child: Child, pattern: str, times: int = 1, timeout: float = 20.0) -> str:
+    """Poll the child's log until `pattern` appears there `times` times; the log so far."""
+    deadline = time.monotonic() + timeout
+    while len(re.findall(pattern, log := full_log(child))) < times:
+        assert child.running(), f"worker exited: {log}"
+        assert time.monotonic() < deadline, f"no {pattern!r} in {timeout}s: {log}"
+        time.sleep(0.05)  # polling another process's output
+    return log
 
-    def wait_for_log(self, pattern: str, times: int = 1, timeout: float = 20.0) -> str:
-        """Poll the worker's log until `pattern` appears there `times` times; the log so far."""
-        deadline = time.monotonic() + timeout
-        while len(re.findall(pattern, log := self.log())) < times:
-            assert self.process.poll() is None, f"worker exited {self.process.returncode}: {log}"
-            assert time.monotonic() < deadline, f"no {pattern!r} in {timeout}s: {log}"
-            time.sleep(0.05)  # polling another process's output
-        return log
 
-    def terminate_within(self, seconds: float) -> int:
-        """SIGTERM, and the exit code, which must come within `seconds`."""
-        self.process.send_signal(signal.SIGTERM)
-        began = time.monotonic()
-        try:
-            code = self.process.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"worker still running {seconds}s after SIGTERM: {self.log()[-3000:]}")
-        assert time.monotonic() - began < seconds
-        return code
+def terminate_within(child: Child, seconds: float) -> int:
+    """SIGTERM, and the exit code, which must come within `seconds`."""
+    began = time.monotonic()
+    code = child.terminate(timeout_s=seconds)
+    if time.monotonic() - began >= seconds:
+        pytest.fail(f"worker still running {seconds}s after SIGTERM: {full_log(child)[-3000:]}")
+    return code
 
 
 @pytest.fixture
-def launch(tmp_path: Path) -> Iterator[Callable[..., Launched]]:
-    launched: list[Launched] = []
+def launch(tmp_path: Path) -> Iterator[Callable[..., Child]]:
+    """Starts workers that are not waited for: start-up is what the test watches."""
+    launched: list[Child] = []
 
-    def start(nats_url: str, db: Path, *extra: str) -> Launched:
-        log_path = tmp_path / f"worker-{len(launched)}.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                worker_command(nats_url, db, *extra), stdout=log, stderr=subprocess.STDOUT
-            )
-        launched.append(Launched(process, log_path))
-        return launched[-1]
+    def start(nats_url: str, db: Path, *extra: str) -> Child:
+        child = Child(
+            worker_command(nats_url, db, *extra), tmp_path / f"worker-{len(launched)}.log"
+        )
+        launched.append(child)
+        child.launch()
+        return child
 
     yield start
-    for each in launched:
-        if each.process.poll() is None:
-            each.process.kill()
-            each.process.wait(timeout=10)
+    for child in launched:
+        child.stop()
 
 
 @pytest.fixture
@@ -348,39 +339,39 @@ def test_the_right_credentials_and_certificates_connect(
 
 
 def test_a_server_that_starts_later_is_retried_with_backoff(
-    launch: Callable[..., Launched], tmp_path: Path
+    launch: Callable[..., Child], tmp_path: Path
 ) -> None:
     port, metrics_port = free_port(), free_port()
     worker = launch(f"nats://127.0.0.1:{port}", tmp_path / "kvhandoff.db",
                     "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port))  # fmt: skip
-    worker.wait_for_log("retrying in", times=4)
+    wait_for_log(worker, "retrying in", times=4)
 
     store = tmp_path / "nats"
     store.mkdir()
     with EmbeddedNats(store_dir=store, port=port):
         deadline = time.monotonic() + 30
         while not answers_ok(worker_healthz(metrics_port), timeout_s=1):
-            assert worker.process.poll() is None, worker.log()
-            assert time.monotonic() < deadline, worker.log()
+            assert worker.running(), full_log(worker)
+            assert time.monotonic() < deadline, full_log(worker)
             time.sleep(0.05)  # readiness poll of a child process
-        assert worker.terminate_within(PROMPTLY_S) == 0
+        assert terminate_within(worker, PROMPTLY_S) == 0
 
-    delays = [float(d) for d in re.findall(r"retrying in ([\d.]+)s", worker.log())]
+    delays = [float(d) for d in re.findall(r"retrying in ([\d.]+)s", full_log(worker))]
     assert delays[:4] == [0.25, 0.5, 1.0, 2.0]
     assert max(delays) <= 5.0
 
 
 def test_sigterm_between_connect_retries_exits_0_promptly(
-    launch: Callable[..., Launched], tmp_path: Path
+    launch: Callable[..., Child], tmp_path: Path
 ) -> None:
     worker = launch(f"nats://127.0.0.1:{free_port()}", tmp_path / "kvhandoff.db")
-    worker.wait_for_log("cannot connect to NATS .* retrying in")
+    wait_for_log(worker, "cannot connect to NATS .* retrying in")
 
-    assert worker.terminate_within(PROMPTLY_S) == 0
+    assert terminate_within(worker, PROMPTLY_S) == 0
 
 
 def test_sigterm_while_the_server_does_not_answer_exits_0_promptly(
-    launch: Callable[..., Launched], tmp_path: Path
+    launch: Callable[..., Child], tmp_path: Path
 ) -> None:
     # Accepts the connection and never sends INFO: nats-py waits out its connect timeout.
     with socket.socket() as silent:
@@ -390,11 +381,11 @@ def test_sigterm_while_the_server_does_not_answer_exits_0_promptly(
         worker = launch(f"nats://127.0.0.1:{silent.getsockname()[1]}", tmp_path / "kvhandoff.db")
         connection, _ = silent.accept()
         with connection:
-            assert worker.terminate_within(PROMPTLY_S) == 0
+            assert terminate_within(worker, PROMPTLY_S) == 0
 
 
 def test_sigterm_while_jetstream_does_not_answer_exits_0_promptly(
-    servers: Callable[[str], EmbeddedNats], launch: Callable[..., Launched], tmp_path: Path
+    servers: Callable[[str], EmbeddedNats], launch: Callable[..., Child], tmp_path: Path
 ) -> None:
     # The server drops this user's JetStream requests (the lease, the stream), so each waits
     # out its timeout; core NATS works.
@@ -404,10 +395,10 @@ def test_sigterm_while_jetstream_does_not_answer_exits_0_promptly(
     )
     worker = launch(server.url, tmp_path / "kvhandoff.db",
                     "--nats-user", "worker", "--nats-password", "secret")  # fmt: skip
-    worker.wait_for_log("(?i)permissions violation")
+    wait_for_log(worker, "(?i)permissions violation")
 
-    assert worker.terminate_within(PROMPTLY_S) == 0
-    assert "consuming" not in worker.log()
+    assert terminate_within(worker, PROMPTLY_S) == 0
+    assert "consuming" not in full_log(worker)
 
 
 def test_sigterm_while_reconnecting_exits_0_promptly(
@@ -419,9 +410,7 @@ def test_sigterm_while_reconnecting_exits_0_promptly(
         assert time.monotonic() < deadline, worker.logs()
         time.sleep(0.05)  # polling the worker's log
 
-    assert worker.process is not None
-    launched = Launched(worker.process, worker.log_path)
-    assert launched.terminate_within(PROMPTLY_S) == 0
+    assert terminate_within(worker, PROMPTLY_S) == 0
 
 
 # --- One worker per stream and consumer -----------------------------------------------------

@@ -5,7 +5,6 @@ the real coordinator, written the way the service writes them."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import shutil
@@ -17,11 +16,12 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import closing
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from events.codec import encode_record, input_digest
-from events.coordinator import HandoffCoordinator
-from events.messages import (
+from kvhandoff.events.codec import encode_record, input_digest
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.messages import (
     SUBMITTED,
     Action,
     ActionOutcome,
@@ -32,26 +32,24 @@ from events.messages import (
     StartHandoff,
     SubmitPrefill,
 )
-from events.records import ActionRecord, InputRecord
-from tests.tools.conftest import IDS, V1
-from tests.worker.scripted_engine import Script
-from tests.worker.tmpfs import fill, small_filesystem
-from worker.errors import StoreConflict, StoreError, StoreLocked
-from worker.healthy import success_script
-from worker.logreader import open_log
-from worker.schema import RECORD_TYPES, HandoffState
-from worker.store import (
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.worker.errors import StoreConflict, StoreError, StoreLocked
+from kvhandoff.worker.healthy import success_script
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.rows import HandoffLog, HandoffRow, LoggedEvent
+from kvhandoff.worker.schema import RECORD_TYPES, HandoffState
+from kvhandoff.worker.store import (
     Batch,
     Compacted,
     CorruptHandoff,
     EventLog,
-    HandoffRow,
     Loaded,
-    LoadedHandoff,
-    LoggedEvent,
     UnpublishedAction,
     WriterLock,
 )
+from tests.tools.conftest import IDS, V1
+from tests.worker.scripted_engine import Script
+from tests.worker.tmpfs import fill, small_filesystem
 
 
 class Handoff:
@@ -90,12 +88,11 @@ class Handoff:
         actions = self.coordinator.handle(message)
         seq = self.row.last_seq + 1
         batch.append_input(seq, InputRecord(at_ms, message))
-        digest = input_digest(message)
-        self.events.append(LoggedEvent(seq, at_ms, InputRecord(at_ms, message), digest, None))
+        self.events.append(LoggedEvent(seq, at_ms, InputRecord(at_ms, message)))
         for action in actions:
             seq += 1
             batch.append_action(seq, ActionRecord(at_ms, action))
-            self.events.append(LoggedEvent(seq, at_ms, ActionRecord(at_ms, action), None, None))
+            self.events.append(LoggedEvent(seq, at_ms, ActionRecord(at_ms, action)))
         row = self.row
         row.last_seq, row.updated_at_ms = seq, at_ms
         if self.coordinator.is_complete and row.state is HandoffState.OPEN:
@@ -121,7 +118,7 @@ class Handoff:
         if seq > self.published_seq:
             self.published_seq, self.marked_at_ms = seq, at_ms
         self.events = [
-            dataclasses.replace(e, published_at_ms=self.marked_at_ms)
+            msgspec.structs.replace(e, published_at_ms=self.marked_at_ms)
             if isinstance(e.record, ActionRecord) and e.seq <= self.published_seq
             else e
             for e in self.events
@@ -179,10 +176,10 @@ def batch_of(handoff: Handoff, batch: Batch) -> Batch:
     return own
 
 
-def readable(loaded: dict[uuid.UUID, Loaded]) -> dict[uuid.UUID, LoadedHandoff]:
+def readable(loaded: dict[uuid.UUID, Loaded]) -> dict[uuid.UUID, HandoffLog]:
     corrupt = [h for h in loaded.values() if isinstance(h, CorruptHandoff)]
     assert not corrupt, corrupt
-    return {h: handoff for h, handoff in loaded.items() if isinstance(handoff, LoadedHandoff)}
+    return {h: handoff for h, handoff in loaded.items() if isinstance(handoff, HandoffLog)}
 
 
 def table(db: Path, sql: str, *parameters: object) -> list[tuple[object, ...]]:
@@ -232,15 +229,15 @@ async def test_commit_then_load_round_trips_records_and_rows(log: EventLog) -> N
 
     assert set(loaded) == {done.id, waiting.id}  # an unknown id is simply absent
     for handoff in (done, waiting):
-        assert loaded[handoff.id].row == handoff.row
+        assert loaded[handoff.id].handoff == handoff.row
         assert loaded[handoff.id].events == handoff.events
     # Spot-check the expectations themselves: seq counts from 0 with no gaps, inputs carry
     # their digest and actions none, and a finished handoff's projection says so.
     events = loaded[done.id].events
     assert [e.seq for e in events] == list(range(len(events))) and len(events) == 15
     assert all((e.digest is None) == isinstance(e.record, ActionRecord) for e in events)
-    assert loaded[done.id].row.completed_at_ms == 1_000
-    assert loaded[done.id].row.last_seq == 14
+    assert loaded[done.id].handoff.completed_at_ms == 1_000
+    assert loaded[done.id].handoff.last_seq == 14
 
 
 async def test_published_marks_are_loaded_and_never_overwritten(log: EventLog) -> None:
@@ -281,7 +278,7 @@ async def test_a_colliding_batch_writes_nothing(log: EventLog, db: Path) -> None
     # seq 2, in a batch that also starts a new handoff, marks an action and logs a rejection.
     newcomer, stale = started(2_000)
     stale.append_input(2, InputRecord(2_000, Canceled(existing.id)))
-    stale.upsert_handoff(dataclasses.replace(existing.row, last_seq=3, updated_at_ms=2_000))
+    stale.upsert_handoff(msgspec.structs.replace(existing.row, last_seq=3, updated_at_ms=2_000))
     stale.mark_published(existing.id, 1, 2_000)
     stale.reject(2_000, None, "undecodable input", b"{")
 
@@ -292,7 +289,7 @@ async def test_a_colliding_batch_writes_nothing(log: EventLog, db: Path) -> None
     assert table(db, "SELECT count(*) FROM events") == [(len(existing.events),)]
     assert table(db, "SELECT * FROM rejections") == []
     loaded = readable(await log.load([existing.id]))[existing.id]
-    assert loaded.row == existing.row  # last_seq 2, not the stale writer's 3
+    assert loaded.handoff == existing.row  # last_seq 2, not the stale writer's 3
     assert loaded.events == existing.events  # seq 2 is still the outcome; nothing published
     # The failed transaction was rolled back, so the connection goes on writing.
     await log.commit(batch_of(newcomer, stale))
@@ -360,7 +357,7 @@ async def test_open_handoffs_are_the_open_ones_with_their_logs(log: EventLog) ->
         done.id,
         gone.id,
     }  # logged, but closed
-    assert recovered[waiting.id].row == waiting.row
+    assert recovered[waiting.id].handoff == waiting.row
     assert recovered[waiting.id].events == waiting.events
 
 
@@ -377,7 +374,7 @@ async def test_an_unreadable_handoff_is_reported_alone(log: EventLog, db: Path) 
     loaded = await log.load([bad_record.id, bad_state.id, good.id])
     recovered = await log.open_handoffs()
 
-    assert loaded[good.id] == LoadedHandoff(good.row, good.events)
+    assert loaded[good.id] == HandoffLog(good.row, good.events)
     assert set(recovered) == {bad_record.id, good.id}
     for found in (loaded, recovered):
         corrupt = found[bad_record.id]
@@ -429,7 +426,7 @@ async def test_compact_removes_rejections_logged_before_the_cutoff(log: EventLog
     they are the evidence an operator needs."""
     old, a = completed(1_000)
     quarantined, b = started(1_000)
-    b.upsert_handoff(dataclasses.replace(quarantined.row, state=HandoffState.QUARANTINED))
+    b.upsert_handoff(msgspec.structs.replace(quarantined.row, state=HandoffState.QUARANTINED))
     rejections = Batch()
     rejections.reject(1_000, None, "undecodable input", b"{" * 1024)
     rejections.reject(2_999, old.id, "not expected", b"[]")
@@ -455,8 +452,8 @@ async def test_reopening_keeps_everything_in_wal_mode(
     log = await EventLog.open(db, synchronous)
     try:
         # synchronous is a property of the connection, not of the file: ask the log's own.
-        async with log._db.execute("PRAGMA synchronous") as cursor:
-            assert await cursor.fetchone() == (level,)
+        pragma = await log._write(lambda db: db.execute("PRAGMA synchronous").fetchone())
+        assert pragma == (level,)
         done, first = completed(1_000)
         waiting, second = started(2_000)
         done.publish(second, done.action_seqs()[0], 2_000)
@@ -468,7 +465,7 @@ async def test_reopening_keeps_everything_in_wal_mode(
     reopened = await EventLog.open(db, synchronous)
     try:
         loaded = readable(await reopened.load([done.id, waiting.id]))
-        assert {h: (loaded[h].row, loaded[h].events) for h in loaded} == {
+        assert {h: (loaded[h].handoff, loaded[h].events) for h in loaded} == {
             done.id: (done.row, done.events),
             waiting.id: (waiting.row, waiting.events),
         }
@@ -537,7 +534,7 @@ async def test_an_unknown_synchronous_level_is_refused(db: Path) -> None:
 async def test_a_locked_log_fails_with_store_errors_and_recovers(log: EventLog, db: Path) -> None:
     _, batch = completed(1_000)
     # Fail at once instead of after the 5 s busy timeout.
-    await log._db.execute("PRAGMA busy_timeout = 0")
+    await log._write(sqlite3.Connection.execute, "PRAGMA busy_timeout = 0")
     other = sqlite3.connect(db, isolation_level=None)
     try:
         other.execute("BEGIN IMMEDIATE")  # another writer holds the lock
@@ -767,7 +764,7 @@ async def test_a_record_that_does_not_decode_is_kept_whole_and_its_handoff_quara
     corrupt = loaded[uuid.UUID(handoff)]
     assert isinstance(corrupt, CorruptHandoff) and corrupt.reason.startswith("seq 2: ")
     assert table(layout_1, "SELECT seq, record FROM events WHERE type = 0") == [(2, damage)]
-    assert all(isinstance(h, LoadedHandoff) for i, h in loaded.items() if str(i) != handoff)
+    assert all(isinstance(h, HandoffLog) for i, h in loaded.items() if str(i) != handoff)
 
 
 async def test_a_record_of_another_handoff_is_kept_as_written_not_given_a_new_owner(
@@ -809,7 +806,7 @@ async def test_a_log_with_events_of_no_handoff_is_not_migrated_at_all(layout_1: 
 def test_a_batch_keeps_the_row_as_it_was_when_upserted() -> None:
     """The worker plans the next batch before this one commits, changing the same row."""
     handoff, _ = started(1_000)
-    row = dataclasses.replace(handoff.row)
+    row = handoff.row.copy()
     batch = Batch()
     batch.upsert_handoff(row)
     row.last_seq, row.state = 99, HandoffState.CANCELED

@@ -15,62 +15,46 @@ import argparse
 import contextlib
 import functools
 import os
-import re
 import sys
-import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
 
-from events.errors import HandoffError
-from worker.commands import _text
-from worker.errors import WorkerError
-from worker.reports import json_schema
+from kvhandoff.events.errors import HandoffError
+from kvhandoff.worker.clock import now_ms, parse_duration_ms
+from kvhandoff.worker.commands import _text
+from kvhandoff.worker.errors import ConfigError, WorkerError
+from kvhandoff.worker.reports import json_schema
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_ERROR = 2
 
-_UNITS_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-
-
-def parse_duration_ms(text: str) -> int:
-    """`250ms`, `30s`, `5m`, `2h`, `1d`, or a sum such as `1h30m`, in milliseconds."""
-    compact = text.strip().replace(" ", "")
-    if compact == "0":
-        return 0
-    parts = _DURATION.findall(compact)
-    if not parts or "".join(n + u for n, u in parts) != compact:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30s, 5m, 1h30m)")
-    return round(sum(float(n) * _UNITS_MS[u] for n, u in parts))
-
 
 def parse_time_ms(text: str, now_ms: int) -> int:
-    """An instant: milliseconds since the epoch, ISO 8601 (UTC unless it says otherwise), or
-    an age such as `10m`, meaning that long before `now_ms`."""
+    """An instant: milliseconds since the epoch (a whole number), ISO 8601 (UTC unless it says
+    otherwise), or an age with a unit such as `10m` or `1h30m`, meaning that long before
+    `now_ms`. A bare number is epoch milliseconds here, never an age in seconds."""
     stripped = text.strip()
     if stripped.isdigit():
         return int(stripped)
-    try:
-        return now_ms - parse_duration_ms(stripped)
-    except argparse.ArgumentTypeError:
-        pass
+    # An age needs its unit: a bare number is an instant, never seconds ago.
+    if not stripped.replace(".", "", 1).isdigit():
+        try:
+            return now_ms - parse_duration_ms(stripped)
+        except ConfigError:
+            pass
     try:
         moment = datetime.fromisoformat(stripped)
     except ValueError:
-        raise argparse.ArgumentTypeError(
+        raise ConfigError(
             f"not a time: {text!r} (epoch ms, ISO 8601, or an age such as 10m)"
         ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return round(moment.timestamp() * 1000)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def add_log_argument(parser: argparse.ArgumentParser, *, sqlite_only: bool = False) -> None:
@@ -161,7 +145,7 @@ def offline_command(
                 return fail(name, "the log argument is required")
             try:
                 return execute(args)
-            except (WorkerError, HandoffError, argparse.ArgumentTypeError) as exc:
+            except (WorkerError, HandoffError) as exc:
                 return fail(name, str(exc))
 
         return run

@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from events.messages import Action, ActionOutcome
-from events.replay import Change
-from worker.logreader import HandoffSummary
+from kvhandoff.events.messages import Action, ActionOutcome
+from kvhandoff.events.replay import Change
+from kvhandoff.worker.rows import HandoffRow
 
 # C0 (including tab and newline: a log string must not break a line or a column), DEL, and C1.
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
@@ -62,7 +62,7 @@ def print_fields(pairs: Sequence[tuple[str, str]], indent: int = 2) -> None:
         print(f"{' ' * indent}{label.ljust(width)}  {value}")
 
 
-def state(handoff: HandoffSummary) -> str:
+def state(handoff: HandoffRow) -> str:
     """A handoff's state; one this build does not know as written, marked `(unknown)`."""
     if handoff.state is not None:
         return handoff.state.value

@@ -14,8 +14,9 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from worker.commands import _offline, _text
-from worker.store import Compacted, EventLog
+from kvhandoff.worker.clock import DURATION_HELP, duration_ms_arg
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.store import Compacted, EventLog
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -23,10 +24,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--older-than",
         metavar="AGE",
-        type=_offline.parse_duration_ms,
+        type=duration_ms_arg,
         required=True,
-        help="remove handoffs that completed, and rejections logged, more than AGE ago"
-        " (30s, 5m, 7d, 1h30m)",
+        help="remove handoffs that completed, and rejections logged, more than AGE ago; AGE is"
+        f" {DURATION_HELP}",
     )
     _offline.add_now_argument(parser)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from events import conformance
-from worker.commands import _offline
+from kvhandoff.events import conformance
+from kvhandoff.worker.commands import _offline
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,10 @@ outcomes, lost requests, dropped, duplicated and delayed messages). It prints th
 stops everything it started (also on Ctrl-C), and leaves the event log with the command that
 replays one of its canceled handoffs.
 
+`--external-engine ID` leaves one engine id of the roster to an engine you run yourself
+(`examples/engine.py`, written with the client): the mock engines do not serve it, and the demo
+prints the command to run and waits for that engine to listen before it starts the load.
+
 Exits 0 when every handoff completed or was cleanly canceled and no engine leaked.
 """
 
@@ -16,8 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,17 +29,16 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
-from events.subjects import Subjects
-from worker.bus import Bus
-from worker.commands.load import print_summary, run_with_progress
-from worker.config import NatsSettings
-from worker.engines import Roster, request_reports
-from worker.errors import BusError
-from worker.health import answers_ok, worker_healthz
-from worker.loadgen import LoadConfig
-from worker.logreader import open_log
-from worker.natsserver import EmbeddedNats, free_port
-from worker.schema import HandoffState
+from kvhandoff.client import BusUnavailable, Connection
+from kvhandoff.worker.child import Child, WorkerChild
+from kvhandoff.worker.commands.load import print_summary, run_with_progress
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import Roster, request_reports
+from kvhandoff.worker.errors import ChildError
+from kvhandoff.worker.loadgen import LoadConfig
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.schema import HandoffState
 
 # Faults the engines inject: frequent enough that every path shows up in a few thousand
 # handoffs, rare enough that most complete. Modelled times are sped up 20x.
@@ -57,25 +58,53 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", help="use this server instead of an embedded one")
     parser.add_argument("--seed", type=int, default=1, help="load and fault seed")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--external-engine",
+        metavar="ENGINE_ID",
+        help="leave this engine id (vllm-prefill-0, sglang-decode-1, ...) to an engine you run "
+        "(examples/engine.py); the demo waits for it to listen",
+    )
 
 
 def execute(args: argparse.Namespace) -> int:
     console = Console()
+    engine_ids = Roster().engine_ids()
+    if args.external_engine is not None and args.external_engine not in engine_ids:
+        console.print(
+            f"kvhandoff demo: --external-engine {args.external_engine} is not an engine of the "
+            f"demo; choose one of {', '.join(engine_ids)}"
+        )
+        return 2
     folder = Path(tempfile.mkdtemp(prefix="kvhandoff-demo-"))
     db = args.db or folder / "kvhandoff.db"
     try:
-        with _stack(args.nats_url, folder) as url, _Children(folder) as children:
-            metrics_port = free_port()
+        with contextlib.ExitStack() as children:
+            url = children.enter_context(_stack(args.nats_url, folder))
             console.print(f"NATS at {url}; logs and event log in {folder}", soft_wrap=True)
-            children.start(
-                "worker", "run", "--nats-url", url, "--db", str(db), "--retry-interval", "1s",
-                "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port),
+            # Each in a session of its own: Ctrl-C reaches only the demo, which then stops its
+            # children in order, the engines first (an exit stops them in reverse order too).
+            worker = children.enter_context(
+                WorkerChild(url, db, "--retry-interval", "1s", log_path=folder / "worker.log",
+                            new_session=True)
             )  # fmt: skip
-            children.start(
-                "engines", "engines", "--nats-url", url, "--seed", str(args.seed), *_ENGINE_FAULTS
-            )
-            _wait_healthy(metrics_port, children)
-            asyncio.run(_wait_for_engines(url))
+            external = [] if args.external_engine is None else [args.external_engine]
+            leave_out = [option for engine_id in external for option in ("--leave-out", engine_id)]
+            engines = children.enter_context(
+                Child([sys.executable, "-m", "kvhandoff.worker.cli", "engines", "--nats-url", url,
+                       "--seed", str(args.seed), *_ENGINE_FAULTS, *leave_out],
+                      folder / "engines.log", name="the engines", new_session=True)
+            )  # fmt: skip
+            worker.start(_READY_TIMEOUT_S)
+            engines.start(_READY_TIMEOUT_S)
+            asyncio.run(_wait_for_engines(url, engines))
+            for engine_id in external:
+                role = "destination" if "-decode-" in engine_id else "source"
+                console.print(
+                    f"waiting for engine {engine_id}; run:  python examples/engine.py "
+                    f"--nats-url {url} {role} {engine_id}",
+                    soft_wrap=True,
+                )
+                asyncio.run(_wait_for_external(url, engine_id))
             config = LoadConfig(
                 nats=NatsSettings(url=url),
                 handoffs=args.handoffs,
@@ -88,9 +117,9 @@ def execute(args: argparse.Namespace) -> int:
             show = not args.quiet and sys.stdout.isatty()
             report = asyncio.run(run_with_progress(config, console if show else None))
             print_summary(report, console)
-            engines_clean = children.stop("engines") == 0
-            worker_clean = children.stop("worker") == 0
-    except (BusError, _DemoError) as exc:
+            engines_clean = engines.terminate() == 0
+            worker_clean = worker.terminate() == 0
+    except (BusUnavailable, ChildError) as exc:
         console.print(f"kvhandoff demo: {exc}")
         return 1
     except KeyboardInterrupt:
@@ -105,10 +134,6 @@ def execute(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-class _DemoError(Exception):
-    """A process the demo started did not come up."""
-
-
 @contextlib.contextmanager
 def _stack(nats_url: str | None, folder: Path) -> Iterator[str]:
     if nats_url is not None:
@@ -120,65 +145,24 @@ def _stack(nats_url: str | None, folder: Path) -> Iterator[str]:
         yield server.url
 
 
-class _Children:
-    """Child processes, each logging to a file in the demo's folder, all stopped on exit."""
-
-    def __init__(self, folder: Path) -> None:
-        self._folder = folder
-        self._processes: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, *arguments: str) -> None:
-        with (self._folder / f"{name}.log").open("wb") as log:
-            self._processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "worker.cli", *arguments],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Ctrl-C reaches only the demo, which then stops its children in order.
-                start_new_session=True,
-            )
-
-    def running(self, name: str) -> bool:
-        return self._processes[name].poll() is None
-
-    def stop(self, name: str) -> int:
-        """SIGTERM (the worker drains, the engines report leaks), then the exit code."""
-        process = self._processes.pop(name)
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                return process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        return process.wait()
-
-    def __enter__(self) -> _Children:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in list(self._processes):
-            self.stop(name)
-
-
-def _wait_healthy(port: int, children: _Children) -> None:
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if not children.running("worker"):
-            raise _DemoError("the worker exited; see worker.log")
-        if answers_ok(worker_healthz(port), timeout_s=1):
-            return
-        time.sleep(0.05)  # readiness poll of a child process
-    raise _DemoError(f"the worker was not healthy within {_READY_TIMEOUT_S:.0f}s")
-
-
-async def _wait_for_engines(url: str) -> None:
-    bus = await Bus.connect(NatsSettings(url=url), "kvhandoff-demo")
-    try:
+async def _wait_for_engines(url: str, engines: Child) -> None:
+    async with await Connection.open(NatsSettings(url=url), "kvhandoff-demo") as connection:
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while not await request_reports(bus, Subjects()):
+        while not await request_reports(connection):
+            if not engines.running():
+                raise ChildError("the engines exited; see engines.log")
             if time.monotonic() > deadline:
-                raise _DemoError(f"the engines did not answer within {_READY_TIMEOUT_S:.0f}s")
-    finally:
-        await bus.close()
+                raise ChildError(
+                    f"the engines did not answer within {_READY_TIMEOUT_S:.0f}s; see engines.log"
+                )
+
+
+async def _wait_for_external(url: str, engine_id: str) -> None:
+    """Until an engine client listens to `engine_id` (a presence probe each second); Ctrl-C
+    gives up."""
+    async with await Connection.open(NatsSettings(url=url), "kvhandoff-demo") as connection:
+        while not await connection.engine_listening(engine_id):
+            pass  # each probe waits a second for an answer
 
 
 def _point_at_the_log(db: Path, console: Console) -> None:

@@ -17,11 +17,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from events.messages import EngineType, KvTransferTimingMode
-from events.subjects import Subjects
-from worker.bus import Bus
-from worker.config import NatsSettings, add_nats_arguments, nats_settings
-from worker.engines import (
+from kvhandoff.client import BusUnavailable, Connection, Refused
+from kvhandoff.events.messages import EngineType, KvTransferTimingMode
+from kvhandoff.worker.config import NatsSettings, add_nats_arguments, nats_settings
+from kvhandoff.worker.engines import (
     DEFAULT_DESTINATIONS,
     DEFAULT_ENGINE_TYPES,
     DEFAULT_SOURCES,
@@ -33,8 +32,8 @@ from worker.engines import (
     MockEngines,
     Roster,
 )
-from worker.errors import BusError, BusRefused, ConfigError
-from worker.logs import configure_logging
+from kvhandoff.worker.errors import ConfigError
+from kvhandoff.worker.logs import configure_logging
 
 
 def _engine_types(text: str) -> tuple[EngineType, ...]:
@@ -76,10 +75,8 @@ def add_roster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def roster(args: argparse.Namespace) -> Roster:
-    try:
-        return Roster(args.engine_types, args.sources, args.destinations)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    """The roster the options name; `ConfigError` if it is empty."""
+    return Roster(args.engine_types, args.sources, args.destinations)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +147,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=defaults.speedup,
         help="divide prefill, transfer and decode times by this (default 1)",
     )
+    parser.add_argument(
+        "--leave-out",
+        action="append",
+        default=[],
+        metavar="ENGINE_ID",
+        help="an engine id of the roster that another process serves (repeatable)",
+    )
     faults = parser.add_argument_group("faults (seeded, wall-clock)")
     faults.add_argument(
         "--fail-rate",
@@ -198,6 +202,7 @@ def execute(args: argparse.Namespace) -> int:
         settings = nats_settings(args)
         config = EnginesConfig(
             roster=roster(args),
+            left_out=frozenset(args.leave_out),
             model=EngineModel(
                 block_size=args.block_size,
                 kv_blocks=args.kv_blocks,
@@ -220,17 +225,16 @@ def execute(args: argparse.Namespace) -> int:
                 silent=args.silent,
                 silent_ms=args.silent_ms,
             ),
-            subjects=Subjects(settings.subject_prefix),
         )
-    except (ConfigError, ValueError) as exc:
+    except ConfigError as exc:
         print(f"kvhandoff engines: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level, args.log_format)
     try:
         report = asyncio.run(serve(settings, config))
-    except BusError as exc:
+    except BusUnavailable as exc:
         print(f"kvhandoff engines: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, BusRefused) else 1
+        return 2 if isinstance(exc, Refused) else 1
     if report is None:
         return 1
     print_report(report, Console())
@@ -244,16 +248,14 @@ async def serve(settings: NatsSettings, config: EnginesConfig) -> EnginesReport 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    bus = await Bus.connect_unless(stop, settings, "kvhandoff-engines")
-    if bus is None:
+    connection = await Connection.open_unless(stop, settings, "kvhandoff-engines")
+    if connection is None:
         return None
-    engines = MockEngines(bus, config)
-    try:
+    async with connection:
+        engines = MockEngines(connection, config)
         await engines.start()
         await stop.wait()
         return await engines.stop()
-    finally:
-        await bus.close()
 
 
 def print_report(report: EnginesReport, console: Console) -> None:

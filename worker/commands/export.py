@@ -20,8 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from worker.commands import _offline, _text
-from worker.logreader import HandoffLog, open_log, write_jsonl
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.logreader import open_log, write_jsonl
+from kvhandoff.worker.rows import HandoffLog
 
 # The files beside a SQLite database that hold part of it.
 _SQLITE_SIBLINGS = ("", "-wal", "-shm", "-journal")

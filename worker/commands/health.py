@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from worker.health import answers_ok, worker_healthz
+from kvhandoff.worker.health import answers_ok, worker_healthz
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -16,11 +16,12 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from events.messages import EngineType, HandoffOrder
-from worker.commands import _offline, _text
-from worker.logreader import HandoffSummary, open_log
-from worker.reports import ListedHandoff, ListReport
-from worker.schema import HandoffState
+from kvhandoff.events.messages import EngineType, HandoffOrder
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.reports import ListedHandoff, ListReport
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
 
 # Each key gives None for a handoff that has no such value (an open handoff has no completion);
 # those sort last in either direction.
@@ -60,7 +61,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, metavar="N", help="at most N handoffs")
     _offline.add_now_argument(parser)
     _offline.add_report_arguments(parser)
-    parser.epilog = "TIME is epoch milliseconds, ISO 8601 (UTC by default), or an age such as 10m."
+    parser.epilog = (
+        "TIME is epoch milliseconds, ISO 8601 (UTC by default), or an age such as 10m or 1h30m."
+    )
 
 
 @_offline.offline_command("list")
@@ -104,7 +107,7 @@ def _sorted(
     return [h for _, h in present] + [h for k, h in keyed if k is None]
 
 
-def _listed(row: HandoffSummary, now: int) -> ListedHandoff:
+def _listed(row: HandoffRow, now: int) -> ListedHandoff:
     try:
         order: HandoffOrder | None = EngineType(row.engine_type).order
     except ValueError:  # an engine type newer than this build
@@ -119,7 +122,7 @@ def _listed(row: HandoffSummary, now: int) -> ListedHandoff:
     )
 
 
-def _unknown(row: HandoffSummary) -> str:
+def _unknown(row: HandoffRow) -> str:
     return f"state {row.state_name!r} is not one this build knows"
 
 

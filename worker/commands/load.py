@@ -19,24 +19,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from worker.commands.engines import add_roster_arguments, print_leaks, roster
-from worker.config import add_nats_arguments, nats_settings, parse_duration
-from worker.errors import BusError, BusRefused, ConfigError
-from worker.loadgen import LoadConfig, LoadProgress, LoadReport, run_load
-from worker.logs import configure_logging
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+from kvhandoff.client import BusUnavailable, Refused
+from kvhandoff.worker.clock import DURATION_HELP, duration_arg
+from kvhandoff.worker.commands.engines import add_roster_arguments, print_leaks, roster
+from kvhandoff.worker.config import add_nats_arguments, nats_settings
+from kvhandoff.worker.errors import ConfigError
+from kvhandoff.worker.loadgen import LoadConfig, LoadProgress, LoadReport, run_load
+from kvhandoff.worker.logs import configure_logging
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_nats_arguments(parser)
     add_roster_arguments(parser)
-    load = parser.add_argument_group("load")
+    load = parser.add_argument_group("load", f"DURATION is {DURATION_HELP}.")
     load.add_argument("--handoffs", type=int, required=True, help="how many handoffs to start")
     pacing = load.add_mutually_exclusive_group()
     pacing.add_argument(
@@ -72,13 +67,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     load.add_argument(
         "--wait-timeout",
-        type=_duration,
+        type=duration_arg,
         metavar="DURATION",
         help="a handoff with no Complete by then is timed out (default: deadline + 30 s)",
     )
     load.add_argument(
         "--settle-timeout",
-        type=_duration,
+        type=duration_arg,
         metavar="DURATION",
         default=f"{LoadConfig.settle_timeout_s:g}s",
         help="how long to wait for the engines to free all but running decodes (default "
@@ -116,9 +111,9 @@ def execute(args: argparse.Namespace) -> int:
     show_progress = not args.quiet and sys.stdout.isatty()
     try:
         report = asyncio.run(run_with_progress(config, console if show_progress else None))
-    except BusError as exc:
+    except BusUnavailable as exc:
         print(f"kvhandoff load: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, BusRefused) else 1
+        return 2 if isinstance(exc, Refused) else 1
     if args.json != "-":
         print_summary(report, console)
     if args.json is not None:

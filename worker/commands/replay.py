@@ -1,7 +1,8 @@
 """`kvhandoff replay LOG HANDOFF`: the timeline of one handoff, step by step.
 
 Every logged input is one step, numbered by its sequence in the log: when it came, what it was,
-which fields of the coordinator's state it changed, and the actions it issued. The actions are
+which fields of the coordinator's state it changed (grouped by the record they belong to:
+`journal`, `source`, `destination`, `transfer`), and the actions it issued. The actions are
 re-derived by this build's coordinator; if they differ from the logged ones the step says so
 (`kvhandoff verify` checks a whole log that way). `--at N` stops after step N and prints the
 full state there. LOG may be the SQLite log or a JSONL export (HANDOFF is then optional).
@@ -18,9 +19,14 @@ warning on stderr.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from typing import Any
 from uuid import UUID
 
-from events.messages import (
+from msgspec import Struct
+
+from kvhandoff.events.messages import (
+    Action,
     ActionOutcome,
     Canceled,
     DestinationReserved,
@@ -31,10 +37,11 @@ from events.messages import (
     TimedOut,
     TransferCompleted,
 )
-from events.replay import Step, timeline
-from worker.commands import _offline, _text
-from worker.logreader import LogSource, open_log
-from worker.reports import ReplayReport
+from kvhandoff.events.replay import Change, Step, timeline
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.errors import ConfigError
+from kvhandoff.worker.logreader import LogSource, open_log
+from kvhandoff.worker.reports import ReplayReport
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +88,7 @@ def _chosen(log: LogSource, handoff: str | None) -> UUID:
         return log.resolve(handoff)
     rows = log.handoffs()
     if len(rows) != 1:
-        raise argparse.ArgumentTypeError(f"name a handoff: {log.path} holds {len(rows)}")
+        raise ConfigError(f"name a handoff: {log.path} holds {len(rows)}")
     return rows[0].handoff_id
 
 
@@ -106,7 +113,7 @@ def _print(report: ReplayReport) -> None:
                     str(s.step),
                     f"+{s.at_ms - row.started_at_ms}ms",
                     _text.message(s.input),
-                    "\n".join(_text.change(c) for c in s.changes) or "-",
+                    "\n".join(_changes(s.changes)) or "-",
                     _actions(s),
                     s.state,
                 ]
@@ -119,7 +126,7 @@ def _print(report: ReplayReport) -> None:
             print(f"step {s.step}  +{s.at_ms - row.started_at_ms}ms  {_text.message(s.input)}")
             _text.print_fields(
                 [
-                    ("changes", "; ".join(_text.change(c) for c in s.changes) or "-"),
+                    ("changes", "; ".join(_changes(s.changes)) or "-"),
                     ("actions", _actions(s)),
                     ("state", s.state),
                 ]
@@ -130,7 +137,7 @@ def _print(report: ReplayReport) -> None:
         print(f"after step {last.step}: {last.state}")
         return
     print(f"state after step {last.step}:")
-    fields = [(name, _text.value(getattr(tl.state, name))) for name in tl.state.__struct_fields__]
+    fields = [(name, _state_value(getattr(tl.state, name))) for name in tl.state.__struct_fields__]
     waiting = [
         f"fact {w.fact}" if w.action is None else f"outcome of {_text.action(w.action)}"
         for w in tl.waiting
@@ -138,6 +145,45 @@ def _print(report: ReplayReport) -> None:
     fields.append(("waiting for", ", ".join(waiting) or "nothing"))
     fields.append(("outstanding", ", ".join(map(str, tl.outstanding)) or "-"))
     _text.print_fields(fields)
+
+
+def _state_value(v: object) -> str:
+    """A field of the state; one of its four records as `field=value` pairs on one line."""
+    if isinstance(v, Struct):
+        return " ".join(f"{f}={_text.value(_listed(getattr(v, f)))}" for f in v.__struct_fields__)
+    return _text.value(v)
+
+
+def _changes(changes: Sequence[Change]) -> list[str]:
+    """One entry per changed top-level field, and one per record with its changed fields:
+    `source: held false → true, transfer_timing none → {...}`."""
+    shown: list[str] = []
+    record = None
+    for c in changes:
+        name, dot, field = c.field.partition(".")
+        if not dot:
+            shown.append(_text.change(c))
+            record = None
+            continue
+        change = _text.change(Change(field, _listed(c.before), _listed(c.after)))
+        if name == record:
+            shown[-1] += f", {change}"
+        else:
+            shown.append(f"{name}: {change}")
+            record = name
+    return shown
+
+
+def _listed(v: Any) -> Any:
+    """The journal's maps by action id as lists: its actions (each says its id), and its
+    outcomes as (action id, outcome) pairs, which `_text` prints as `0:submitted`."""
+    if isinstance(v, dict):
+        return (
+            tuple(v.values())
+            if all(isinstance(a, Action) for a in v.values())
+            else tuple(v.items())
+        )
+    return v
 
 
 def _actions(s: Step) -> str:

@@ -23,10 +23,10 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from events.subjects import Subjects
-from worker.bus import Bus, Lease, LeaseHolder
-from worker.config import WorkerConfig, add_worker_arguments, worker_config
-from worker.errors import (
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Lease, LeaseHolder
+from kvhandoff.worker.config import WorkerConfig, add_worker_arguments, worker_config
+from kvhandoff.worker.errors import (
     BusError,
     BusRefused,
     ConfigError,
@@ -36,12 +36,12 @@ from worker.errors import (
     StoreError,
     StoreLocked,
 )
-from worker.logs import configure_logging
-from worker.metrics import Metrics, MetricsServer
-from worker.service import Worker
-from worker.store import EventLog, WriterLock
+from kvhandoff.worker.logs import configure_logging
+from kvhandoff.worker.metrics import Metrics, MetricsServer
+from kvhandoff.worker.service import Worker
+from kvhandoff.worker.store import EventLog, WriterLock
 
-logger = logging.getLogger("worker.run")
+logger = logging.getLogger("kvhandoff.worker.run")
 
 _COMPACT_EVERY_S = 3600.0
 _CANCEL_AGAIN_S = 0.05

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from events.codec import wire_schema
-from worker.commands import _offline
+from kvhandoff.events.codec import wire_schema
+from kvhandoff.worker.commands import _offline
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -19,15 +19,17 @@ import argparse
 
 import msgspec
 
-from events.coordinator import Mode, Waiting
-from events.errors import LogCorrupt
-from events.messages import Role
-from events.records import ActionRecord, InputRecord
-from events.replay import timeline
-from worker.commands import _offline, _text
-from worker.logreader import HandoffSummary, LogSource, open_log
-from worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
-from worker.schema import HandoffState
+from kvhandoff.events.coordinator import Mode, Waiting
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.messages import Role
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.events.replay import timeline
+from kvhandoff.worker.clock import DURATION_HELP, duration_ms_arg
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.logreader import LogSource, open_log
+from kvhandoff.worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,9 +37,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--older-than",
         metavar="AGE",
-        type=_offline.parse_duration_ms,
+        type=duration_ms_arg,
         default=0,
-        help="only handoffs with no event logged for at least AGE (30s, 5m, 1h30m; default 0)",
+        help=f"only handoffs with no event logged for at least AGE (default 0); AGE is"
+        f" {DURATION_HELP}",
     )
     _offline.add_now_argument(parser)
     _offline.add_report_arguments(parser)
@@ -77,7 +80,7 @@ def execute(args: argparse.Namespace) -> int:
     return _offline.EXIT_OK
 
 
-def _stuck(source: LogSource, row: HandoffSummary, now: int) -> StuckHandoff | None:
+def _stuck(source: LogSource, row: HandoffRow, now: int) -> StuckHandoff | None:
     """What the handoff waits for, or None if it waits for nothing (its log says complete)."""
     quarantined = row.state is HandoffState.QUARANTINED
     stuck = StuckHandoff(
@@ -99,12 +102,17 @@ def _stuck(source: LogSource, row: HandoffSummary, now: int) -> StuckHandoff | N
             if quarantined
             else msgspec.structs.replace(stuck, state=f"cannot read its log: {exc}")
         )
-    last_input = next((e for e in reversed(log.events) if isinstance(e.record, InputRecord)), None)
+    last_input = next(
+        (
+            LoggedInput(e.seq, e.at_ms, e.record.input)
+            for e in reversed(log.events)
+            if isinstance(e.record, InputRecord)
+        ),
+        None,
+    )
     if last_input is not None:
-        assert isinstance(last_input.record, InputRecord)
-        logged = LoggedInput(last_input.seq, last_input.at_ms, last_input.record.input)
         stuck = msgspec.structs.replace(
-            stuck, idle_ms=now - log.events[-1].at_ms, last_input=logged
+            stuck, idle_ms=now - log.events[-1].at_ms, last_input=last_input
         )
     if quarantined:
         # Set aside by the worker: whatever its log says, only an operator moves it on.
@@ -143,7 +151,7 @@ def _stuck(source: LogSource, row: HandoffSummary, now: int) -> StuckHandoff | N
     )
 
 
-def _quarantine_reason(row: HandoffSummary) -> str:
+def _quarantine_reason(row: HandoffRow) -> str:
     if row.quarantine is None:
         return "quarantined (the log holds no reason)"
     return row.quarantine.reason

@@ -26,13 +26,14 @@ import itertools
 from collections.abc import Iterator, Sequence
 from uuid import UUID
 
-from events.codec import decode_record, input_digest
-from events.records import InputRecord
-from events.replay import Divergence, StoredCheck, StoredRecord, check_stored
-from worker.commands import _offline, _text
-from worker.logreader import HandoffSummary, LogSource, open_log
-from worker.reports import Finding, FindingKind, VerifyReport
-from worker.schema import HandoffState
+from kvhandoff.events.codec import decode_record, input_digest
+from kvhandoff.events.records import InputRecord
+from kvhandoff.events.replay import Divergence, StoredCheck, StoredRecord, check_stored
+from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.logreader import LogSource, open_log
+from kvhandoff.worker.reports import Finding, FindingKind, VerifyReport
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +133,7 @@ class _Found:
             self.diverged.append(d)
             add(FindingKind.DIVERGENCE, d.step, d.detail)
 
-    def state(self, row: HandoffSummary) -> None:
+    def state(self, row: HandoffRow) -> None:
         if row.state is None:
             known = ", ".join(HandoffState)
             detail = f"state {row.state_name!r} is not one this build knows ({known})"
@@ -151,10 +152,14 @@ class _Found:
 
 
 def _digest_detail(stored: bytes | None, blob: bytes) -> str:
-    record = decode_record(blob)  # it decoded in check_stored, or it would not be compared
-    assert isinstance(record, InputRecord)
     logged = "none" if stored is None else stored.hex()
-    return f"stored digest {logged}, the logged input's is {input_digest(record.input).hex()}"
+    # It decoded in check_stored, which compares the digests of inputs only; read from disk
+    # again, it is still said for what it is rather than assumed.
+    match decode_record(blob):
+        case InputRecord(input=message):
+            return f"stored digest {logged}, the logged input's is {input_digest(message).hex()}"
+        case record:
+            return f"stored digest {logged} beside {record.action!r}, which has none"
 
 
 def _print(report: VerifyReport, form: str) -> None:

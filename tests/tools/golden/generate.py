@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import shutil
 import sqlite3
 import sys
@@ -33,9 +32,9 @@ from uuid import UUID, uuid5
 
 import msgspec
 
-from events.codec import decode_record, join_record, split_record
-from events.coordinator import HandoffCoordinator
-from events.messages import (
+from kvhandoff.events.codec import decode_record, join_record, split_record
+from kvhandoff.events.coordinator import HandoffCoordinator
+from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
     NOOP,
@@ -59,10 +58,11 @@ from events.messages import (
     TimedOut,
     TransferCompleted,
 )
-from events.records import ActionRecord, InputRecord
-from worker.logreader import open_log, write_jsonl
-from worker.schema import HandoffState
-from worker.store import Batch, EventLog, HandoffRow
+from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.worker.logreader import open_log, write_jsonl
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.store import Batch, EventLog
 
 #: 2025-01-01T00:00:00Z; handoff k starts k minutes later.
 BASE_MS = 1_735_689_600_000
@@ -285,7 +285,7 @@ async def _append(path: Path, handoffs: Sequence[tuple[int, Script]]) -> None:
                     batch.mark_published(first.handoff_id, seq, at_ms + 1)
                     seq += 1
                 _project(row, coordinator, seq - 1, at_ms)
-                batch.upsert_handoff(dataclasses.replace(row))
+                batch.upsert_handoff(row.copy())
                 await log.commit(batch)
     finally:
         await log.close()

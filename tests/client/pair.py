@@ -1,0 +1,91 @@
+"""A source and a destination engine written with the client alone, healthy (they answer with
+`worker.healthy`'s success path), with what a test needs to steer and watch them: every
+handler call is counted, and a gate can hold an action kind until the test opens it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from kvhandoff.client import Connection, Engine, Handlers
+from kvhandoff.events.messages import (
+    ACCEPTED,
+    APPLIED,
+    SCHEDULED,
+    SUBMITTED,
+    ActivateDestination,
+    CancelDestination,
+    CancelSource,
+    Outcome,
+    ReleaseSource,
+    ReserveDestination,
+    StartTransfer,
+    SubmitPrefill,
+)
+from kvhandoff.worker.healthy import TIMING
+
+SOURCE = "test-prefill-0"
+DESTINATION = "test-decode-0"
+
+
+class Pair:
+    """The two engines on one connection; `calls` counts handler runs by action tag."""
+
+    def __init__(self, connection: Connection, *, hold_source_held: bool = False) -> None:
+        self.calls: Counter[str] = Counter()
+        # While set, a submitted prefill never reports SourceHeld: the handoff stays open.
+        self.hold_source_held = hold_source_held
+        self.activations = asyncio.Event()  # opened by default
+        self.activations.set()
+        self.source = Engine(
+            connection,
+            SOURCE,
+            Handlers(
+                submit_prefill=self.submit_prefill,
+                start_transfer=self.start_transfer,
+                release_source=self.cleanup,
+                cancel_source=self.cleanup,
+            ),
+        )
+        self.destination = Engine(
+            connection,
+            DESTINATION,
+            Handlers(
+                reserve_destination=self.reserve_destination,
+                activate_destination=self.activate_destination,
+                cancel_destination=self.cleanup,
+            ),
+        )
+
+    async def start(self) -> None:
+        await self.source.start()
+        await self.destination.start()
+
+    async def stop(self) -> None:
+        await self.source.stop()
+        await self.destination.stop()
+
+    async def submit_prefill(self, action: SubmitPrefill) -> Outcome:
+        self.calls[str(type(action).__struct_config__.tag)] += 1
+        if not self.hold_source_held:
+            self.source.spawn(self.source.source_held(action.handoff_id, TIMING))
+        return SUBMITTED
+
+    async def start_transfer(self, action: StartTransfer) -> Outcome:
+        self.calls[str(type(action).__struct_config__.tag)] += 1
+        self.source.spawn(self.source.transfer_completed(action.handoff_id))
+        return SCHEDULED
+
+    async def reserve_destination(self, action: ReserveDestination) -> Outcome:
+        self.calls[str(type(action).__struct_config__.tag)] += 1
+        self.destination.spawn(self.destination.destination_reserved(action.handoff_id, 128))
+        return ACCEPTED
+
+    async def activate_destination(self, action: ActivateDestination) -> Outcome:
+        self.calls[str(type(action).__struct_config__.tag)] += 1
+        await self.activations.wait()
+        return APPLIED
+
+    async def cleanup(self, action: ReleaseSource | CancelSource | CancelDestination) -> Outcome:
+        self.calls[str(type(action).__struct_config__.tag)] += 1
+        return APPLIED

@@ -1,0 +1,122 @@
+"""The schema is the contract: every message that the worker, the mock engines (the engine
+client) and the load generator (the frontend client) publish during a full demo run validates
+against `kvhandoff schema`, checked with a standard JSON Schema validator (`jsonschema`, with
+its format checker, so a `handoff_id` must be a UUID), as an engine in another language would.
+
+The demo runs as a real process against this test's nats-server, and a subscriber to every
+kvhandoff subject captures what crosses the bus, by subject: inputs on `<prefix>.in.*`, actions
+on `<prefix>.engine.*.actions`, completions on `<prefix>.done.*`, rejections on
+`<prefix>.rejected.*`. (The engines' report requests on `<prefix>.engines.report` carry an empty
+body and no message of the vocabulary.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator
+
+from kvhandoff.worker.bus import Bus, Message
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.natsserver import EmbeddedNats
+
+HANDOFFS = 300
+
+
+def validator(schema: dict[str, Any], definition: str) -> Draft202012Validator:
+    """A validator of one kind of message, against the schema's own definitions."""
+    document = {
+        "$schema": schema["$schema"],
+        "$defs": schema["$defs"],
+        "$ref": f"#/$defs/{definition}",
+    }
+    Draft202012Validator.check_schema(document)
+    return Draft202012Validator(document, format_checker=Draft202012Validator.FORMAT_CHECKER)
+
+
+def kind_of(subject: str) -> str | None:
+    """Which definition a subject's messages must match, or None for the report requests."""
+    parts = subject.split(".")
+    match parts[1:]:
+        case ["in", _]:
+            return "Input"
+        case ["engine", _, "actions"]:
+            return "Action"
+        case ["done", _]:
+            return "Action"  # a Complete
+        case ["rejected", _]:
+            return "Rejection"
+        case ["engines", "report"]:
+            return None
+    raise AssertionError(f"a message on an unexpected subject: {subject}")
+
+
+async def test_every_message_of_a_demo_run_validates_against_the_published_schema(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    printed = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvhandoff.worker.cli", "schema", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await printed.communicate()
+    assert printed.returncode == 0
+    schema = json.loads(out)
+    validators = {kind: validator(schema, kind) for kind in ("Input", "Action", "Rejection")}
+
+    captured: list[Message] = []
+
+    async def capture(msg: Message) -> None:
+        captured.append(msg)
+
+    bus = await Bus.connect(NatsSettings(url=nats_server.url), "schema-capture")
+    try:
+        await bus.subscribe("kvhandoff.>", capture)
+        await bus.flush()
+        demo = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--quiet",
+            "--nats-url", nats_server.url, "--handoffs", str(HANDOFFS), "--concurrency", "32",
+            "--db", str(tmp_path / "demo.db"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+        )  # fmt: skip
+        output, _ = await asyncio.wait_for(demo.communicate(), timeout=600)
+        assert demo.returncode == 0, output.decode(errors="replace")
+        await bus.flush()  # everything published before the demo ended has reached us
+    finally:
+        await bus.close()
+
+    tags: Counter[tuple[str, str]] = Counter()
+    started: set[str] = set()
+    invalid = []
+    for msg in captured:
+        kind = kind_of(msg.subject)
+        if kind is None:
+            continue
+        document = json.loads(msg.data)
+        errors = [error.message for error in validators[kind].iter_errors(document)]
+        if errors:
+            invalid.append(f"{msg.subject}: {msg.data!r}: {errors}")
+        tags[(kind, document.get("type", "?"))] += 1
+        if kind == "Input" and document.get("type") == "start_handoff":
+            started.add(document["handoff_id"])
+    assert not invalid, f"{len(invalid)} messages break the schema, e.g.\n" + "\n".join(
+        invalid[:10]
+    )
+    # The run exercised the whole vocabulary that engines and frontends send and receive.
+    inputs = {
+        "start_handoff", "source_held", "destination_reserved", "transfer_completed", "failed",
+        "canceled", "action_outcome",
+    }  # fmt: skip
+    actions = {
+        "submit_prefill", "reserve_destination", "start_transfer", "activate_destination",
+        "release_source", "cancel_source", "cancel_destination", "complete",
+    }  # fmt: skip
+    assert inputs <= {tag for kind, tag in tags if kind == "Input"}, tags
+    assert actions <= {tag for kind, tag in tags if kind == "Action"}, tags
+    # (By id: a publish retried after a lost acknowledgement reaches core subscribers twice.)
+    assert len(started) == HANDOFFS

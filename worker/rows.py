@@ -1,0 +1,169 @@
+"""The event log's rows as Python holds them, one type each, whoever reads or writes them.
+
+`worker.schema` is the layout on disk; this is its mirror in memory, shared by the worker's
+writer (`worker.store`), the offline reader (`worker.logreader`, SQLite and JSONL export) and
+the commands and reports built on them:
+
+    HandoffRow   one row of the `handoffs` projection. Mutable: the worker keeps one per handoff
+                 in memory and updates it in place after each accepted input (`copy` snapshots
+                 it into a batch). The offline reader fills in what a row alone cannot say:
+                 `unknown_state`, a state this build does not know, as written (`state` is then
+                 None), and `quarantine`, why the worker set the handoff aside. The worker never
+                 writes either; both are left out of JSON when None.
+    LoggedEvent  one decoded event of a handoff's log, with the time of the outbox mark that
+                 covers it, if it is a published action. An input's `digest` is derived from it.
+    HandoffLog   one handoff's row and its whole log in sequence order.
+
+Every reader turns stored columns into these through `read_row` and `read_event`, so a row or
+a record reads the same, and is refused for the same reasons (a row as `StoreCorrupt`, a record
+as the core's `LogCorrupt`), from a live log, an offline copy or an export.
+`tests/tools/test_log_contract.py` holds all of them to that.
+
+`HandoffReader` is what every reader of one handoff offers, and the contract the suite checks:
+`worker.logreader.LogSource` (SQLite and JSONL) extends it, and the worker's own reads
+(`worker.store.EventLog.load`) return the same `HandoffLog`, asynchronously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+from uuid import UUID
+
+import msgspec
+from msgspec import Struct
+
+from kvhandoff.events.codec import decode_record, input_digest, join_record
+from kvhandoff.events.errors import LogCorrupt
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.replay import LoggedRecord
+from kvhandoff.worker.errors import StoreCorrupt
+from kvhandoff.worker.schema import HandoffState
+
+_KNOWN_STATES = frozenset(s.value for s in HandoffState)
+
+
+class Quarantine(Struct, frozen=True):
+    """Why the worker set a handoff aside, and when: its first "quarantined:" rejection."""
+
+    at_ms: int
+    reason: str
+
+
+class HandoffRow(Struct, omit_defaults=True):
+    """A handoff's row in the `handoffs` projection (module docstring).
+
+    The first ten fields are the table's columns in `worker.schema.HANDOFF_COLUMNS` order.
+    """
+
+    handoff_id: UUID
+    engine_type: str
+    source: str
+    destination: str
+    started_at_ms: int
+    deadline_at_ms: int
+    state: HandoffState | None
+    completed_at_ms: int | None
+    last_seq: int
+    updated_at_ms: int
+    unknown_state: str | None = None
+    quarantine: Quarantine | None = None
+
+    def copy(self) -> HandoffRow:
+        # msgspec's own copy: a third of a spelled-out constructor's time, once per handoff
+        # per batch on the worker's hot path.
+        return msgspec.structs.replace(self)
+
+    @property
+    def state_name(self) -> str:
+        """The state as the log spells it, known to this build or not."""
+        if self.state is not None:
+            return self.state.value
+        return "unknown" if self.unknown_state is None else self.unknown_state
+
+
+class LoggedEvent(Struct, frozen=True):
+    """One decoded entry of a handoff's log.
+
+    `published_at_ms` is None for an input and for an action not yet published, and otherwise
+    the time of the handoff's outbox mark that covers the action (layout 2 keeps one mark per
+    handoff: the action was published by then).
+    """
+
+    seq: int
+    at_ms: int
+    record: LogRecord
+    published_at_ms: int | None = None
+
+    @property
+    def digest(self) -> bytes | None:
+        """`events.codec.input_digest` of an input, None for an action: what the worker
+        recognises a redelivered duplicate by."""
+        if isinstance(self.record, InputRecord):
+            return input_digest(self.record.input)
+        return None
+
+
+class HandoffLog(Struct, frozen=True):
+    """One handoff: its row and its whole log in sequence order."""
+
+    handoff: HandoffRow
+    events: list[LoggedEvent]
+
+    def records(self) -> list[LoggedRecord]:
+        """The log as `events.replay` reads it."""
+        return [(e.seq, e.record) for e in self.events]
+
+
+class HandoffReader(Protocol):
+    """What every reader of a log offers for one handoff."""
+
+    def summary(self, handoff_id: UUID) -> HandoffRow:
+        """One handoff's row."""
+        ...
+
+    def load(self, handoff_id: UUID) -> HandoffLog:
+        """One handoff's row and its decoded log."""
+        ...
+
+
+_ROW_FIELDS = HandoffRow.__struct_fields__
+
+
+def read_row(values: Sequence[object] | dict[str, Any]) -> HandoffRow:
+    """A `handoffs` row from its columns (in `HANDOFF_COLUMNS` order) or from its fields by
+    name (an export's header), every one checked against its type. A state this build does not
+    know is kept in `unknown_state`; any other bad column is `StoreCorrupt`."""
+    fields = values if isinstance(values, dict) else dict(zip(_ROW_FIELDS, values, strict=False))
+    state = fields.get("state")
+    if state is not None and state not in _KNOWN_STATES:
+        fields = {**fields, "state": None, "unknown_state": state}
+    try:
+        return msgspec.convert(fields, HandoffRow)
+    except msgspec.ValidationError as exc:
+        raise StoreCorrupt(
+            f"handoff {fields.get('handoff_id')!r}: bad handoffs row: {exc}"
+        ) from exc
+
+
+def read_record(blob: object) -> LogRecord:
+    """A record stored whole (layout 1, an export), decoded; `LogCorrupt` if it is not one."""
+    if not isinstance(blob, bytes):
+        raise LogCorrupt(f"a record stored as {type(blob).__name__}, not bytes")
+    return decode_record(blob)
+
+
+def read_event(
+    handoff_id: bytes, row: tuple[int, int, int, bytes], mark: tuple[int, int | None]
+) -> LoggedEvent:
+    """One layout-2 event of the handoff whose id's 16 bytes are `handoff_id`: its columns
+    (seq, type, at_ms, fields) put back together and decoded, with the handoff's outbox mark
+    (published seq, when) if it covers this action. `LogCorrupt` (saying what, not where: the
+    caller knows) if it does not decode."""
+    seq, code, at_ms, fields = row
+    published_seq, marked_at = mark
+    record = decode_record(join_record(handoff_id, code, at_ms, fields))
+    # The handoff's one outbox mark covers every action up to its seq.
+    if isinstance(record, ActionRecord) and seq <= published_seq:
+        return LoggedEvent(seq, at_ms, record, marked_at)
+    return LoggedEvent(seq, at_ms, record)
