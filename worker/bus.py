@@ -88,6 +88,49 @@ refresh proves the holder alive, and the starting worker refuses (`LeaseHeld`); 
 it gone, and the lease is free. A lease whose holder names this host and this event log belongs
 to a dead predecessor, because a worker holds an exclusive lock on its log while it lives; it
 is taken over at once, by compare-and-set, instead of after the TTL.
+
+Partitions. For a tier of workers the input stream is split into P partitions, P fixed when the
+stream is created and stored in its metadata (`kvhandoff.partitions`). Publishers keep
+publishing to `<prefix>.in.<handoff_id>`; the stream's subject transform `{{partition(P,1)}}`
+(FNV-1a of the id, modulo P) stores each input as `<prefix>.inp.<p>.<handoff_id>`, so every
+input of one handoff lands in one partition, in publish order. The partitioned stream captures
+`<prefix>.in.*` only, so nothing lands outside a partition. A worker opening the stream with
+another P gets `PartitionsMismatch` (it exits 2): re-partitioning would move handoffs between
+partitions, and with them between owners. Single-worker mode is P = 1 of the same stream code
+(`open_inbox`): same metadata, same check, and a stream without the metadata (made before
+partitions existed) counts as P = 1. P = 1 has no transform, since `{{partition(1,1)}}` is
+always 0: the inputs keep their canonical subjects and the worker's loop is unchanged. Streams
+and buckets are R3 when the server we reached is in a cluster (its INFO names one), R1 alone.
+
+Pins. Each partition has one durable pull consumer (`<consumer>-p<p>`, filtering that
+partition's subject) with the priority group `owner` and the `pinned_client` policy (ADR-42),
+made with the raw `$JS.API.CONSUMER.CREATE` request because nats-py has no priority groups. The
+server pins the group to the first client that pulls, stamps `Nats-Pin-Id` on what it delivers,
+answers a pull with another id with 423 (`PinMismatch`), and keeps a pull without an id waiting
+(408 at its expiry), until `priority_timeout` passes without a pull from the pinned client or
+the pin is released (`unpin`); then the next puller is pinned. What a pin guarantees: at most one
+client is *delivered* a partition's new messages at a time, for as long as it keeps pulling.
+What it does not: acks are not checked against it, and a paused client that wakes after the pin
+moved still holds the messages it was given, may ack them and may publish. A pin is not a fence.
+
+Fencing. The fence is a compare-and-set append to a replicated per-partition log subject
+(`<prefix>.log.<p>`): `append_expecting` publishes with `Nats-Expected-Last-Subject-Sequence`
+and returns the new sequence; if another writer appended to the subject since, JetStream
+refuses it (err_code 10071, or 10164 from a replicated stream whose leader is replicating
+another append to the subject) and `Fenced` says so. A new owner first appends its ownership record
+at the last sequence it read, so the old owner's next append fails and it must stop acting for
+the partition: no publish, no ack. Every attempt of one append carries one `Nats-Msg-Id`, and
+JetStream checks duplicates before the expected sequence, so an append retried after a lost
+acknowledgement returns the sequence it got the first time instead of fencing its own writer.
+What it guarantees: appends to a subject are totally ordered, and a writer learns at its next
+append that it lost the race. What it does not: anything done before that append (a publish, an
+ack) was not checked, so an owner must act only after its append succeeded.
+
+Membership. Workers announce themselves in the KV bucket `KVHANDOFF_MEMBERS`, shaped like the
+lease bucket: one key per worker instance, one revision kept, dropped after `MEMBER_TTL_S`
+without a refresh; `Membership.keep` refreshes it every third of that. `members` lists who is
+live. Membership says who is *probably* alive, to size each worker's share (ceil(P / live)); it
+never decides who owns a partition. A paused worker stays listed until its TTL passes.
 """
 
 from __future__ import annotations
@@ -119,12 +162,21 @@ from nats.js.api import (
     KeyValueConfig,
     RetentionPolicy,
     StreamConfig,
+    SubjectTransform,
 )
 from nats.js.kv import KeyValue
 
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.errors import BusError, BusRefused, ConfigError, LeaseHeld, PinMismatch
+from kvhandoff.worker.errors import (
+    BusError,
+    BusRefused,
+    ConfigError,
+    Fenced,
+    LeaseHeld,
+    PartitionsMismatch,
+    PinMismatch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -412,6 +464,76 @@ class Lease:
         )
 
 
+MEMBERS_BUCKET = "KVHANDOFF_MEMBERS"
+MEMBER_TTL_S = 5.0  # a dead worker counts as live this long, in every other worker's share
+
+
+class Member(msgspec.Struct, frozen=True):
+    """A worker of the tier, as it announces itself in `MEMBERS_BUCKET`: the value, as JSON.
+    `instance` is the key, unique per start."""
+
+    host: str
+    pid: int
+    instance: str
+    since_ms: int
+
+    @classmethod
+    def this_process(cls) -> Member:
+        return cls(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            instance=uuid.uuid4().hex,
+            since_ms=time.time_ns() // 1_000_000,
+        )
+
+
+_MEMBER_ENCODER = msgspec.json.Encoder()
+_MEMBER_DECODER = msgspec.json.Decoder(Member)
+
+
+class Membership:
+    """This worker's key in `MEMBERS_BUCKET`, refreshed by `keep` until `leave`."""
+
+    def __init__(self, client: Client, kv: KeyValue, member: Member, ttl_s: float) -> None:
+        self._nc = client
+        self._kv = kv
+        self.member = member
+        self._value = _MEMBER_ENCODER.encode(member)
+        self.ttl_s = ttl_s
+
+    async def keep(self) -> None:
+        """Refresh the announcement every third of the TTL, until cancelled. A refresh that
+        NATS does not answer is retried sooner; one that lands after the key expired simply
+        announces the worker again (the key is this instance's alone)."""
+        wait = self.ttl_s / 3
+        while True:
+            await asyncio.sleep(wait)
+            try:
+                await self._kv.put(self.member.instance, self._value)
+                wait = self.ttl_s / 3
+            except (TimeoutError, nats.errors.Error) as exc:
+                logger.warning(
+                    "membership %s: refresh failed, retrying: %s", self.member.instance, exc
+                )
+                wait = _LEASE_RETRY_S
+
+    async def leave(self) -> None:
+        """Withdraw the announcement, so the others need not wait for the TTL."""
+        problem = "no connection"
+        if self._nc.is_connected:
+            try:
+                await asyncio.wait_for(
+                    self._kv.delete(self.member.instance), _LEASE_RELEASE_TIMEOUT_S
+                )
+                return
+            except (TimeoutError, nats.errors.Error) as exc:
+                problem = str(exc)
+        logger.warning(
+            "membership %s not withdrawn (%s); it expires in %.0fs",
+            self.member.instance, problem, self.ttl_s,
+        )  # fmt: skip
+
+
 def _why(exc: BaseException) -> str:
     """An exception's message, or its type when it has none (nats-py's timeouts)."""
     return str(exc) or type(exc).__name__
@@ -677,6 +799,13 @@ class Pull:
         await self._ask(max_messages)
         return taken
 
+    def take_ready(self) -> list[Inbound]:
+        """The messages delivered and not yet fetched, taken out of the Pull: for an owner
+        that hands its partition over and must settle them (nak) rather than drop them."""
+        taken = list(self._ready)
+        self._ready.clear()
+        return taken
+
     def reset(self) -> None:
         """Forget every open request (after a reconnect: a restarted server has none, and one
         that stayed up resumes them, which costs at most a batch more than `max_ahead`)."""
@@ -817,6 +946,39 @@ _RETRYABLE = (
 _PUBLISH_ACK_TIMEOUT_S = 2.0
 _PUBLISH_BACKOFF_S = (0.05, 2.0)  # first and longest pause between attempts
 _BARRIER_TIMEOUT_S = 5.0
+
+# The input stream's settings, partitioned or not.
+_INPUT_STREAM: dict[str, Any] = {
+    "retention": RetentionPolicy.WORK_QUEUE,
+    "duplicate_window": 120.0,
+}
+PARTITIONS_METADATA = "kvhandoff.partitions"
+PRIORITY_GROUP = "owner"  # the one priority group of every partition's consumer
+CLUSTER_REPLICAS = 3
+_JS_INFO = "$JS.API.INFO"
+_JS_API_TIMEOUT_S = 5.0
+_JS_READY_POLL_S = 0.1
+_READ_BATCH = 256
+_ANNOUNCE_GIVE_UP_S = 15.0
+_READER_IDLE_S = 30.0  # a reader's consumer that its reader left goes away after this
+_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+# JetStream's err_codes for a refused expected last sequence: 10071 when the stream checked it
+# against what it stores (naming the sequence it holds), 10164 when a replicated stream's leader
+# refused it because another append to the subject, which passed that check, is being
+# replicated. Either way another writer got there first (nats-py's KV reads both the same way).
+_WRONG_LAST_SEQUENCE = (10071, 10164)
+# "duplicate message id is in process": our own earlier attempt is still being replicated.
+_OWN_APPEND_IN_FLIGHT = 10158
+
+
+def partition_subject(prefix: str, partition: int) -> str:
+    """The subjects of one partition's inputs, as the stream's transform stores them."""
+    return f"{prefix}.inp.{partition}.*"
+
+
+def partition_log_subject(prefix: str, partition: int) -> str:
+    """The subject of one partition's log, appended with compare-and-set."""
+    return f"{prefix}.log.{partition}"
 
 
 class Bus:
@@ -1123,19 +1285,11 @@ class Bus:
         Re-creating the consumer takes every unacknowledged input from whoever consumes it, so
         call this only while holding the consumer's lease (`acquire_lease`).
         """
+        # Single-worker mode is the one-partition case of the input stream (see "Partitions").
+        await self._ensure_input_stream(
+            StreamConfig(name=stream, subjects=[subjects], **_INPUT_STREAM), partitions=1
+        )
         try:
-            try:
-                await self._js.stream_info(stream)
-            except nats.js.errors.NotFoundError:
-                await self._js.add_stream(
-                    StreamConfig(
-                        name=stream,
-                        subjects=[subjects],
-                        retention=RetentionPolicy.WORK_QUEUE,
-                        duplicate_window=120.0,
-                    )
-                )
-                logger.info("created stream %s for %s", stream, subjects)
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await self._js.delete_consumer(stream, consumer)
             await self._js.add_consumer(
@@ -1181,6 +1335,353 @@ class Bus:
                 await self._js.update_stream(config)
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot open completion stream {stream}: {exc}") from exc
+
+    # --- Scale-out: partitions, pins, fencing, membership (see the module docstring) --------
+
+    @property
+    def clustered(self) -> bool:
+        """Whether the server we reached is in a cluster (its INFO names one)."""
+        return bool(self._nc._server_info.get("cluster"))
+
+    @property
+    def replicas(self) -> int:
+        """Replicas for the streams and buckets we create: 3 in a cluster, else 1."""
+        return CLUSTER_REPLICAS if self.clustered else 1
+
+    async def wait_jetstream(self, timeout_s: float) -> None:
+        """Return once JetStream answers `$JS.API.INFO` (in a cluster: once its meta group
+        has a leader); `BusError` with its last answer after `timeout_s`."""
+        clock = asyncio.get_running_loop().time
+        give_up = clock() + timeout_s
+        last = "nothing"
+        while True:
+            try:
+                reply = await self._nc.request(_JS_INFO, b"", timeout=_JS_API_TIMEOUT_S)
+                answer = msgspec.json.decode(reply.data)
+                if isinstance(answer, dict) and "error" not in answer:
+                    return
+                last = reply.data[:200].decode(errors="replace")
+            except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as exc:
+                last = _why(exc)
+            if clock() > give_up:
+                raise BusError(f"JetStream did not answer within {timeout_s:g}s: {last}")
+            await asyncio.sleep(_JS_READY_POLL_S)
+
+    async def open_partitions(self, stream: str, prefix: str, partitions: int) -> None:
+        """Create the partitioned input stream if absent (R3 in a cluster), or check that the
+        one there has `partitions` partitions (`PartitionsMismatch` if not)."""
+        if partitions < 2:
+            raise ConfigError(
+                f"stream {stream}: a partitioned stream has at least 2 partitions, not "
+                f"{partitions}; one partition is the single-worker stream (`open_inbox`)"
+            )
+        config = StreamConfig(
+            name=stream,
+            subjects=[f"{prefix}.in.*"],
+            subject_transform=SubjectTransform(
+                src=f"{prefix}.in.*",
+                dest=f"{prefix}.inp.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}",
+            ),
+            **_INPUT_STREAM,
+        )
+        await self._ensure_input_stream(config, partitions=partitions)
+
+    async def _ensure_input_stream(self, config: StreamConfig, *, partitions: int) -> None:
+        """Create the input stream with `config` and the partition count in its metadata, or
+        check the count of the one there (without the metadata: 1, made before partitions)."""
+        stream = config.name
+        assert stream is not None
+        try:
+            try:
+                info = await self._js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                config.num_replicas = self.replicas
+                config.metadata = {PARTITIONS_METADATA: str(partitions)}
+                await self._js.add_stream(config)
+                logger.info(
+                    "created stream %s for %s: %d partition(s), R%d",
+                    stream, config.subjects, partitions, config.num_replicas,
+                )  # fmt: skip
+                return
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot open stream {stream}: {_why(exc)}") from exc
+        stored = (info.config.metadata or {}).get(PARTITIONS_METADATA, "1")
+        if stored != str(partitions):
+            raise PartitionsMismatch(
+                f"stream {stream} has {stored} partition(s) and this worker was started with "
+                f"{partitions}; partitions are fixed when the stream is created: start every "
+                f"worker with --partitions {stored}, or delete the stream"
+            )
+
+    async def open_partition_consumer(
+        self,
+        stream: str,
+        prefix: str,
+        consumer: str,
+        partition: int,
+        *,
+        ack_wait_s: float,
+        max_pending: int,
+        priority_timeout_s: float,
+    ) -> str:
+        """Create (or keep) the durable pull consumer of one partition, with the priority group
+        `PRIORITY_GROUP` pinned to one client; its name. Unlike `open_inbox`, it never deletes
+        a consumer: other workers pull from it. Pull it with `Pull(..., group=PRIORITY_GROUP)`."""
+        name = f"{consumer}-p{partition}"
+        request = {
+            "stream_name": stream,
+            "config": {
+                "name": name,
+                "durable_name": name,
+                "filter_subject": partition_subject(prefix, partition),
+                "ack_policy": "explicit",
+                "deliver_policy": "all",
+                "ack_wait": int(ack_wait_s * _S_TO_NS),
+                "max_ack_pending": max_pending,
+                "max_deliver": -1,
+                "num_replicas": 0,  # the stream's
+                "priority_groups": [PRIORITY_GROUP],
+                "priority_policy": "pinned_client",
+                "priority_timeout": int(priority_timeout_s * _S_TO_NS),
+            },
+        }
+        await self._js_api(
+            f"$JS.API.CONSUMER.CREATE.{stream}.{name}",
+            request,
+            f"cannot create consumer {name} of partition {partition} on {stream}",
+        )
+        return name
+
+    async def unpin(self, stream: str, consumer: str, group: str = PRIORITY_GROUP) -> None:
+        """Release the pin of `group` on `consumer`, so the next puller is pinned at once
+        instead of after the priority timeout (a clean hand-over)."""
+        await self._js_api(
+            f"$JS.API.CONSUMER.UNPIN.{stream}.{consumer}",
+            {"group": group},
+            f"cannot unpin group {group!r} of {stream} / {consumer}",
+        )
+
+    async def _js_api(self, subject: str, request: dict[str, Any], what: str) -> dict[str, Any]:
+        """A raw JetStream API request: its answer, or `BusError` naming `what` failed."""
+        try:
+            reply = await self._nc.request(
+                subject, msgspec.json.encode(request), timeout=_JS_API_TIMEOUT_S
+            )
+            answer = msgspec.json.decode(reply.data)
+        except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as exc:
+            raise BusError(f"{what}: {_why(exc)}") from exc
+        if not isinstance(answer, dict):
+            raise BusError(f"{what}: JetStream answered {reply.data[:200]!r}")
+        error = answer.get("error")
+        if error is not None:
+            raise BusError(f"{what}: {error}")
+        return answer
+
+    async def open_partition_log(self, stream: str, prefix: str, max_age_s: float) -> None:
+        """Create the replicated stream of the partitions' logs if absent: one subject per
+        partition (`partition_log_subject`), appended with `append_expecting`. `max_age_s` bounds
+        it (0: unbounded); it must exceed the longest life of a handoff."""
+        config = StreamConfig(
+            name=stream,
+            subjects=[f"{prefix}.log.*"],
+            retention=RetentionPolicy.LIMITS,
+            max_age=max_age_s or None,
+            duplicate_window=120.0,
+            num_replicas=self.replicas,
+        )
+        try:
+            try:
+                await self._js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                await self._js.add_stream(config)
+                logger.info("created stream %s for %s, R%d", stream, config.subjects, self.replicas)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot open partition log stream {stream}: {_why(exc)}") from exc
+
+    async def last_sequence(self, stream: str, subject: str) -> int:
+        """The stream sequence of the last message on `subject`; 0 if it has none."""
+        try:
+            message = await self._js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return 0
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot read the last message on {subject}: {_why(exc)}") from exc
+        seq = message.seq
+        if seq is None:
+            raise BusError(f"the last message on {subject} came without its sequence")
+        return seq
+
+    async def read_subject(self, stream: str, subject: str) -> list[tuple[int, bytes]]:
+        """Every message stored on `subject`, as (stream sequence, payload), in order: what a
+        new owner reads to catch up. Through an ephemeral consumer (in memory, one replica,
+        gone once read) pulled with `no_wait`, so it returns once it has what was stored when
+        it asked; what is appended meanwhile is left to the caller's compare-and-set."""
+        config = ConsumerConfig(
+            filter_subject=subject,
+            ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL,
+            inactive_threshold=_READER_IDLE_S,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        try:
+            info = await self._js.add_consumer(stream, config)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot read {subject} of {stream}: {_why(exc)}") from exc
+        found: list[tuple[int, bytes]] = []
+        clock = asyncio.get_running_loop().time
+        give_up = clock() + _JS_API_TIMEOUT_S
+        try:
+            async with Pull(self, stream, info.name, max_ahead=_READ_BATCH, no_wait=True) as reader:
+                while True:
+                    try:
+                        batch = await reader.fetch(_READ_BATCH, timeout_s=_JS_API_TIMEOUT_S)
+                    except BusError:
+                        # In a cluster the new consumer may not be known to our node yet (503
+                        # no responders): nothing was read, so asking again changes nothing.
+                        if found or clock() > give_up:
+                            raise
+                        await asyncio.sleep(_JS_READY_POLL_S)
+                        continue
+                    if not batch:
+                        break
+                    found += [(inbound.stream_seq, inbound.data) for inbound in batch]
+        finally:
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                await self._js.delete_consumer(stream, info.name)  # else it idles away
+        return found
+
+    async def unacknowledged(self, stream: str, consumer: str) -> list[tuple[int, str]]:
+        """The messages `consumer` delivered and never had acknowledged, as (stream sequence,
+        subject), in stream order: what a new owner must apply before newer inputs of the same
+        subjects. Between the consumer's ack floor and the last it delivered, one message get
+        per message (a work-queue stream allows no second consumer on the same subjects), so
+        at most `max_ack_pending` of them."""
+        try:
+            info = await self._js.consumer_info(stream, consumer)
+            filter_subject = info.config.filter_subject
+            floor, top = info.ack_floor.stream_seq, info.delivered.stream_seq
+            found: list[tuple[int, str]] = []
+            seq = floor + 1
+            while seq <= top:
+                try:
+                    message = await self._js.get_msg(stream, seq, subject=filter_subject, next=True)
+                except nats.js.errors.NotFoundError:
+                    break  # none left from seq on
+                if message.seq is None or message.subject is None or message.seq > top:
+                    break
+                found.append((message.seq, message.subject))
+                seq = message.seq + 1
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(
+                f"cannot read what {stream} / {consumer} left unacknowledged: {_why(exc)}"
+            ) from exc
+        return found
+
+    async def append_expecting(
+        self, subject: str, payload: bytes, last_seq: int, *, give_up_after_s: float = 5.0
+    ) -> int:
+        """Append `payload` to `subject` only if the subject's last message is still at
+        `last_seq` (0: it has none); the new message's sequence. `Fenced` if another writer
+        appended first, `BusError` if no stream took it within `give_up_after_s`. Attempts
+        share one `Nats-Msg-Id` (see "Fencing"): an attempt made while an earlier one is still
+        being replicated (err_code 10158) is retried, and then answered as a duplicate."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + give_up_after_s
+        headers = {"Nats-Msg-Id": uuid.uuid4().hex, _EXPECTED_LAST_SUBJECT_SEQ: str(last_seq)}
+        backoff_s = _PUBLISH_BACKOFF_S[0]
+        while True:
+            attempt_s = max(min(_PUBLISH_ACK_TIMEOUT_S, give_up_at - loop.time()), 0.05)
+            try:
+                ack = await self._js.publish(subject, payload, timeout=attempt_s, headers=headers)
+                return ack.seq
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in _WRONG_LAST_SEQUENCE:
+                    raise Fenced(
+                        f"append to {subject} expecting last sequence {last_seq} was refused: "
+                        f"another writer appended first ({_why(exc)})"
+                    ) from exc
+                # 503: the stream has no leader for a moment (a node died, an election runs).
+                if exc.err_code != _OWN_APPEND_IN_FLIGHT and not isinstance(
+                    exc, (*_RETRYABLE, nats.js.errors.ServiceUnavailableError)
+                ):
+                    raise BusError(f"append to {subject} failed: {_why(exc)}") from exc
+                failure: Exception = exc
+            except _RETRYABLE as exc:
+                failure = exc
+            except nats.errors.Error as exc:
+                raise BusError(f"append to {subject} failed: {_why(exc)}") from exc
+            if loop.time() + backoff_s >= give_up_at:
+                raise BusError(
+                    f"append to {subject} failed for {give_up_after_s:g}s: {_why(failure)}"
+                ) from failure
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, _PUBLISH_BACKOFF_S[1])
+
+    async def announce(self, member: Member) -> Membership:
+        """Announce `member` in `MEMBERS_BUCKET` (created if absent); keep it with `keep`.
+        Retried for `_ANNOUNCE_GIVE_UP_S` while no stream answers: a bucket that another
+        worker just made in a cluster answers on every node only once its interest spread."""
+        clock = asyncio.get_running_loop().time
+        give_up = clock() + _ANNOUNCE_GIVE_UP_S
+        while True:
+            try:
+                kv = await self._members_bucket()
+                ttl_s = (await kv.status()).ttl
+                if not ttl_s:
+                    raise BusError(
+                        f"member bucket {MEMBERS_BUCKET} has no TTL, so a dead worker would "
+                        "count as live for ever; delete the bucket and let the worker create it"
+                    )
+                await kv.put(member.instance, _MEMBER_ENCODER.encode(member))
+                return Membership(self._nc, kv, member, ttl_s)
+            except (*_RETRYABLE, nats.js.errors.ServiceUnavailableError) as exc:
+                if clock() > give_up:
+                    raise BusError(
+                        f"cannot announce {member.instance} in {MEMBERS_BUCKET}: {_why(exc)}"
+                    ) from exc
+            except (TimeoutError, nats.errors.Error) as exc:
+                raise BusError(
+                    f"cannot announce {member.instance} in {MEMBERS_BUCKET}: {_why(exc)}"
+                ) from exc
+            await asyncio.sleep(_JS_READY_POLL_S)
+
+    async def members(self) -> list[Member]:
+        """The workers announced and not expired, oldest first; values that are not a
+        `Member` (written by something else) are skipped with a warning."""
+        found: list[Member] = []
+        try:
+            kv = await self._members_bucket()
+            try:
+                keys = await kv.keys()
+            except nats.js.errors.NoKeysError:
+                return []
+            for key in keys:
+                try:
+                    entry = await kv.get(key)
+                except nats.js.errors.KeyNotFoundError:
+                    continue  # it expired or left between the two requests
+                try:
+                    found.append(_MEMBER_DECODER.decode(entry.value or b""))
+                except msgspec.DecodeError as exc:
+                    logger.warning("ignored key %s of %s: %s", key, MEMBERS_BUCKET, exc)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot list the members in {MEMBERS_BUCKET}: {exc}") from exc
+        return sorted(found, key=lambda m: (m.since_ms, m.instance))
+
+    async def _members_bucket(self) -> KeyValue:
+        try:
+            return await self._js.key_value(MEMBERS_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            return await self._js.create_key_value(
+                KeyValueConfig(
+                    bucket=MEMBERS_BUCKET,
+                    description="kvhandoff: the live workers of the tier",
+                    history=1,
+                    ttl=MEMBER_TTL_S,
+                    replicas=self.replicas,
+                )
+            )
 
     async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
         """Inputs from the inbox, in stream order: at once whatever is ready, up to

@@ -12,7 +12,9 @@ into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's 
     ├── BusError           NATS / JetStream failed
     │   ├── BusRefused     NATS refused our credentials or TLS: retrying cannot help
     │   ├── LeaseHeld      another worker holds the lease on the stream's consumer
-    │   └── PinMismatch    another client holds the pin of a consumer's priority group
+    │   ├── PinMismatch    another client holds the pin of a consumer's priority group
+    │   ├── Fenced         a compare-and-set append found that another writer appended first
+    │   └── PartitionsMismatch  the input stream was created with another partition count
     ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
     ├── ChildError         a process we started (`worker.child`) did not come up
     ├── NatsServerError    the embedded nats-server did not start
@@ -80,6 +82,19 @@ class LogDiverges(WorkerError):
 class PinMismatch(BusError):
     """A pull for a consumer's priority group was refused (status 423): another client holds
     the group's pin. Whoever acted for that group must stop; the message names the consumer."""
+
+
+class Fenced(BusError):
+    """A compare-and-set append to a partition's log was refused (JetStream err_code 10071 or
+    10164, wrong last sequence): another writer appended to that subject since we last did. Whoever
+    appended it owns the partition now; this process must stop acting for it at once (no
+    publish, no ack). The message names the subject and the sequence we expected."""
+
+
+class PartitionsMismatch(BusError):
+    """The input stream exists with another partition count than this worker was started
+    with; partitions are fixed when the stream is created, so the worker refuses to start
+    (exit 2). The message names the stream and both counts."""
 
 
 class ChildError(WorkerError):

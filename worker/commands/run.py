@@ -32,6 +32,7 @@ from kvhandoff.worker.errors import (
     ConfigError,
     LeaseHeld,
     LogDiverges,
+    PartitionsMismatch,
     StoreError,
     StoreLocked,
 )
@@ -70,7 +71,7 @@ def execute(args: argparse.Namespace) -> int:
     with lock:
         try:
             return asyncio.run(serve(config))
-        except (BusRefused, LeaseHeld, LogDiverges) as exc:
+        except (BusRefused, LeaseHeld, LogDiverges, PartitionsMismatch) as exc:
             logger.error("cannot start: %s", exc)
             return 2
         except (StoreError, BusError) as exc:

@@ -1,0 +1,125 @@
+"""Fixtures for the scale-out tests: a real three-node JetStream cluster of nats-server
+processes on loopback (`worker.natsserver.NatsCluster`), a `Bus` connected to all of it,
+nats-py's JetStream beside it to observe and to play the other clients, and what the owner
+and worker processes of the failover tests publish when they act."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.natsserver import NatsCluster
+
+# What a step that should take milliseconds may take on a busy two-core machine, elections
+# included.
+WITHIN_S = 30.0
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    """Three clustered nodes, formed (the meta group has a leader and all three peers)."""
+    with NatsCluster(store_dir=tmp_path / "cluster") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+async def bus(nats_cluster: NatsCluster) -> AsyncIterator[Bus]:
+    """A Bus given every node's URL, once JetStream answers through it."""
+    bus = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-cluster")
+    await bus.wait_jetstream(WITHIN_S)
+    yield bus
+    await bus.close()
+
+
+@pytest.fixture
+async def js(nats_cluster: NatsCluster) -> AsyncIterator[JetStreamContext]:
+    """nats-py's JetStream on the cluster: the observer and the other clients."""
+    nc = await nats.connect(
+        nats_cluster.url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2
+    )
+    yield nc.jetstream()
+    await nc.close()
+
+
+async def publish(js: JetStreamContext, subject: str, payload: bytes) -> int:
+    """A JetStream publish, retried while no stream answers (a stream just created in a
+    cluster answers on every node only once its interest has spread over the routes; a stream
+    whose leader died answers once another is elected), as the worker's own `publish_durable`
+    retries; its stream sequence. Every attempt carries one message id, so it is stored once."""
+    deadline = time.monotonic() + WITHIN_S
+    headers = {"Nats-Msg-Id": uuid.uuid4().hex}
+    while True:
+        try:
+            return (await js.publish(subject, payload, timeout=2, headers=headers)).seq
+        except (
+            nats.js.errors.NoStreamResponseError,
+            nats.js.errors.ServiceUnavailableError,
+            nats.errors.TimeoutError,
+            TimeoutError,
+        ):
+            assert time.monotonic() < deadline, f"no stream took {subject} in {WITHIN_S}s"
+            await asyncio.sleep(0.05)  # a bounded poll of the cluster's state
+
+
+class Acted:
+    """What the owners published after their appends: (owner, input stream sequence)."""
+
+    def __init__(self) -> None:
+        self.by: dict[str, list[int]] = defaultdict(list)
+        self.first_at: dict[str, float] = {}
+        self._at: list[float] = []  # when each arrived
+
+    async def on(self, msg: Msg) -> None:
+        name = msg.subject.rpartition(".")[2]
+        now = time.monotonic()
+        self.first_at.setdefault(name, now)
+        self._at.append(now)
+        self.by[name].append(int(msg.data))
+
+    def longest_gap_s(self) -> float:
+        """The longest time between two inputs applied, by anyone (for the report)."""
+        return max((b - a for a, b in zip(self._at, self._at[1:], strict=False)), default=0.0)
+
+
+@pytest.fixture
+async def acted(nats_cluster: NatsCluster) -> AsyncIterator[Acted]:
+    seen = Acted()
+    nc = await nats.connect(nats_cluster.url.split(","))
+    await nc.subscribe("kvhandoff.acted.*", cb=seen.on)
+    await nc.flush()
+    yield seen
+    await nc.close()
+
+
+class Watched(Protocol):
+    """A child process a wait watches: it fails at once, with its logs, if the child died."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+
+    def logs(self) -> str: ...
+
+
+async def until(holds: Callable[[], bool], what: str, *watched: Watched) -> None:
+    """Return once `holds()`; fail after twice WITHIN_S, or at once if a watched child died."""
+    deadline = time.monotonic() + 2 * WITHIN_S
+    while not holds():
+        for owner in watched:
+            assert owner.process.poll() is None, f"{owner.name} died: {owner.logs()}"
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.05)  # a bounded poll of what the owners published

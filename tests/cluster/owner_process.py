@@ -1,0 +1,100 @@
+"""A worker that owns one partition through `worker.partition_owner`, as a real process that the
+tests can SIGKILL, SIGSTOP and SIGCONT.
+
+Run as `python -m tests.cluster.owner_process URL NAME PARTITION STATUS_FILE`. It opens the
+partitioned input stream, the log stream and the partition's consumer (as every worker of the
+tier does, idempotently), then owns the partition: its records are the inputs' payloads, and it
+acts by publishing, after each append, the stream sequence of every input it applied to
+`kvhandoff.acted.<NAME>`. At the end it writes what it did to STATUS_FILE, as JSON, and exits 0
+once stopped by SIGTERM (after handing the partition over), or 3 once fenced. Its consumer's
+priority timeout is 3 s, or KVHANDOFF_PRIORITY_TIMEOUT.
+
+With KVHANDOFF_HANG_AFTER=N in its environment it stops short of acknowledging once it has
+applied N inputs: it acts on the batch that reaches N, prints `hanging`, and waits for ever, as
+a worker that a SIGKILL hits between its append and its acknowledgements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvhandoff.worker.bus import Bus, Inbound, Member
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.partition_owner import PartitionOwner
+
+PREFIX = "kvhandoff"
+STREAM = "KVHANDOFF_IN"
+LOG_STREAM = "KVHANDOFF_LOG"
+CONSUMER = "kvhandoff-worker"
+PARTITIONS = 4
+# A new owner is pinned only after the old owner's unacknowledged inputs are due again.
+ACK_WAIT_S = 1.0
+EXPIRES_S = 1.0
+PRIORITY_TIMEOUT_S = float(os.environ.get("KVHANDOFF_PRIORITY_TIMEOUT", "3"))
+FENCED_EXIT = 3
+_HANG_AFTER = int(os.environ.get("KVHANDOFF_HANG_AFTER", "0"))
+
+
+async def own(url: str, name: str, partition: int) -> PartitionOwner:
+    """Own the partition until stopped or fenced; the owner, for its counts."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    bus = await Bus.connect(NatsSettings(url=url), f"owner-{name}")
+    try:
+        await bus.wait_jetstream(30)
+        await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+        await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
+        consumer = await bus.open_partition_consumer(
+            STREAM, PREFIX, CONSUMER, partition,
+            ack_wait_s=ACK_WAIT_S, max_pending=1024, priority_timeout_s=PRIORITY_TIMEOUT_S,
+        )  # fmt: skip
+        member = Member.this_process()
+        log = PartitionLog(bus, LOG_STREAM, PREFIX, partition, f"{name}/{member.instance}")
+        owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=EXPIRES_S, heartbeat_s=0.25)
+
+        def decide(batch: Sequence[Inbound]) -> bytes:
+            return json.dumps([inbound.data.decode() for inbound in batch]).encode()
+
+        async def act(batch: Sequence[Inbound]) -> None:
+            for inbound in batch:
+                await bus.publish(f"{PREFIX}.acted.{name}", b"%d" % inbound.stream_seq)
+            await bus.flush()
+            if _HANG_AFTER and owner.applied >= _HANG_AFTER:
+                print(f"hanging after {owner.applied} applied, {owner.acked} acked", flush=True)
+                await asyncio.Event().wait()  # until SIGKILL: the batch is never acknowledged
+
+        print(f"owner {name} pulling partition {partition}", flush=True)
+        await owner.run(decide, act, stop)
+        return owner
+    finally:
+        await bus.close()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    url, name, partition, status = sys.argv[1:5]
+    owner = asyncio.run(own(url, name, int(partition)))
+    counts = {
+        "claims": owner.claims,
+        "applied": owner.applied,
+        "skipped": owner.skipped,
+        "orphans": owner.orphans,
+        "acked": owner.acked,
+        "refused_pulls": owner.refused_pulls,
+        "fenced": owner.fenced,
+        "handed_over": owner.handed_over,
+    }
+    Path(status).write_text(json.dumps(counts))
+    return FENCED_EXIT if owner.fenced else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The partitioned input stream (`Bus.open_partitions`, see "Partitions" in worker.bus): the
+stream's subject transform puts every input of a handoff in one partition, in order, and spreads
+handoffs over all of them; the partition count is stored with the stream and a worker with
+another count refuses, the single-worker worker included (exit 2); R3 in a cluster, R1 alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import nats
+import pytest
+from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
+
+from kvhandoff.worker.bus import PARTITIONS_METADATA, Bus, partition_subject
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import ConfigError, PartitionsMismatch
+from kvhandoff.worker.natsserver import EmbeddedNats
+from tests.cluster.conftest import publish
+from tests.worker.conftest import WorkerProcess
+
+PREFIX = "kvhandoff"
+STREAM = "KVHANDOFF_IN"
+PARTITIONS = 4
+
+
+async def test_every_input_of_a_handoff_lands_in_one_partition_in_order(
+    bus: Bus, js: JetStreamContext
+) -> None:
+    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+    handoffs = [uuid.uuid4() for _ in range(40)]
+    for step in range(3):
+        for handoff in handoffs:
+            await publish(js, f"{PREFIX}.in.{handoff}", f"{handoff} {step}".encode())
+
+    seen: dict[str, list[tuple[int, int]]] = defaultdict(list)  # handoff -> (partition, step)
+    info = await js.stream_info(STREAM)
+    assert info.state.messages == 3 * len(handoffs)
+    for seq in range(1, info.state.last_seq + 1):
+        message = await js.get_msg(STREAM, seq)
+        assert message.subject is not None and message.data is not None
+        head, inp, partition, named = message.subject.split(".")
+        assert (head, inp) == (PREFIX, "inp")
+        sent, sent_step = message.data.decode().split()
+        assert named == sent  # the id survives the transform, as the last token
+        seen[named].append((int(partition), int(sent_step)))
+
+    for named, places in seen.items():
+        assert len({p for p, _ in places}) == 1, f"{named} spread over {places}"
+        assert [s for _, s in places] == [0, 1, 2], f"{named} out of order"
+    used = {places[0][0] for places in seen.values()}
+    assert used == set(range(PARTITIONS))  # 40 ids over 4 partitions: all are used
+    # The partition filter a consumer uses takes exactly its partition's inputs.
+    for index in range(PARTITIONS):
+        last = await js.get_last_msg(STREAM, partition_subject(PREFIX, index))
+        assert last.subject is not None and last.subject.split(".")[2] == str(index)
+
+
+async def test_the_stream_is_replicated_and_keeps_its_partition_count(
+    bus: Bus, js: JetStreamContext
+) -> None:
+    assert bus.clustered and bus.replicas == 3
+    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)  # a second worker: the same stream
+
+    info = await js.stream_info(STREAM)
+    assert info.config.num_replicas == 3
+    assert (info.config.metadata or {})[PARTITIONS_METADATA] == str(PARTITIONS)
+    with pytest.raises(PartitionsMismatch, match=rf"{STREAM} has 4 partition\(s\).* with 8"):
+        await bus.open_partitions(STREAM, PREFIX, 8)
+    with pytest.raises(PartitionsMismatch, match=r"has 4 partition.* started with 1"):
+        await bus.open_inbox(STREAM, f"{PREFIX}.in.>", "w", ack_wait_s=30, max_pending=64)
+    with pytest.raises(ConfigError, match="at least 2 partitions"):
+        await bus.open_partitions("OTHER", PREFIX, 1)
+
+
+async def test_an_input_outside_the_partitioned_subjects_is_not_stored(
+    bus: Bus, js: JetStreamContext
+) -> None:
+    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+    await publish(js, f"{PREFIX}.in.{uuid.uuid4()}", b"x")  # the stream answers by now
+    with pytest.raises(nats.js.errors.NoStreamResponseError):
+        # It would sit in no partition, unconsumed, for ever: no stream takes it.
+        await js.publish(f"{PREFIX}.in.{uuid.uuid4()}.extra", b"x", timeout=5)
+
+
+async def test_alone_the_stream_is_r1_and_one_partition_is_the_single_worker_stream(
+    tmp_path: Path,
+) -> None:
+    with EmbeddedNats(store_dir=tmp_path) as server:
+        bus = await Bus.connect(NatsSettings(url=server.url), "test-alone")
+        try:
+            assert not bus.clustered and bus.replicas == 1
+            await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+            nc = await nats.connect(server.url)
+            try:
+                info = await nc.jetstream().stream_info(STREAM)
+                assert info.config.num_replicas == 1
+                # The single-worker stream, as open_inbox makes it: P = 1 in its metadata.
+                await bus.open_inbox("SINGLE", "single.in.>", "w", ack_wait_s=30, max_pending=64)
+                single = await nc.jetstream().stream_info("SINGLE")
+                assert (single.config.metadata or {})[PARTITIONS_METADATA] == "1"
+                assert single.config.subject_transform is None
+                # A stream made before partitions existed has no metadata: it counts as P = 1.
+                await nc.jetstream().add_stream(StreamConfig(name="OLD", subjects=["old.in.>"]))
+                await bus.open_inbox("OLD", "old.in.>", "w", ack_wait_s=30, max_pending=64)
+                with pytest.raises(PartitionsMismatch, match="OLD has 1 partition"):
+                    await bus.open_partitions("OLD", "old", 2)
+            finally:
+                await nc.close()
+        finally:
+            await bus.close()
+
+
+def test_a_worker_started_on_a_partitioned_stream_with_another_count_exits_2(
+    tmp_path: Path,
+) -> None:
+    async def partition() -> None:
+        bus = await Bus.connect(NatsSettings(url=server.url), "test-partition")
+        try:
+            await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+        finally:
+            await bus.close()
+
+    store = tmp_path / "nats"
+    store.mkdir()
+    with EmbeddedNats(store_dir=store) as server:
+        asyncio.run(partition())
+        worker = WorkerProcess(server.url, tmp_path / "kvhandoff.db")
+        worker.launch()
+        assert worker.process is not None
+        try:
+            assert worker.process.wait(timeout=60) == 2, worker.logs()
+        finally:
+            worker.stop()
+        assert "has 4 partition(s) and this worker was started with 1" in worker.logs()

@@ -1,0 +1,230 @@
+"""Owning one partition: pull its inputs while pinned, apply each once, append before acting.
+
+Theory of operation. A `PartitionOwner` pulls the partition's consumer in the priority group
+`worker.bus.PRIORITY_GROUP`. The server delivers to one pinned client at a time (see "Pins" in
+worker.bus); a pull refused with 423 means another worker holds the pin, and this one keeps
+asking, which is how it takes the partition over once the holder stops pulling for the
+consumer's `priority_timeout`. The first batch under a pin id it has not claimed under makes it
+claim the partition's log (`worker.ownership.PartitionLog.claim`): catch up, append `Claimed`.
+Then, batch by batch:
+
+    1. drop the inputs that some owner already applied (their stream sequences are in the log:
+       redeliveries of inputs a dead owner appended but did not acknowledge), to acknowledge;
+       hold back those that must wait for an earlier input of their handoff (see "Order");
+    2. `decide` the rest: the records the batch adds to the partition's log;
+    3. append them, compare-and-set (`PartitionLog.append`);
+    4. only then `act` (publish what the records say), and acknowledge what was appended and
+       what was dropped in step 1.
+
+Doubt. If an append (or a claim) fails without an answer (NATS out of reach past the append's
+time limit), it may have landed or not: the owner leaves the batch unacknowledged and claims
+anew before the next one, which reads the log and so learns which inputs were applied.
+
+The fence. If step 3 is refused (`Fenced`), another worker claimed the partition since: this
+one stops at once. It neither acts nor acknowledges anything more, closes its pull, and `run`
+returns with `fenced` set (a metric and a warning line say so). The inputs it held come back to
+the new owner after the consumer's ack wait; those it had appended are dropped there by step 1.
+Order. The consumer's ack wait must be shorter than its priority timeout (less the pull's
+expiry): then a new owner is pinned only after the old owner's unacknowledged inputs are due
+again, and the server hands those out before newer ones (tests/cluster/test_pins.py). But not
+in stream order among themselves: when the old owner held many, JetStream redelivers them in
+the order their ack waits ran out, and an owner that stays pinned while it stalls is sent its
+own redeliveries again, so a handoff's inputs can come to the new owner out of order (some 20 of
+90 to 150 inputs in tests/cluster/test_failover.py, without the next step). So, right after its
+claim, the owner reads what the consumer delivered and never had acknowledged
+(`Bus.unacknowledged`), keeps what the log does not say was applied (the orphans), and admits
+the inputs of each batch through `worker.input_order.InputOrder`: an input waits, delivered
+but unacknowledged, until the orphans of its handoff before it are applied.
+
+Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.partitions giving the
+partition to another worker), the owner finishes the batch in hand, gives back what it holds
+(nak: redelivered at once) and releases the pin (`Bus.unpin`), so the next owner is pinned at
+once rather than after the priority timeout.
+
+What it does not do yet: run one owner per partition of a worker's share (a tier driven by
+membership and the balance rule); catch a local SQLite log up from the claimed records;
+remember applied inputs in less than a set of every stream sequence since the claim; reorder
+inputs that one owner's own stall (past the ack wait, while still pinned) sent back to it out
+of order, as the single worker does not either (its planner defers inputs that come early).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
+from kvhandoff.worker.errors import BusError, Fenced, PinMismatch
+from kvhandoff.worker.input_order import InputOrder
+from kvhandoff.worker.ownership import PartitionLog
+
+logger = logging.getLogger(__name__)
+
+Decide = Callable[[Sequence[Inbound]], bytes]
+Act = Callable[[Sequence[Inbound]], Awaitable[None]]
+
+_FETCH_TIMEOUT_S = 0.25  # how long an idle owner waits before noticing a stop request
+_FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    """Wait `seconds`, or less if `stop` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
+
+
+class PartitionOwner:
+    """One worker's hold on one partition (see the module docstring); `run` it."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        stream: str,
+        consumer: str,
+        log: PartitionLog,
+        *,
+        batch: int = 64,
+        expires_s: float = 2.0,
+        heartbeat_s: float = 0.5,
+    ) -> None:
+        self._bus = bus
+        self._stream = stream
+        self._consumer = consumer
+        self.log = log
+        self._batch = batch
+        self._expires_s = expires_s
+        self._heartbeat_s = heartbeat_s
+        self._applied: set[int] = set()
+        self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
+        self._claimed = False  # False: claim before the next batch
+        self._claimed_under: str | None = None  # the pin id the claim was made under
+        # What it did, for metrics and tests.
+        self.claims = 0
+        self.applied = 0  # inputs appended and acted on
+        self.skipped = 0  # inputs an owner had applied already (redeliveries)
+        self.orphans = 0  # inputs a previous owner left unacknowledged and unapplied
+        self.acked = 0
+        self.refused_pulls = 0  # 423: another worker held the pin
+        self.fenced = False
+        self.handed_over = False
+
+    @property
+    def held(self) -> int:
+        """Inputs delivered and held back behind an earlier input of their handoff."""
+        return 0 if self._order is None else self._order.held
+
+    async def run(self, decide: Decide, act: Act, stop: asyncio.Event) -> None:
+        """Own the partition until another worker fences this one, or until `stop` is set:
+        then the batch in hand is finished and the partition handed over (see "Hand-over")."""
+        pull = Pull(
+            self._bus, self._stream, self._consumer,
+            max_ahead=2 * self._batch, expires_s=self._expires_s,
+            heartbeat_s=self._heartbeat_s, group=PRIORITY_GROUP,
+        )  # fmt: skip
+        backoff_s = _FETCH_BACKOFF_S[0]
+        async with pull:
+            while not stop.is_set():
+                try:
+                    batch = await pull.fetch(self._batch, timeout_s=_FETCH_TIMEOUT_S)
+                except PinMismatch:
+                    self.refused_pulls += 1
+                    continue  # the Pull asks to be pinned anew
+                except BusError as exc:
+                    # A consumer just made is not known to every node at once (503), a node
+                    # restarts (409): the next fetch asks again, after a pause.
+                    logger.warning("partition %d: %s; pulling again", self.log.partition, exc)
+                    await _pause(stop, backoff_s)
+                    backoff_s = min(2 * backoff_s, _FETCH_BACKOFF_S[1])
+                    continue
+                backoff_s = _FETCH_BACKOFF_S[0]
+                if not batch:
+                    continue
+                try:
+                    if not self._claimed or pull.pin_id != self._claimed_under:
+                        await self._claim(pull.pin_id)
+                    await self._handle(batch, decide, act)
+                except Fenced as exc:
+                    self._fenced(exc)
+                    return
+                except BusError as exc:
+                    # Whether the last append (or claim) landed is unknown: leave the batch
+                    # unacknowledged, and claim anew, which reads the log and so learns it.
+                    logger.warning(
+                        "partition %d: %s; not acting on %d inputs, claiming anew",
+                        self.log.partition, exc, len(batch),
+                    )  # fmt: skip
+                    self._claimed = False
+                    self.log = self.log.anew()
+                    await _pause(stop, backoff_s)
+            await self._hand_over(pull)
+
+    async def _hand_over(self, pull: Pull) -> None:
+        """Stopped, not fenced: give back what is in hand, then the pin, so that the next
+        owner is pinned at once instead of after the priority timeout. What was delivered and
+        not applied is nak'd (redelivered at once, and an orphan of the next owner's claim, so
+        still in order); what was applied is acknowledged."""
+        in_hand = {inbound.stream_seq: inbound for inbound in pull.take_ready()}
+        if self._order is not None:
+            in_hand.update((inbound.stream_seq, inbound) for inbound in self._order.take_held())
+        try:
+            await pull.close()  # deliveries from now on come back after the ack wait
+            for seq, inbound in sorted(in_hand.items()):
+                await (inbound.ack() if seq in self._applied else inbound.nak())
+            await self._bus.unpin(self._stream, self._consumer)
+        except BusError as exc:
+            logger.warning(
+                "partition %d: hand-over incomplete (%s); the next owner waits for the "
+                "priority timeout",
+                self.log.partition, exc,
+            )  # fmt: skip
+            return
+        self.handed_over = True
+        logger.info(
+            "partition %d: handed over by %s (%d inputs given back)",
+            self.log.partition, self.log.owner, len(in_hand),
+        )  # fmt: skip
+
+    async def _claim(self, pin_id: str | None) -> None:
+        """Claim the partition's log (`Fenced` if another worker owns it), learn what was
+        applied, and what the previous owner left unapplied (see "Order")."""
+        if self.log.epoch:
+            self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
+        caught = await self.log.claim()
+        self.claims += 1
+        self._applied = caught.applied
+        self._claimed, self._claimed_under = True, pin_id
+        # Only now, with the old owner fenced, is what it left for good.
+        left = await self._bus.unacknowledged(self._stream, self._consumer)
+        orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
+        self._order = InputOrder(orphans) if orphans else None
+        self.orphans += len(orphans)
+
+    async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> None:
+        """Steps 1-4 for one batch; `Fenced` before acting if another worker owns it now."""
+        fresh = [inbound for inbound in batch if inbound.stream_seq not in self._applied]
+        settled = [inbound for inbound in batch if inbound.stream_seq in self._applied]
+        self.skipped += len(settled)
+        if self._order is not None:
+            fresh = self._order.admit(fresh)  # the others are held, unacknowledged
+            if self._order.done:
+                self._order = None
+        if fresh:
+            inputs = [inbound.stream_seq for inbound in fresh]
+            await self.log.append(inputs, decide(fresh))
+            self._applied.update(inputs)
+            self.applied += len(fresh)
+            await act(fresh)
+        for inbound in (*settled, *fresh):
+            await inbound.ack()
+        self.acked += len(settled) + len(fresh)
+
+    def _fenced(self, exc: Fenced) -> None:
+        self.fenced = True
+        logger.warning(
+            "partition %d: %s; another worker owns it now, %s stops acting for it "
+            "(applied %d inputs, acknowledged %d)",
+            self.log.partition, exc, self.log.owner, self.applied, self.acked,
+        )  # fmt: skip

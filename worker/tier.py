@@ -1,0 +1,161 @@
+"""One worker's part in the tier: it announces itself, and owns the partitions of its share.
+
+Theory of operation. A `Tier` announces its worker in the membership bucket (see "Membership"
+in worker.bus) and keeps the announcement alive. Every `rebalance_s` it lists the live workers
+and applies the balance rule (`worker.partitions.rebalance`): for each partition of its share
+that it does not run it starts a `worker.partition_owner.PartitionOwner`, and each one it runs
+outside its share it stops, which hands the partition over (finish the batch, nak what is in
+hand, unpin). An owner that was fenced ends by itself; the tier forgets it, and takes the
+partition up again at the next round if it is still in its share (its pull then waits while
+another worker holds the pin).
+
+What decides what. Membership only sizes the shares; the pin decides who is served a
+partition's inputs; the compare-and-set log decides who acted (worker.ownership). So two
+workers that disagree for a moment on who is live both pull a partition at worst, and one of
+them is kept waiting by the pin, or fenced.
+
+Failover. A worker that dies stops refreshing its key; once the key expires (`MEMBER_TTL_S`),
+the next round of every other worker gives its partitions to the living; their pulls are
+pinned once the dead worker's pin has gone without a pull for the consumer's
+`priority_timeout` (long since, by then), and the new owner catches up on the partition's log
+and claims it. So a partition has a new owner within about MEMBER_TTL_S + rebalance_s +
+the catch-up, and priority_timeout when that is longer. A worker that joins takes its share
+at its first round; the others hand that share over at theirs.
+
+What it does not do yet: run the coordinator (the `decide` and `act` it is given stand for
+it: the records to log, the actions to publish), nor keep the partitions' SQLite files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from kvhandoff.worker.bus import Bus, Member
+from kvhandoff.worker.errors import BusError
+from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.partition_owner import Act, Decide, PartitionOwner
+from kvhandoff.worker.partitions import rebalance
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """The streams, the partition count and the timings every worker of a tier shares."""
+
+    partitions: int
+    prefix: str = "kvhandoff"
+    stream: str = "KVHANDOFF_IN"
+    log_stream: str = "KVHANDOFF_LOG"
+    consumer: str = "kvhandoff-worker"
+    log_max_age_s: float = 0.0
+    # The ack wait is shorter than the priority timeout less the pull expiry, so that a new
+    # owner is pinned only once the old owner's unacknowledged inputs are due again.
+    ack_wait_s: float = 1.0
+    pull_expires_s: float = 1.0
+    priority_timeout_s: float = 3.0
+    max_pending: int = 1024
+    rebalance_s: float = 1.0
+
+
+class Tier:
+    """This worker's owners, one per partition of its share; `run` it until stopped."""
+
+    def __init__(
+        self, bus: Bus, settings: TierSettings, decide: Decide, act: Act, label: str
+    ) -> None:
+        self._bus = bus
+        self._settings = settings
+        self._decide = decide
+        self._act = act
+        self.member = Member.this_process()
+        self.owner_name = f"{label}/{self.member.instance}"  # in the log's Claimed records
+        self._running: dict[int, tuple[PartitionOwner, asyncio.Task[None], asyncio.Event]] = {}
+        self._consumers: dict[int, str] = {}
+        # What it did, for metrics and tests.
+        self.owners: list[tuple[int, PartitionOwner]] = []  # every owner it ran, in order
+        self.rounds = 0
+
+    @property
+    def owned(self) -> set[int]:
+        """The partitions it runs an owner for now."""
+        return set(self._running)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Open the streams and consumers (idempotent), announce this worker, and own its share
+        until `stop` is set; then hand every partition over and withdraw."""
+        settings = self._settings
+        await self._bus.open_partitions(settings.stream, settings.prefix, settings.partitions)
+        await self._bus.open_partition_log(
+            settings.log_stream, settings.prefix, settings.log_max_age_s
+        )
+        for partition in range(settings.partitions):
+            self._consumers[partition] = await self._bus.open_partition_consumer(
+                settings.stream, settings.prefix, settings.consumer, partition,
+                ack_wait_s=settings.ack_wait_s, max_pending=settings.max_pending,
+                priority_timeout_s=settings.priority_timeout_s,
+            )  # fmt: skip
+        membership = await self._bus.announce(self.member)
+        keeper = asyncio.create_task(membership.keep(), name="kvhandoff-membership")
+        try:
+            while not stop.is_set():
+                try:
+                    await self._round()
+                except BusError as exc:
+                    logger.warning("tier: cannot rebalance (%s); keeping what it owns", exc)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(settings.rebalance_s):
+                        await stop.wait()
+        finally:
+            await self._stop_owners(set(self._running))
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            await membership.leave()
+
+    async def _round(self) -> None:
+        self.rounds += 1
+        for partition, (_, task, _) in list(self._running.items()):
+            if task.done():  # fenced, or failed: forget it, and take it up again if still ours
+                del self._running[partition]
+                if not task.cancelled() and task.exception() is not None:
+                    logger.error("partition %d: its owner failed: %s", partition, task.exception())
+        live = [member.instance for member in await self._bus.members()]
+        moves = rebalance(self._settings.partitions, live, self.member.instance, self.owned)
+        if moves.take or moves.hand_over:
+            logger.info(
+                "tier: %d live worker(s); taking %s, handing over %s",
+                len(set(live) | {self.member.instance}), sorted(moves.take),
+                sorted(moves.hand_over),
+            )  # fmt: skip
+        await self._stop_owners(set(moves.hand_over))
+        for partition in sorted(moves.take):
+            self._start_owner(partition)
+
+    def _start_owner(self, partition: int) -> None:
+        settings = self._settings
+        log = PartitionLog(
+            self._bus, settings.log_stream, settings.prefix, partition, self.owner_name
+        )
+        owner = PartitionOwner(
+            self._bus, settings.stream, self._consumers[partition], log,
+            expires_s=settings.pull_expires_s, heartbeat_s=settings.pull_expires_s / 4,
+        )  # fmt: skip
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            owner.run(self._decide, self._act, stop), name=f"kvhandoff-partition-{partition}"
+        )
+        self._running[partition] = (owner, task, stop)
+        self.owners.append((partition, owner))
+
+    async def _stop_owners(self, partitions: set[int]) -> None:
+        """Stop these owners (each hands its partition over) and wait for them."""
+        stopping = [self._running.pop(p) for p in partitions if p in self._running]
+        for _, _, stop in stopping:
+            stop.set()
+        for _, task, _ in stopping:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await task  # a failure was logged by the owner, or is logged here next round
