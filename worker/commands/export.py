@@ -77,13 +77,13 @@ def _source_file(log: Path, output: Path) -> str | None:
                 return "the log"
             case suffix:
                 return f"the log's {suffix[1:]} file"
-    if PARTITION_FILE.fullmatch(output.name) and _same(output.parent, log):
-        return "a partition log's name in the data directory it reads"
     for partition in sorted(log.iterdir()):
         if not PARTITION_FILE.fullmatch(partition.name):
             continue
         if (suffix := _sqlite_file(partition, output)) is not None:
             return f"the log's {partition.name}{suffix}"
+    if PARTITION_FILE.fullmatch(output.name) and _same(output.parent, log):
+        return "a partition log's name in the data directory it reads"
     return None
 
 
