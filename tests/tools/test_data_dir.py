@@ -21,6 +21,7 @@ from kvhandoff.worker.logreader import SqliteLog, open_log
 from kvhandoff.worker.reports import ListReport, StuckReport, VerifyReport
 from kvhandoff.worker.schema import HandoffState
 from tests.tools.conftest import IDS, PARTITIONS, V2, DataDir, Run
+from tests.tools.golden.generate import write_log
 from tests.tools.test_commands import report
 
 NOW = "2025-01-01T01:00:00Z"
@@ -284,3 +285,18 @@ def _partition_of(handoff_id: str) -> int:
 
 def _name(handoff_id: UUID) -> str:
     return next(name for name, h in IDS.items() if h == str(handoff_id))
+
+
+def test_verify_finds_the_owners_past_an_empty_partition_file(
+    kvhandoff: Run, data_dir: DataDir, tmp_path: Path
+) -> None:
+    # A worker that owns a partition with no handoff yet leaves an empty log; scanned first, it
+    # shifts nothing: the bad runs of the files after it are still put to their own files.
+    directory = tmp_path / "data"
+    shutil.copytree(data_dir.tampered, directory)
+    (directory / "partition-0.db").rename(directory / "partition-5.db")
+    write_log(directory / "partition-0.db", [])
+    over_dir = kvhandoff("verify", directory, "--json")
+    over_file = kvhandoff("verify", data_dir.whole_tampered, "--json")
+    assert over_dir.code == over_file.code == 1 and over_dir.out == over_file.out
+    assert len(report(VerifyReport, over_dir.out).findings) == 2
