@@ -89,7 +89,7 @@ PARTITIONS = 3
 
 
 @dataclass(frozen=True)
-class DataDir:
+class GoldenDataDir:
     """The golden handoffs as a partitioned worker writes them, and as one worker does."""
 
     directory: Path  # partition-<p>.db, each handoff in the partition its id hashes to
@@ -104,20 +104,22 @@ class DataDir:
 
 
 @pytest.fixture(scope="session")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> DataDir:
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> GoldenDataDir:
     """The golden handoffs spread over `PARTITIONS` partition files by the input stream's own
     partition function, with their one-file twin; read-only (copy it to change it)."""
     root = tmp_path_factory.mktemp("data-dir")
-    written = DataDir(root / "data", root / "tampered", root / "whole.db", root / "tampered.db")
+    written = GoldenDataDir(
+        root / "data", root / "tampered", root / "whole.db", root / "tampered.db"
+    )
     written.directory.mkdir()
     for partition in range(PARTITIONS):
-        mine = [s for s in SCENARIOS if DataDir.partition(s.name) == partition]
+        mine = [s for s in SCENARIOS if GoldenDataDir.partition(s.name) == partition]
         assert mine, f"partition {partition} of the golden data directory is empty"
         write_log(written.directory / f"partition-{partition}.db",
                   [(s.start_ms, s.script(s.handoff_id)) for s in mine])  # fmt: skip
     shutil.copytree(written.directory, written.tampered)
-    for partition in {DataDir.partition(t.scenario) for t in TAMPERED}:
-        tampers = [t for t in TAMPERED if DataDir.partition(t.scenario) == partition]
+    for partition in {GoldenDataDir.partition(t.scenario) for t in TAMPERED}:
+        tampers = [t for t in TAMPERED if GoldenDataDir.partition(t.scenario) == partition]
         tamper(written.tampered / f"partition-{partition}.db", tampers)
     write_log(written.whole, [(s.start_ms, s.script(s.handoff_id)) for s in SCENARIOS])
     shutil.copyfile(written.whole, written.whole_tampered)

@@ -16,22 +16,22 @@ from uuid import UUID
 
 import pytest
 
-from kvhandoff.worker.logreader import DataDir as DataDirLog
-from kvhandoff.worker.logreader import SqliteLog, open_log
+from kvhandoff.worker.logreader import DataDir, SqliteLog, open_log
 from kvhandoff.worker.reports import ListReport, StuckReport, VerifyReport
 from kvhandoff.worker.schema import HandoffState
-from tests.tools.conftest import IDS, PARTITIONS, V2, DataDir, Run
+from tests.tools.conftest import IDS, PARTITIONS, V2, GoldenDataDir, Run
 from tests.tools.golden.generate import write_log
 from tests.tools.test_commands import report
 
 NOW = "2025-01-01T01:00:00Z"
+_partition = GoldenDataDir.partition
 
 
 def _in_partition(partition: int) -> set[str]:
-    return {h for name, h in IDS.items() if DataDir.partition(name) == partition}
+    return {h for name, h in IDS.items() if _partition(name) == partition}
 
 
-def test_the_golden_handoffs_are_spread_over_every_partition_file(data_dir: DataDir) -> None:
+def test_the_golden_handoffs_are_spread_over_every_partition_file(data_dir: GoldenDataDir) -> None:
     files = sorted(p.name for p in data_dir.directory.iterdir())
     assert files == [f"partition-{p}.db" for p in range(PARTITIONS)]
     for partition in range(PARTITIONS):
@@ -50,7 +50,7 @@ def test_the_golden_handoffs_are_spread_over_every_partition_file(data_dir: Data
     ],
 )
 def test_list_merges_every_partition_before_sorting_and_the_limit(
-    kvhandoff: Run, data_dir: DataDir, options: list[str]
+    kvhandoff: Run, data_dir: GoldenDataDir, options: list[str]
 ) -> None:
     over_dir = kvhandoff("list", data_dir.directory, "--now", NOW, "--json", *options)
     over_file = kvhandoff("list", data_dir.whole, "--now", NOW, "--json", *options)
@@ -60,21 +60,21 @@ def test_list_merges_every_partition_before_sorting_and_the_limit(
 
 
 def test_list_of_a_directory_shows_every_handoff_in_start_order(
-    kvhandoff: Run, data_dir: DataDir
+    kvhandoff: Run, data_dir: GoldenDataDir
 ) -> None:
     listed = report(ListReport, kvhandoff("list", data_dir.directory, "--json").out)
     assert [str(h.handoff.handoff_id) for h in listed.handoffs] == list(IDS.values())
-    # The sort runs over all files: the four with most events come from every partition.
+    # The sort runs over all files: the four with fewest events come from every partition.
     top = report(
         ListReport,
         kvhandoff("list", data_dir.directory, "--json", "--sort", "events", "--limit", "4").out,
     )
     assert [h.events for h in top.handoffs] == [2, 5, 6, 9]
-    assert {DataDir.partition(_name(h.handoff.handoff_id)) for h in top.handoffs} == {0, 1, 2}
+    assert {_partition(_name(h.handoff.handoff_id)) for h in top.handoffs} == {0, 1, 2}
 
 
 def test_stuck_looks_at_the_open_handoffs_of_every_partition(
-    kvhandoff: Run, data_dir: DataDir
+    kvhandoff: Run, data_dir: GoldenDataDir
 ) -> None:
     over_dir = kvhandoff("stuck", data_dir.directory, "--now", NOW, "--json", "--older-than", "50m")
     over_file = kvhandoff("stuck", data_dir.whole, "--now", NOW, "--json", "--older-than", "50m")
@@ -84,12 +84,12 @@ def test_stuck_looks_at_the_open_handoffs_of_every_partition(
     assert [str(h.handoff.handoff_id) for h in stuck.handoffs] == [
         IDS["stuck-on-reserve"], IDS["stuck-on-transfer"]
     ]  # fmt: skip
-    assert {DataDir.partition(n) for n in ("stuck-on-reserve", "stuck-on-transfer")} == {1, 2}
+    assert {_partition(n) for n in ("stuck-on-reserve", "stuck-on-transfer")} == {1, 2}
 
 
 @pytest.mark.parametrize("name", sorted(IDS))
 def test_replay_finds_a_handoff_in_whichever_file_holds_it(
-    kvhandoff: Run, data_dir: DataDir, name: str
+    kvhandoff: Run, data_dir: GoldenDataDir, name: str
 ) -> None:
     prefix = IDS[name][:8]
     over_dir = kvhandoff("replay", data_dir.directory, prefix, "--format", "json")
@@ -98,7 +98,9 @@ def test_replay_finds_a_handoff_in_whichever_file_holds_it(
     assert f'"handoff_id":"{IDS[name]}"' in over_dir.out.replace(" ", "")
 
 
-def test_a_prefix_that_two_files_match_is_ambiguous(kvhandoff: Run, data_dir: DataDir) -> None:
+def test_a_prefix_that_two_files_match_is_ambiguous(
+    kvhandoff: Run, data_dir: GoldenDataDir
+) -> None:
     # A prefix of two handoffs in two files, and of no two in one file: only the merge sees it.
     prefix = next(
         a[:length]
@@ -123,7 +125,7 @@ def test_a_prefix_that_two_files_match_is_ambiguous(kvhandoff: Run, data_dir: Da
     assert kvhandoff("replay", data_dir.directory, IDS["just-started"]).code == 0
 
 
-def test_verify_checks_every_partition_file(kvhandoff: Run, data_dir: DataDir) -> None:
+def test_verify_checks_every_partition_file(kvhandoff: Run, data_dir: GoldenDataDir) -> None:
     clean = kvhandoff("verify", data_dir.directory)
     assert (clean.code, clean.out) == (0,
         "verified 9 handoffs, 93 events (no input digests in a data directory of 3 layout-2"
@@ -131,7 +133,7 @@ def test_verify_checks_every_partition_file(kvhandoff: Run, data_dir: DataDir) -
 
 
 def test_verify_names_each_bad_handoff_in_whichever_file_it_is(
-    kvhandoff: Run, data_dir: DataDir
+    kvhandoff: Run, data_dir: GoldenDataDir
 ) -> None:
     over_dir = kvhandoff("verify", data_dir.tampered, "--json")
     over_file = kvhandoff("verify", data_dir.whole_tampered, "--json")
@@ -142,10 +144,9 @@ def test_verify_names_each_bad_handoff_in_whichever_file_it_is(
         (IDS["frontend-cancel"], "divergence", 5),
         (IDS["source-first-success"], "divergence", 6),
     ]
-    # The two bad handoffs are in two files, and the one scanned first is neither's.
-    assert {DataDir.partition("frontend-cancel"), DataDir.partition("source-first-success")} == {
-        0, 1
-    }  # fmt: skip
+    # The two bad handoffs are in two files, one of them not the first scanned (whose positions in
+    # the scan are not its own file's).
+    assert {_partition("frontend-cancel"), _partition("source-first-success")} == {0, 1}
     named = kvhandoff("verify", data_dir.tampered, "c061", IDS["stuck-on-reserve"], "--json")
     assert named.code == 1
     assert [str(d.handoff_id) for d in report(VerifyReport, named.out).diverged] == [
@@ -154,12 +155,12 @@ def test_verify_names_each_bad_handoff_in_whichever_file_it_is(
 
 
 def test_verify_reports_a_record_that_does_not_decode_under_its_own_handoff(
-    kvhandoff: Run, data_dir: DataDir, tmp_path: Path
+    kvhandoff: Run, data_dir: GoldenDataDir, tmp_path: Path
 ) -> None:
     directory = tmp_path / "data"
     shutil.copytree(data_dir.directory, directory)
     damaged = IDS["stuck-on-transfer"]
-    partition = DataDir.partition("stuck-on-transfer")
+    partition = _partition("stuck-on-transfer")
     with closing(sqlite3.connect(directory / f"partition-{partition}.db")) as db, db:
         changed = db.execute(
             "UPDATE events SET type = 250 WHERE seq = 3 AND handoff_key ="
@@ -176,7 +177,7 @@ def test_verify_reports_a_record_that_does_not_decode_under_its_own_handoff(
 
 
 def test_export_takes_the_handoff_from_its_file(
-    kvhandoff: Run, data_dir: DataDir, tmp_path: Path
+    kvhandoff: Run, data_dir: GoldenDataDir, tmp_path: Path
 ) -> None:
     to_stdout = kvhandoff("export", data_dir.directory, "5aff")
     assert to_stdout.code == 0
@@ -187,7 +188,7 @@ def test_export_takes_the_handoff_from_its_file(
 
 
 def test_export_writes_over_no_partition_file_nor_adds_one(
-    kvhandoff: Run, data_dir: DataDir, tmp_path: Path
+    kvhandoff: Run, data_dir: GoldenDataDir, tmp_path: Path
 ) -> None:
     directory = tmp_path / "data"
     shutil.copytree(data_dir.directory, directory)
@@ -227,7 +228,7 @@ def test_a_directory_without_partition_files_is_one_line_and_status_2(
 
 
 def test_a_partition_file_that_is_no_log_is_one_line_and_status_2(
-    kvhandoff: Run, data_dir: DataDir, tmp_path: Path
+    kvhandoff: Run, data_dir: GoldenDataDir, tmp_path: Path
 ) -> None:
     directory = tmp_path / "data"
     shutil.copytree(data_dir.directory, directory)
@@ -238,7 +239,7 @@ def test_a_partition_file_that_is_no_log_is_one_line_and_status_2(
 
 
 def test_a_missing_partition_leaves_the_others_readable(
-    kvhandoff: Run, data_dir: DataDir, tmp_path: Path
+    kvhandoff: Run, data_dir: GoldenDataDir, tmp_path: Path
 ) -> None:
     # A worker writes only the partitions it owns: numbers may be missing.
     directory = tmp_path / "data"
@@ -252,9 +253,9 @@ def test_a_missing_partition_leaves_the_others_readable(
     assert kvhandoff("replay", directory, IDS["source-first-success"]).code == 2
 
 
-def test_the_directory_reader_is_one_log_source(data_dir: DataDir) -> None:
+def test_the_directory_reader_is_one_log_source(data_dir: GoldenDataDir) -> None:
     with open_log(data_dir.directory) as log, SqliteLog(data_dir.whole) as whole:
-        assert isinstance(log, DataDirLog)
+        assert isinstance(log, DataDir)
         assert (log.form, log.keeps_digests) == ("a data directory of 3 layout-2 logs", False)
         assert sorted(log.partitions) == list(range(PARTITIONS))
         assert log.handoffs() == whole.handoffs()
@@ -280,7 +281,7 @@ def _run_owner(log: SqliteLog, rows: list[tuple[int, bytes | None, bytes]]) -> U
 
 
 def _partition_of(handoff_id: str) -> int:
-    return DataDir.partition(_name(UUID(handoff_id)))
+    return _partition(_name(UUID(handoff_id)))
 
 
 def _name(handoff_id: UUID) -> str:
@@ -288,7 +289,7 @@ def _name(handoff_id: UUID) -> str:
 
 
 def test_verify_finds_the_owners_past_an_empty_partition_file(
-    kvhandoff: Run, data_dir: DataDir, tmp_path: Path
+    kvhandoff: Run, data_dir: GoldenDataDir, tmp_path: Path
 ) -> None:
     # A worker that owns a partition with no handoff yet leaves an empty log; scanned first, it
     # shifts nothing: the bad runs of the files after it are still put to their own files.
