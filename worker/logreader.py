@@ -1,7 +1,7 @@
 """The offline, read-only reader of the event log, for `list`, `stuck`, `replay`, `verify` and
 `export`. It needs the log file alone: no NATS, no running worker.
 
-A log comes in two forms, read through one interface (`LogSource`):
+A log comes in three forms, read through one interface (`LogSource`):
 
 - the worker's SQLite file (`SqliteLog`), opened read-only (`file:...?mode=ro`) with the
   standard library's sqlite3, so a running worker can keep writing while a tool reads. Every
@@ -33,9 +33,9 @@ read, not refused: its `HandoffRow.state` is None and `unknown_state` holds what
 says, so that each command can say which handoff it is.
 
 `open_log` tells a data directory by its being a directory, and the two forms of a file by
-content (SQLite's magic header), not by extension. Records are
-decoded by `events.codec.decode_record`, the one place that upcasts older schema versions,
-whichever form they were read from; a layout-2 record is first put back together by
+content (SQLite's magic header), not by extension. Records are decoded by
+`events.codec.decode_record`, the one place that upcasts older schema versions, whichever form
+they were read from; a layout-2 record is first put back together by
 `events.codec.join_record`, into the bytes a layout-1 log would hold. sqlite errors are
 translated to `StoreError` here.
 """
