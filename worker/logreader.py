@@ -1,7 +1,7 @@
 """The offline, read-only reader of the event log, for `list`, `stuck`, `replay`, `verify` and
 `export`. It needs the log file alone: no NATS, no running worker.
 
-A log comes in two forms, read through one interface (`LogSource`):
+A log comes in three forms, read through one interface (`LogSource`):
 
 - the worker's SQLite file (`SqliteLog`), opened read-only (`file:...?mode=ro`) with the
   standard library's sqlite3, so a running worker can keep writing while a tool reads. Every
@@ -11,7 +11,18 @@ A log comes in two forms, read through one interface (`LogSource`):
   until the worker migrates it, with the input digests layout 1 keeps (layout 2 keeps none);
 - one handoff exported as self-contained JSONL (`JsonlLog`), for bug reports: a header line,
   then one line per event with the record as JSON. `write_jsonl` writes it. An export keeps no
-  input digests.
+  input digests;
+- the data directory of a partitioned worker (`DataDir`): one `SqliteLog` per partition file,
+  named `partition-<p>.db` (p in decimal, no leading zeros; a worker writes only the partitions
+  it owns, so numbers may be missing), read as one log. A handoff lives in exactly one
+  partition, so every handoff is in one file: `handoffs` merges the files' rows into the same
+  order one file gives, `resolve` looks for an id or prefix in all of them (a prefix that two
+  files match is as ambiguous as two handoffs of one file), and the reads of one handoff go to
+  the file that holds it. `scan` runs through the files in partition order, one after the
+  other, and `owners` sends each span back to the file it came from: a run never crosses files.
+  Each file is its own snapshot (one read transaction each), and the files of a live tier are
+  not read at one instant; each handoff's log is still read whole from one snapshot. A
+  directory with no partition file is refused, as a file that is no log is.
 
 It returns the log's one set of row types (`worker.rows`: `HandoffRow`, `LoggedEvent`,
 `HandoffLog`), read through the same `read_row`/`read_event` as the worker's own reads, and
@@ -21,18 +32,21 @@ A `handoffs` row whose state this build does not know (a newer worker's, or a da
 read, not refused: its `HandoffRow.state` is None and `unknown_state` holds what the row
 says, so that each command can say which handoff it is.
 
-`open_log` tells them apart by content (SQLite's magic header), not by extension. Records are
-decoded by `events.codec.decode_record`, the one place that upcasts older schema versions,
-whichever form they were read from; a layout-2 record is first put back together by
+`open_log` tells a data directory by its being a directory, and the two forms of a file by
+content (SQLite's magic header), not by extension. Records are decoded by
+`events.codec.decode_record`, the one place that upcasts older schema versions, whichever form
+they were read from; a layout-2 record is first put back together by
 `events.codec.join_record`, into the bytes a layout-1 log would hold. sqlite errors are
 translated to `StoreError` here.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import itertools
+import re
 import sqlite3
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
@@ -78,6 +92,9 @@ from kvhandoff.worker.schema import (
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
+#: A partition's file in a partitioned worker's data directory (`kvhandoff run --data-dir`).
+PARTITION_FILE = re.compile(r"partition-(0|[1-9][0-9]*)\.db")
+
 #: The name and version of the JSONL export, in its header line.
 EXPORT_FORMAT = "kvhandoff-handoff-log"
 EXPORT_VERSION = 1
@@ -88,7 +105,8 @@ class LogSource(HandoffReader, Protocol):
     one handoff, and these."""
 
     path: Path
-    #: What the log is, for messages: "a layout-1 log", "a layout-2 log", "an export".
+    #: What the log is, for messages: "a layout-1 log", "a layout-2 log", "an export",
+    #: "a data directory of 3 layout-2 logs".
     form: str
     #: Whether the log keeps each input's digest (a layout-1 log does; a layout-2 log and an
     #: export do not).
@@ -133,8 +151,10 @@ class LogSource(HandoffReader, Protocol):
     ) -> None: ...
 
 
-def open_log(path: Path) -> SqliteLog | JsonlLog:
-    """Open a log read-only, in whichever form the file holds."""
+def open_log(path: Path) -> SqliteLog | JsonlLog | DataDir:
+    """Open a log read-only: a data directory, or a file in whichever form it holds."""
+    if path.is_dir():
+        return DataDir(path)
     try:
         with path.open("rb") as file:
             magic = file.read(len(_SQLITE_MAGIC))
@@ -205,14 +225,15 @@ class SqliteLog(_Closing):
         return [self._quarantined(read_row(row)) for row in rows]
 
     def resolve(self, text: str) -> UUID:
+        return _resolved(text, self.ids_beginning(text), self.path)
+
+    def ids_beginning(self, text: str) -> list[str]:
+        """The ids that begin with `text` (normalised as `resolve` does), at most two: enough
+        to tell none, one and several apart."""
         prefix = text.strip().lower()
         # Every character of a stored id sorts below '~', so this range is "begins with".
         found = self._fetch(SELECT_HANDOFF_IDS_BETWEEN, (prefix, prefix + "~", 2))
-        if not found:
-            raise StoreError(f"no handoff {text!r} in {self.path}")
-        if len(found) > 1 and found[0][0] != prefix:
-            raise StoreError(f"handoff id prefix {text!r} is ambiguous in {self.path}")
-        return UUID(found[0][0])
+        return [hid for (hid,) in found]
 
     def summary(self, handoff_id: UUID) -> HandoffRow:
         rows = self._fetch(SELECT_HANDOFF, (str(handoff_id),))
@@ -351,6 +372,111 @@ class SqliteLog(_Closing):
             raise StoreError(f"reading {self.path} failed: {exc}") from exc
 
 
+class DataDir(_Closing):
+    """A partitioned worker's data directory, its partition files read as one log (module
+    docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            names = sorted(
+                (int(found[1]), entry.name)
+                for entry in path.iterdir()
+                if (found := PARTITION_FILE.fullmatch(entry.name)) is not None
+            )
+        except OSError as exc:
+            raise StoreError(f"cannot read data directory {path}: {exc.strerror}") from exc
+        if not names:
+            raise StoreError(
+                f"{path} is a directory with no partition logs (partition-<p>.db) in it"
+            )
+        #: The partition files by partition number, each open read-only.
+        self.partitions: dict[int, SqliteLog] = {}
+        try:
+            for partition, name in names:
+                self.partitions[partition] = SqliteLog(path / name)
+        except BaseException:
+            self.close()
+            raise
+        layouts = sorted({str(log.layout) for log in self.partitions.values()})
+        count = len(self.partitions)
+        kind = f"layout-{layouts[0]}" if len(layouts) == 1 else "mixed-layout"
+        self.form = f"a data directory of {count} {kind} log{'s' if count > 1 else ''}"
+        # Digests are checked only if every file keeps them: `verify` checks all in one way.
+        self.keeps_digests = all(log.keeps_digests for log in self.partitions.values())
+        # Which file holds each handoff met so far: the reads of one handoff go there.
+        self._holders: dict[UUID, SqliteLog] = {}
+        # Where each file's rows begin in `scan`'s order, once a scan has passed them.
+        self._scanned: list[tuple[int, SqliteLog]] = []
+
+    def close(self) -> None:
+        for log in self.partitions.values():
+            log.close()
+
+    def handoffs(self, states: Collection[HandoffState | None] = ()) -> list[HandoffRow]:
+        rows = []
+        for log in self.partitions.values():
+            for row in log.handoffs(states):
+                self._holders.setdefault(row.handoff_id, log)
+                rows.append(row)
+        # The order of one file's `SELECT_HANDOFFS ... ORDER BY started_at_ms, handoff_id`.
+        rows.sort(key=lambda row: (row.started_at_ms, str(row.handoff_id)))
+        return rows
+
+    def resolve(self, text: str) -> UUID:
+        found: dict[str, SqliteLog] = {}
+        for log in self.partitions.values():
+            for hid in log.ids_beginning(text):
+                found.setdefault(hid, log)
+        handoff_id = _resolved(text, sorted(found), self.path)
+        self._holders.setdefault(handoff_id, found[str(handoff_id)])
+        return handoff_id
+
+    def summary(self, handoff_id: UUID) -> HandoffRow:
+        return self._holder(handoff_id).summary(handoff_id)
+
+    def load(self, handoff_id: UUID) -> HandoffLog:
+        return self._holder(handoff_id).load(handoff_id)
+
+    def stored(self, handoff_id: UUID) -> list[StoredRecord]:
+        return self._holder(handoff_id).stored(handoff_id)
+
+    def scan(self) -> Iterator[list[StoredRecord]]:
+        self._scanned = []
+        position = 0
+        for log in self.partitions.values():
+            self._scanned.append((position, log))
+            for rows in log.scan():
+                yield rows
+                position += len(rows)
+
+    def owners(self, spans: Sequence[tuple[int, int]]) -> list[list[UUID]]:
+        # Each span is one run, and a run is of one file: ask each file for its own spans, in
+        # the positions of its own scan.
+        if not self._scanned:
+            raise StoreError(f"owners() of {self.path} before a scan of it")
+        asked: list[list[tuple[int, int]]] = [[] for _ in self._scanned]
+        for first, length in spans:
+            index = bisect.bisect_right(self._scanned, first, key=lambda part: part[0]) - 1
+            asked[index].append((first - self._scanned[index][0], length))
+        found: list[list[UUID]] = []
+        for (_, log), mine in zip(self._scanned, asked, strict=True):
+            if mine:
+                found += log.owners(mine)
+        return found
+
+    def _holder(self, handoff_id: UUID) -> SqliteLog:
+        log = self._holders.get(handoff_id)
+        if log is not None:
+            return log
+        text = str(handoff_id)
+        for log in self.partitions.values():
+            if text in log.ids_beginning(text):
+                self._holders[handoff_id] = log
+                return log
+        raise StoreError(f"no handoff {handoff_id} in {self.path}")
+
+
 class JsonlLog(_Closing):
     """One handoff's log, as `kvhandoff export` wrote it."""
 
@@ -465,6 +591,16 @@ def read_jsonl(lines: Iterator[bytes] | IO[bytes]) -> HandoffLog:
             record = read_record(blob)
         events.append(LoggedEvent(event.seq, event.at_ms, record, event.published_at_ms))
     return HandoffLog(handoff, events)
+
+
+def _resolved(text: str, found: list[str], where: Path) -> UUID:
+    """The one handoff `text` names among `found`, the ids that begin with it in sorted
+    order: the one, or an id given whole, or an error naming `where`."""
+    if not found:
+        raise StoreError(f"no handoff {text!r} in {where}")
+    if len(found) > 1 and found[0] != text.strip().lower():
+        raise StoreError(f"handoff id prefix {text!r} is ambiguous in {where}")
+    return UUID(found[0])
 
 
 @contextlib.contextmanager

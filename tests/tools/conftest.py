@@ -1,6 +1,7 @@
 """Fixtures for the offline log tools: the golden logs (checked in under `golden/v1/` and
-`golden/v2/`, one directory per layout, read in place or copied when a test may write), and the
-`kvhandoff` CLI run in-process."""
+`golden/v2/`, one directory per layout, read in place or copied when a test may write), the
+golden handoffs written as a partitioned worker's data directory, and the `kvhandoff` CLI run
+in-process."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 
 from kvhandoff.worker.cli import main
+from kvhandoff.worker.partitions import partition_of
+from tests.tools.golden.generate import SCENARIOS, TAMPERED, tamper, write_log
 
 GOLDEN = Path(__file__).parent / "golden"
 V1 = GOLDEN / "v1"
@@ -77,3 +81,47 @@ def writable_golden(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     path = tmp_path / "log.sqlite3"
     shutil.copyfile(request.param / "log.sqlite3", path)
     return path
+
+
+#: The partition count of the golden data directory: every file holds two to four handoffs,
+#: and the two tampered handoffs lie in two files, neither of them scanned first.
+PARTITIONS = 3
+
+
+@dataclass(frozen=True)
+class GoldenDataDir:
+    """The golden handoffs as a partitioned worker writes them, and as one worker does."""
+
+    directory: Path  # partition-<p>.db, each handoff in the partition its id hashes to
+    tampered: Path  # the same with `generate.TAMPERED` applied, each in its handoff's file
+    whole: Path  # every handoff in one log, written the same way
+    whole_tampered: Path
+
+    @staticmethod
+    def partition(name: str) -> int:
+        """The partition of the golden handoff `name` (a scenario's)."""
+        return partition_of(UUID(IDS[name]), PARTITIONS)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> GoldenDataDir:
+    """The golden handoffs spread over `PARTITIONS` partition files by the input stream's own
+    partition function, with their one-file twin; read-only (copy it to change it)."""
+    root = tmp_path_factory.mktemp("data-dir")
+    written = GoldenDataDir(
+        root / "data", root / "tampered", root / "whole.db", root / "tampered.db"
+    )
+    written.directory.mkdir()
+    for partition in range(PARTITIONS):
+        mine = [s for s in SCENARIOS if GoldenDataDir.partition(s.name) == partition]
+        assert mine, f"partition {partition} of the golden data directory is empty"
+        write_log(written.directory / f"partition-{partition}.db",
+                  [(s.start_ms, s.script(s.handoff_id)) for s in mine])  # fmt: skip
+    shutil.copytree(written.directory, written.tampered)
+    for partition in {GoldenDataDir.partition(t.scenario) for t in TAMPERED}:
+        tampers = [t for t in TAMPERED if GoldenDataDir.partition(t.scenario) == partition]
+        tamper(written.tampered / f"partition-{partition}.db", tampers)
+    write_log(written.whole, [(s.start_ms, s.script(s.handoff_id)) for s in SCENARIOS])
+    shutil.copyfile(written.whole, written.whole_tampered)
+    tamper(written.whole_tampered, TAMPERED)
+    return written

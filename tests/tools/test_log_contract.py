@@ -1,5 +1,6 @@
 """One contract for every reader of the event log (`worker.rows.HandoffReader`), run against each:
-the offline SQLite reader, the JSONL export reader, and the worker's own reads.
+the offline SQLite reader, the JSONL export reader, the reader of a partitioned worker's data
+directory, and the worker's own reads.
 
 In the manner of eventsourcing's recorder test case: `ReaderContract` holds the tests, and each
 subclass says only how to read a log that the worker's writer (`EventLog.commit`) wrote, and how
@@ -19,7 +20,7 @@ import contextlib
 import sqlite3
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from uuid import UUID
@@ -32,7 +33,7 @@ from kvhandoff.events.errors import LogCorrupt
 from kvhandoff.events.messages import Canceled, EngineType, HandoffCompletion, Input, StartHandoff
 from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.worker.healthy import success_script
-from kvhandoff.worker.logreader import JsonlLog, SqliteLog, write_jsonl
+from kvhandoff.worker.logreader import DataDir, JsonlLog, SqliteLog, write_jsonl
 from kvhandoff.worker.rows import HandoffLog, HandoffReader, HandoffRow, LoggedEvent
 from kvhandoff.worker.schema import HandoffState
 from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog
@@ -108,11 +109,12 @@ def _handoff(batch: Batch, index: int, case: Case) -> HandoffLog:
     return HandoffLog(row, events)
 
 
-async def _write(db: Path) -> dict[UUID, HandoffLog]:
+async def _write(db: Path, cases: Collection[int] = range(len(CASES))) -> dict[UUID, HandoffLog]:
+    """Write the handoffs of `CASES` (those at the indices `cases`, if given) to `db`."""
     log = await EventLog.open(db)
     try:
         batch = Batch()
-        logs = [_handoff(batch, i, case) for i, case in enumerate(CASES)]
+        logs = [_handoff(batch, i, case) for i, case in enumerate(CASES) if i in cases]
         await log.commit(batch)
     finally:
         await log.close()
@@ -122,7 +124,12 @@ async def _write(db: Path) -> dict[UUID, HandoffLog]:
 @pytest.fixture
 def written(tmp_path: Path) -> Written:
     db = tmp_path / "log.sqlite3"
-    logs = asyncio.run(_write(db))
+    return _covering(Written(db, asyncio.run(_write(db))))
+
+
+def _covering(written: Written) -> Written:
+    """`written`, checked to hold what the cases claim."""
+    logs = written.logs
     # The cases cover what they claim to: every final state, and actions on both sides of a mark.
     assert {log.handoff.state for log in logs.values()} == {
         HandoffState.SUCCEEDED,
@@ -131,7 +138,7 @@ def written(tmp_path: Path) -> Written:
     }
     published = [e.published_at_ms is not None for log in logs.values() for e in log.events]
     assert any(published) and not all(published)
-    return Written(db, logs)
+    return written
 
 
 class ReaderContract(abc.ABC):
@@ -209,6 +216,36 @@ class TestJsonlLog(ReaderContract):
     @staticmethod
     def _export(written: Written, handoff_id: UUID) -> Path:
         return written.db.with_name(f"{handoff_id}.jsonl")
+
+
+class TestDataDir(ReaderContract):
+    """A partitioned worker's data directory: each partition file written by the worker's
+    writer, read as one log. The cases alternate between two files (by index, not by the hash
+    of their random ids, so that neither file is empty)."""
+
+    @pytest.fixture
+    def written(self, tmp_path: Path) -> Written:
+        directory = tmp_path / "data"
+        directory.mkdir()
+        logs: dict[UUID, HandoffLog] = {}
+        for partition in (0, 1):
+            cases = range(partition, len(CASES), 2)
+            logs |= asyncio.run(_write(directory / f"partition-{partition}.db", cases))
+        return _covering(Written(directory, logs))
+
+    @contextlib.contextmanager
+    def reading(self, written: Written, handoff_id: UUID) -> Iterator[HandoffReader]:
+        with DataDir(written.db) as log:
+            yield log
+
+    def damage(self, written: Written, handoff_id: UUID, seq: int) -> None:
+        for partition in sorted(written.db.iterdir()):
+            with SqliteLog(partition) as log:
+                holds = bool(log.ids_beginning(str(handoff_id)))
+            if holds:
+                _damage_sqlite(partition, handoff_id, seq)
+                return
+        raise AssertionError(f"no partition file of {written.db} holds {handoff_id}")
 
 
 class _WriterReads:

@@ -61,7 +61,10 @@ def add_log_argument(parser: argparse.ArgumentParser, *, sqlite_only: bool = Fal
     if sqlite_only:
         help_text = "the worker's SQLite event log"
     else:
-        help_text = "the worker's SQLite event log, or one handoff exported as JSONL"
+        help_text = (
+            "the worker's SQLite event log, a partitioned worker's data directory (all its"
+            " partition-<p>.db files), or one handoff exported as JSONL"
+        )
     parser.add_argument("log", type=Path, nargs="?", help=help_text)
 
 

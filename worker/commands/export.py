@@ -6,9 +6,11 @@ a bug report; `kvhandoff replay FILE.jsonl` (and `verify`, `list`, `stuck`) read
 
 `-o FILE` never overwrites anything unless `--force` says so, and never, even then, the log it
 reads (nor its -wal, -shm or -journal file), however it is named: through a symlink, a hard
-link or another spelling of the path. The export is written to a temporary file beside FILE
-and then renamed over it, so FILE is either the whole export or what it was before; a symlink
-at FILE is replaced, not followed.
+link or another spelling of the path. When LOG is a partitioned worker's data directory, that
+holds for each of its partition files, and no file is added to the directory under a partition
+file's name, which the next read of the directory would take for a partition's log. The export
+is written to a temporary file beside FILE and then renamed over it, so FILE is either the
+whole export or what it was before; a symlink at FILE is replaced, not followed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from kvhandoff.worker.commands import _offline, _text
-from kvhandoff.worker.logreader import open_log, write_jsonl
+from kvhandoff.worker.logreader import PARTITION_FILE, open_log, write_jsonl
 from kvhandoff.worker.rows import HandoffLog
 
 # The files beside a SQLite database that hold part of it.
@@ -67,17 +69,41 @@ def execute(args: argparse.Namespace) -> int:
 
 def _source_file(log: Path, output: Path) -> str | None:
     """Which file of the log `output` names, if it names one (following every symlink)."""
-    target = os.path.realpath(output)
-    source = os.path.realpath(log)
-    for suffix in _SQLITE_SIBLINGS:
-        sibling = source + suffix
-        if target == sibling:
-            return f"the log's {suffix[1:]} file" if suffix else "the log"
-        # A hard link, or a path realpath cannot see through (a bind mount): same inode.
-        with contextlib.suppress(OSError):
-            if os.path.samefile(target, sibling):
-                return f"the log's {suffix[1:]} file" if suffix else "the log"
+    if not log.is_dir():
+        match _sqlite_file(log, output):
+            case None:
+                return None
+            case "":
+                return "the log"
+            case suffix:
+                return f"the log's {suffix[1:]} file"
+    for partition in sorted(log.iterdir()):
+        if not PARTITION_FILE.fullmatch(partition.name):
+            continue
+        if (suffix := _sqlite_file(partition, output)) is not None:
+            return f"the log's {partition.name}{suffix}"
+    if PARTITION_FILE.fullmatch(output.name) and _same(output.parent, log):
+        return "a partition log's name in the data directory it reads"
     return None
+
+
+def _sqlite_file(log: Path, output: Path) -> str | None:
+    """Which file of one SQLite log `output` names, if it names one: "" for the database,
+    else the suffix of its sibling ("-wal", ...)."""
+    for suffix in _SQLITE_SIBLINGS:
+        if _same(output, Path(os.path.realpath(log) + suffix)):
+            return suffix
+    return None
+
+
+def _same(path: Path, other: Path) -> bool:
+    """Whether the two paths name one file (following every symlink)."""
+    if os.path.realpath(path) == os.path.realpath(other):
+        return True
+    # A hard link, or a path realpath cannot see through (a bind mount): same inode.
+    with contextlib.suppress(OSError):
+        return os.path.samefile(path, other)
+    return False
 
 
 def _write(handoff: HandoffLog, output: Path, *, replace: bool) -> None:

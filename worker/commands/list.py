@@ -2,7 +2,8 @@
 
 Filters combine (all must hold): `--state` (repeatable), `--engine-type`, `--engine` (the source
 or the destination), and `--since`/`--until` on the start time. Sorted by start time unless
-`--sort` says otherwise.
+`--sort` says otherwise. In a partitioned worker's data directory, the handoffs of every
+partition file are filtered, sorted and cut to `--limit` as one list.
 
 A handoff whose row holds a state this build does not know (a newer worker's log, or a damaged
 row) is listed all the same, its state shown as written with `(unknown)` after it (in JSON:

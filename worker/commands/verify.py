@@ -15,8 +15,9 @@ bad handoff is reported, each under its own id, not just the first.
 
 Without HANDOFF ids the whole log is checked in one ordered pass that does not read handoff
 ids (`LogSource.scan`); only when a run of rows fails its check are their ids read, in one
-more pass, so that each finding names the handoff whose rows they are. Exit status 1 if
-anything was found, 0 if not.
+more pass, so that each finding names the handoff whose rows they are. A partitioned worker's
+data directory is checked file after file in that one pass, and reported as one log. Exit
+status 1 if anything was found, 0 if not.
 """
 
 from __future__ import annotations
