@@ -37,8 +37,13 @@ A crash anywhere loses nothing acknowledged:
   duplicates, which the log recognises by digest.
 
 Every action is marked published only after the server confirmed it: each carry-out starts a
-barrier (`Bus.flush`) behind its publishes and does not wait for it; a batch's marks ride on
-the first commit after its barrier returned, so no commit waits for a round trip to NATS.
+barrier (`Bus.flush`) behind its publishes and does not wait for it; the marks of the batches
+whose barrier has returned ride on a commit at most every `_MARK_INTERVAL_S` (and on the commit
+of an idle or stopping worker), so no commit waits for a round trip to NATS, and most write no
+marks at all. A mark is the outbox's bookmark, not a durability rule: it costs an UPDATE per
+handoff (a quarter of a small batch's commit), and all that a later one costs is that a crash
+republishes the actions of the last interval, which engines answer by action id as they answer
+any republished action.
 `Complete` goes to JetStream's completion stream as well, so a frontend that was disconnected
 can read its handoff's last completion afterwards.
 
@@ -88,6 +93,7 @@ logger = logging.getLogger(__name__)
 _FETCH_TIMEOUT_S = 0.25  # how long an idle worker waits before noticing a stop request
 _RETRY_BACKOFF_CAP = 8
 _COMMIT_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed commit
+_MARK_INTERVAL_S = 0.2  # the longest time confirmed outbox marks wait for a commit to ride on
 
 
 class Worker:
@@ -108,6 +114,7 @@ class Worker:
         self._published: deque[tuple[asyncio.Future[None], list[tuple[UUID, int, int]]]] = deque()
         self._commit_failure: str | None = None
         self._commit_backoff_s = _COMMIT_BACKOFF_S[0]
+        self._marks_due = 0.0  # when confirmed marks ride on the next commit (monotonic)
         self.recovered = False
 
     @property
@@ -410,12 +417,13 @@ class Worker:
         m.quarantined.set(len(self._planner.quarantined))
 
     async def _commit(self, batch: Batch, *, every_mark: bool = False) -> None:
-        """Commit `batch` with the outbox marks whose barrier has returned, in publication
-        order; with `every_mark`, first wait for every barrier. A barrier that failed raises
-        its `BusError` before anything is written."""
+        """Commit `batch`, with the outbox marks whose barrier has returned, in publication
+        order, if they are due (module docstring); with `every_mark`, first wait for every
+        barrier. A barrier that failed raises its `BusError` before anything is written."""
         # "Published" must mean the server has it, not that it sits in our write buffer.
         confirmed = 0
-        for barrier, marks in self._published:
+        due = every_mark or time.monotonic() >= self._marks_due
+        for barrier, marks in self._published if due else ():
             if every_mark:
                 await barrier
             elif not barrier.done():
@@ -429,6 +437,8 @@ class Worker:
         self._metrics.commit_seconds.observe(time.perf_counter() - began)
         for _ in range(confirmed):
             self._published.popleft()
+        if confirmed:
+            self._marks_due = time.monotonic() + _MARK_INTERVAL_S
         if self._commit_failure is not None:
             logger.info("commits succeed again")
             self._commit_failure = None
