@@ -58,12 +58,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch
 from kvhandoff.worker.input_order import InputOrder
-from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.ownership import CaughtUp, PartitionLog
 
 logger = logging.getLogger(__name__)
 
-Decide = Callable[[Sequence[Inbound]], bytes]
+Decide = Callable[[Sequence[Inbound]], Awaitable[bytes]]
 Act = Callable[[Sequence[Inbound]], Awaitable[None]]
+# Told, right after each claim, what the partition's log held (to catch a local copy up).
+OnClaim = Callable[[int, CaughtUp], Awaitable[None]]
 
 _FETCH_TIMEOUT_S = 0.25  # how long an idle owner waits before noticing a stop request
 _FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
@@ -101,6 +103,7 @@ class PartitionOwner:
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
         self._claimed = False  # False: claim before the next batch
         self._claimed_under: str | None = None  # the pin id the claim was made under
+        self._on_claim: OnClaim | None = None
         # What it did, for metrics and tests.
         self.claims = 0
         self.applied = 0  # inputs appended and acted on
@@ -116,9 +119,13 @@ class PartitionOwner:
         """Inputs delivered and held back behind an earlier input of their handoff."""
         return 0 if self._order is None else self._order.held
 
-    async def run(self, decide: Decide, act: Act, stop: asyncio.Event) -> None:
+    async def run(
+        self, decide: Decide, act: Act, stop: asyncio.Event, on_claim: OnClaim | None = None
+    ) -> None:
         """Own the partition until another worker fences this one, or until `stop` is set:
-        then the batch in hand is finished and the partition handed over (see "Hand-over")."""
+        then the batch in hand is finished and the partition handed over (see "Hand-over").
+        `on_claim`, if given, is awaited after each claim, before the next batch is decided."""
+        self._on_claim = on_claim
         pull = Pull(
             self._bus, self._stream, self._consumer,
             max_ahead=2 * self._batch, expires_s=self._expires_s,
@@ -201,6 +208,8 @@ class PartitionOwner:
         orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
         self._order = InputOrder(orphans) if orphans else None
         self.orphans += len(orphans)
+        if self._on_claim is not None:
+            await self._on_claim(self.log.partition, caught)
 
     async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> None:
         """Steps 1-4 for one batch; `Fenced` before acting if another worker owns it now."""
@@ -213,7 +222,7 @@ class PartitionOwner:
                 self._order = None
         if fresh:
             inputs = [inbound.stream_seq for inbound in fresh]
-            await self.log.append(inputs, decide(fresh))
+            await self.log.append(inputs, await decide(fresh))
             self._applied.update(inputs)
             self.applied += len(fresh)
             await act(fresh)

@@ -1,0 +1,163 @@
+"""`kvhandoff run --partitions 4 --data-dir DIR` (worker.partitioned) as real processes on the
+real three-node cluster, with the scripted engines answering: two workers share the load; one
+is killed with SIGKILL mid-load, and still every handoff completes. The checks are on what
+happened: every input appended to the replicated log once, every action the engines were sent
+the same each time it was sent, and each partition file, including those the survivor built
+from the replicated log alone, a log that `kvhandoff verify` passes, holding every handoff of
+its partition as succeeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from nats.js import JetStreamContext
+
+from kvhandoff.events.messages import EngineType, StartHandoff
+from kvhandoff.worker.child import WorkerChild
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.ownership import Appended, Entry
+from kvhandoff.worker.partitioned import partition_path
+from kvhandoff.worker.partitions import partition_of
+from kvhandoff.worker.schema import HandoffState
+from tests.cluster.conftest import WITHIN_S, until
+from tests.worker.scripted_engine import ScriptedEngines
+
+PARTITIONS = 4
+HANDOFFS = 200
+LOG_STREAM = "KVHANDOFF_LOG"  # worker.tier.TierSettings' default
+
+
+class Worker(WorkerChild):
+    """`kvhandoff run --partitions 4` with its own data directory."""
+
+    def __init__(self, url: str, name: str, tmp: Path) -> None:
+        self.data_dir = tmp / name
+        self.data_dir.mkdir()
+        super().__init__(
+            url, tmp / f"{name}.db", "--partitions", str(PARTITIONS),
+            "--data-dir", str(self.data_dir), log_path=tmp / f"{name}.log",
+        )  # fmt: skip
+        self.name = name
+
+    def took_a_share(self) -> bool:
+        """Whether its tier took partitions (from its log lines); fails if it died."""
+        assert self.running(), f"{self.name} died: {self.logs()}"
+        return re.search(r"taking \[\d", self.logs()) is not None
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+def start(n: int) -> StartHandoff:
+    return StartHandoff(
+        uuid.uuid4(), EngineType.VLLM, f"prefill-{n % 2}", f"decode-{n % 2}", 600_000
+    )
+
+
+async def applied_inputs(js: JetStreamContext) -> Counter[int]:
+    """How often each input stream sequence was appended, over every partition's log."""
+    decoder = msgspec.msgpack.Decoder(Entry)
+    info = await js.stream_info(LOG_STREAM)
+    applied: Counter[int] = Counter()
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        message = await js.get_msg(LOG_STREAM, seq)
+        assert message.data is not None
+        entry = decoder.decode(message.data)
+        if isinstance(entry, Appended):
+            applied.update(entry.inputs)
+    return applied
+
+
+def partition_files(tmp: Path) -> list[Path]:
+    return sorted(tmp.glob("w*/partition-*.db"))
+
+
+def verify(path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.worker.cli", "verify", str(path)],
+        capture_output=True, text=True, timeout=2 * WITHIN_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, f"verify {path}: {done.stdout}{done.stderr}"
+
+
+async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complete(
+    nats_cluster: NatsCluster,
+    js: JetStreamContext,
+    workers: list[Worker],
+    tmp_path: Path,
+) -> None:
+    url = nats_cluster.url
+    w1, w2 = Worker(url, "w1", tmp_path), Worker(url, "w2", tmp_path)
+    workers += [w1, w2]
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    w2.start(timeout_s=2 * WITHIN_S)
+    # w1 hands w2 its share at w1's next round; the pins then move at the first pulls.
+    await until(w2.took_a_share, "w2 takes its share")
+
+    engines = ScriptedEngines(url.split(",")[0])
+    await engines.start()
+    try:
+        starts = [start(n) for n in range(HANDOFFS)]
+        for s in starts[: HANDOFFS // 2]:
+            await engines.start_handoff(s)
+        first_half = {s.handoff_id for s in starts[: HANDOFFS // 2]}
+        await engines.until(
+            lambda: len(first_half & engines.completions.keys()) >= HANDOFFS // 4,
+            "a quarter of the handoffs to complete",
+            within=2 * WITHIN_S,
+        )
+        # Mid-load: the first half still in flight, the second half not yet sent.
+        w1.kill()
+        for s in starts[HANDOFFS // 2 :]:
+            await engines.start_handoff(s)
+        await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+        await asyncio.wait_for(asyncio.to_thread(w2.terminate, 2 * WITHIN_S), 3 * WITHIN_S)
+        assert w2.process is not None and w2.process.returncode == 0, w2.logs()
+    finally:
+        await engines.close()
+
+    # An action sent again (a new owner republishes what the log does not mark published)
+    # was the same action each time, its completion included.
+    assert not engines.mismatched, engines.mismatched[:3]
+    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    repeated = sum(len(c) - 1 for c in engines.completions.values())
+    applied = await applied_inputs(js)
+    assert applied and set(applied.values()) == {1}, "every input appended once"
+
+    # w2 owns every partition at the end: its files, caught up from the replicated log for
+    # those w1 had, hold every handoff of their partition, succeeded.
+    for partition in range(PARTITIONS):
+        expected = {
+            s.handoff_id for s in starts if partition_of(s.handoff_id, PARTITIONS) == partition
+        }
+        log = open_log(partition_path(w2.data_dir, partition))
+        try:
+            rows = {row.handoff_id: row for row in log.handoffs()}
+        finally:
+            log.close()
+        assert set(rows) == expected, f"partition {partition}"
+        assert {row.state for row in rows.values()} == {HandoffState.SUCCEEDED}
+    files = partition_files(tmp_path)
+    for path in files:
+        verify(path)
+    print(
+        f"partitioned run: {HANDOFFS} handoffs completed across a SIGKILL of w1; "
+        f"{repeated} completions published again; {len(files)} partition files verified"
+    )
