@@ -41,11 +41,14 @@ partition to another worker), the owner finishes the batch in hand, gives back w
 (nak: redelivered at once) and releases the pin (`Bus.unpin`), so the next owner is pinned at
 once rather than after the priority timeout.
 
-What it does not do yet: run one owner per partition of a worker's share (a tier driven by
-membership and the balance rule); catch a local SQLite log up from the claimed records;
-remember applied inputs in less than a set of every stream sequence since the claim; reorder
-inputs that one owner's own stall (past the ack wait, while still pinned) sent back to it out
-of order, as the single worker does not either (its planner defers inputs that come early).
+Left to others: running one owner per partition of a worker's share (worker.tier), and
+catching a local SQLite log up from the claimed records (worker.partitioned, which `run`'s
+`on_claim` tells what the log held, before the next batch is decided).
+
+What it does not do yet: remember applied inputs in less than a set of every stream sequence
+since the claim; reorder inputs that one owner's own stall (past the ack wait, while still
+pinned) sent back to it out of order, as the single worker does not either (its planner
+defers inputs that come early).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ and claims it. So a partition has a new owner within about MEMBER_TTL_S + rebala
 the catch-up, and priority_timeout when that is longer. A worker that joins takes its share
 at its first round; the others hand that share over at theirs.
 
-What it does not do yet: run the coordinator (the `decide` and `act` it is given stand for
-it: the records to log, the actions to publish), nor keep the partitions' SQLite files.
+The coordinator is not here: the `decide`, `act` and `on_claim` it is given run it
+(worker.partitioned: the records to log, the actions to publish, the partitions' SQLite files).
 """
 
 from __future__ import annotations

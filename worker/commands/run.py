@@ -12,8 +12,8 @@ hand and exits, because another worker now consumes the stream.
 
 With `--partitions P --data-dir DIR` it runs as one worker of a partitioned tier instead
 (`worker.partitioned`): no lease and no `--db`; each owned partition's log is
-`DIR/partition-<p>.db` under its own writer lock. Exit 2 if the input stream was made with
-another partition count.
+`DIR/partition-<p>.db` under its own writer lock, and DIR itself is locked (`DIR/worker.lock`):
+exit 2 if another worker uses it, or if the input stream was made with another partition count.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -67,18 +68,12 @@ def execute(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvhandoff run: {exc}", file=sys.stderr)
         return 2
-    if config.partitions is not None:
-        configure_logging(config.log_level, config.log_format)
-        try:
-            return asyncio.run(serve_tier(config))
-        except (BusRefused, LogDiverges, PartitionsMismatch, StoreLocked) as exc:
-            logger.error("cannot start: %s", exc)
-            return 2
-        except (StoreError, BusError) as exc:
-            logger.error("worker stopped: %s", exc)
-            return 1
+    # One worker per log: the single worker's file, or a tier worker's data directory (two
+    # workers on one directory would claim partitions from each other and then fail to open
+    # the partition's file).
+    locked = config.db_path if config.data_dir is None else config.data_dir / "worker"
     try:
-        lock = WriterLock.acquire(config.db_path)
+        lock = WriterLock.acquire(locked)
     except StoreError as exc:
         print(f"kvhandoff run: {exc}", file=sys.stderr)
         # A log in use is refused like a setting that cannot work; anything else is the log
@@ -88,7 +83,7 @@ def execute(args: argparse.Namespace) -> int:
     # Held until the process ends: the OS releases it if the process dies first.
     with lock:
         try:
-            return asyncio.run(serve(config))
+            return asyncio.run(serve(config) if config.partitions is None else serve_tier(config))
         except (BusRefused, LeaseHeld, LogDiverges, PartitionsMismatch) as exc:
             logger.error("cannot start: %s", exc)
             return 2
@@ -145,7 +140,9 @@ async def serve_tier(config: WorkerConfig) -> int:
         if stop.is_set():
             return 0
         metrics = Metrics()
-        worker = PartitionedWorker(config, settings, bus, metrics, label=socket.gethostname())
+        worker = PartitionedWorker(
+            config, settings, bus, metrics, label=f"{socket.gethostname()}:{os.getpid()}"
+        )
         server = None
         if config.metrics_port:
             server = MetricsServer(
