@@ -183,3 +183,58 @@ async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complet
         f"w1's SIGKILL; {repeated} completions published again; {len(files)} partition "
         f"files verified"
     )
+
+
+async def test_a_worker_that_owns_a_partition_again_catches_its_file_up_from_its_mark(
+    nats_cluster: NatsCluster, workers: list[Worker], tmp_path: Path
+) -> None:
+    """w1 owns everything, w2 joins and takes a share, then leaves: w1's files for that share
+    lack what w2 appended meanwhile, and w1 commits exactly that (the entries after its mark)
+    when it claims them again."""
+    url = nats_cluster.url
+    w1, w2 = Worker(url, "w1", tmp_path), Worker(url, "w2", tmp_path)
+    workers += [w1, w2]
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    engines = ScriptedEngines(url.split(",")[0])
+    await engines.start()
+    starts: list[StartHandoff] = []
+    try:
+
+        async def complete(count: int) -> None:
+            handoffs = [start(len(starts) + n) for n in range(count)]
+            starts.extend(handoffs)
+            for s in handoffs:
+                await engines.start_handoff(s)
+            await engines.wait_complete({s.handoff_id for s in handoffs}, within=4 * WITHIN_S)
+
+        await complete(HANDOFFS // 4)
+        w2.start(timeout_s=2 * WITHIN_S)
+        await until(w2.took_a_share, "w2 takes its share")
+        deadline = time.monotonic() + 2 * WITHIN_S
+        while " up with " not in w2.logs():  # w2 claims a partition at its first input
+            assert time.monotonic() < deadline, f"w2 claimed nothing: {w2.logs()}"
+            await complete(10)
+        await complete(HANDOFFS // 4)
+        assert await asyncio.to_thread(w2.terminate, 2 * WITHIN_S) == 0, w2.logs()
+        await complete(HANDOFFS // 4)
+        assert await asyncio.to_thread(w1.terminate, 2 * WITHIN_S) == 0, w1.logs()
+    finally:
+        await engines.close()
+
+    # "caught <file> up with <missing> of <entries> entries (mark <mark>)"
+    catch_ups = re.findall(r"up with (\d+) of (\d+) entries \(mark (\w+)\)", w1.logs())
+    again = [(int(n), int(m)) for n, m, mark in catch_ups if mark != "None"]
+    assert any(0 < n < m for n, m in again), catch_ups
+    for partition in range(PARTITIONS):
+        expected = {
+            s.handoff_id for s in starts if partition_of(s.handoff_id, PARTITIONS) == partition
+        }
+        log = open_log(partition_path(w1.data_dir, partition))
+        try:
+            rows = {row.handoff_id: row.state for row in log.handoffs()}
+        finally:
+            log.close()
+        assert rows == dict.fromkeys(expected, HandoffState.SUCCEEDED), f"partition {partition}"
+    for path in partition_files(tmp_path):
+        verify(path)
