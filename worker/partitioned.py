@@ -24,9 +24,11 @@ Invariants.
   `decide` and `act`) and in the local file (`act` commits before it publishes).
 - A plan that was decided but not acted on (the append was fenced or in doubt) leaves the
   planner ahead of the file: every claim rebuilds it from the file, after the catch-up.
-- Outbox marks ("published") ride on the partition's next commit after the server confirmed
-  them; a claim publishes what the file does not mark published, and every action still
-  outstanding (the previous owner may have died between its append and its publishes).
+- Outbox marks ("published") ride in the rows of the partition's next batch after the server
+  confirmed them, so they are in the replicated log too. A claim publishes what the file does
+  not mark published (at most the last batches' actions of the previous owner, which may have
+  died between its append and its publishes, or handed over before its marks rode on a
+  batch), and every action still outstanding: at least once, with the same action ids.
 
 What differs from the single worker (worker.service), in this first version:
 - No timers: no deadlines (`TimedOut`) and no retries of an action without an outcome beyond
@@ -245,7 +247,7 @@ class PartitionedWorker:
         began = time.perf_counter()
         await part.log.commit(rows_batch)
         self._metrics.commit_seconds.observe(time.perf_counter() - began)
-        await self._publish(part, [(row, seq, action) for row, seq, action in plan.publish])
+        await self._publish(part, plan.publish)
         for _, rejection in plan.terms:
             await self._bus.publish(
                 self._subjects.rejected(rejection.handoff_id), encode(rejection)
@@ -254,6 +256,9 @@ class PartitionedWorker:
         Metrics.count(m.inputs, plan.inputs.items())
         Metrics.count(m.actions, plan.issued.items())
         Metrics.count(m.rejections, plan.reasons.items())
+        for _, _, action in plan.publish:
+            if isinstance(action, Complete):
+                m.completed.labels(action.completion.value).inc()
         if plan.duplicates:
             m.duplicates.inc(plan.duplicates)
         m.batch_size.observe(len(batch))
@@ -325,13 +330,15 @@ class PartitionedWorker:
             subject, payload = self._subject_for(row, action), encode(action)
             if isinstance(action, Complete):
                 await self._bus.publish_stored(subject, payload)
-                self._metrics.completed.labels(action.completion.value).inc()
             else:
                 await self._bus.publish(subject, payload)
             if seq >= 0:
                 marks.append((action.handoff_id, seq, now))
         if marks:
-            part.published.append((asyncio.ensure_future(self._bus.flush()), marks))
+            barrier = asyncio.ensure_future(self._bus.flush())
+            # Its failure is read by `_confirmed`, or never, if a claim drops its marks.
+            barrier.add_done_callback(_retrieve)
+            part.published.append((barrier, marks))
 
     def _confirmed(self, part: _Partition) -> list[tuple[str, int, int]]:
         """Take the outbox marks the server has confirmed, in publication order. Marks behind
@@ -377,3 +384,8 @@ class PartitionedWorker:
 
 def _int(mark: str | None) -> int | None:
     return None if mark is None else int(mark)
+
+
+def _retrieve(barrier: asyncio.Future[None]) -> None:
+    if not barrier.cancelled():
+        barrier.exception()
