@@ -88,9 +88,13 @@ class WorkerConfig:
     metrics_port: int = 9464
     log_format: str = "text"
     log_level: str = "INFO"
+    # The tier (worker.partitioned): None is the single worker of `db_path`.
+    partitions: int | None = None
+    data_dir: Path | None = None
 
     def validate(self) -> None:
         self.nats.validate()
+        self._validate_tier()
         if not self.db_path.parent.is_dir():
             raise ConfigError(f"--db: directory {self.db_path.parent} does not exist")
         if not re.fullmatch(r"[A-Za-z0-9_-]+", self.stream):
@@ -121,6 +125,24 @@ class WorkerConfig:
             raise ConfigError(f"--log-format: {self.log_format!r} is not text or json")
         if self.log_level not in logging.getLevelNamesMapping():
             raise ConfigError(f"--log-level: {self.log_level!r} is not a logging level")
+
+    def _validate_tier(self) -> None:
+        if (self.partitions is None) != (self.data_dir is None):
+            raise ConfigError("--partitions and --data-dir go together")
+        if self.partitions is None or self.data_dir is None:
+            return
+        if not 2 <= self.partitions <= 1024:
+            raise ConfigError(
+                f"--partitions: {self.partitions} is not in 2..1024 (without --partitions, one "
+                "worker consumes the whole stream)"
+            )
+        if not self.data_dir.is_dir():
+            raise ConfigError(f"--data-dir: {self.data_dir} is not a directory")
+        if self.retention_s is not None:
+            raise ConfigError(
+                "--retention does not go with --partitions: a partition's file must stay a "
+                "prefix of its replicated log"
+            )
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
@@ -254,6 +276,21 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-format", choices=["text", "json"],
                        default=env.get("KVHANDOFF_LOG_FORMAT", "text"))  # fmt: skip
     group.add_argument("--log-level", default=env.get("KVHANDOFF_LOG_LEVEL", "INFO"))
+    tier = parser.add_argument_group("tier", "Run as one worker of a partitioned tier.")
+    tier.add_argument(
+        "--partitions",
+        type=int,
+        default=env.get("KVHANDOFF_PARTITIONS"),
+        help="partitions of the input stream, fixed when it is created; every worker of the "
+        "tier gives the same (env KVHANDOFF_PARTITIONS); needs --data-dir",
+    )
+    tier.add_argument(
+        "--data-dir",
+        type=Path,
+        default=env.get("KVHANDOFF_DATA_DIR"),
+        help="directory of the owned partitions' event logs, partition-<p>.db "
+        "(env KVHANDOFF_DATA_DIR); replaces --db",
+    )
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -274,6 +311,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         metrics_port=args.metrics_port,
         log_format=args.log_format,
         log_level=args.log_level.upper(),
+        partitions=args.partitions,
+        data_dir=args.data_dir,
     )
     config.validate()
     return config

@@ -41,11 +41,14 @@ partition to another worker), the owner finishes the batch in hand, gives back w
 (nak: redelivered at once) and releases the pin (`Bus.unpin`), so the next owner is pinned at
 once rather than after the priority timeout.
 
-What it does not do yet: run one owner per partition of a worker's share (a tier driven by
-membership and the balance rule); catch a local SQLite log up from the claimed records;
-remember applied inputs in less than a set of every stream sequence since the claim; reorder
-inputs that one owner's own stall (past the ack wait, while still pinned) sent back to it out
-of order, as the single worker does not either (its planner defers inputs that come early).
+Left to others: running one owner per partition of a worker's share (worker.tier), and
+catching a local SQLite log up from the claimed records (worker.partitioned, which `run`'s
+`on_claim` tells what the log held, before the next batch is decided).
+
+What it does not do yet: remember applied inputs in less than a set of every stream sequence
+since the claim; reorder inputs that one owner's own stall (past the ack wait, while still
+pinned) sent back to it out of order, as the single worker does not either (its planner
+defers inputs that come early).
 """
 
 from __future__ import annotations
@@ -58,12 +61,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch
 from kvhandoff.worker.input_order import InputOrder
-from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.ownership import CaughtUp, PartitionLog
 
 logger = logging.getLogger(__name__)
 
-Decide = Callable[[Sequence[Inbound]], bytes]
+Decide = Callable[[Sequence[Inbound]], Awaitable[bytes]]
 Act = Callable[[Sequence[Inbound]], Awaitable[None]]
+# Told, right after each claim, what the partition's log held (to catch a local copy up).
+OnClaim = Callable[[int, CaughtUp], Awaitable[None]]
 
 _FETCH_TIMEOUT_S = 0.25  # how long an idle owner waits before noticing a stop request
 _FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
@@ -101,6 +106,7 @@ class PartitionOwner:
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
         self._claimed = False  # False: claim before the next batch
         self._claimed_under: str | None = None  # the pin id the claim was made under
+        self._on_claim: OnClaim | None = None
         # What it did, for metrics and tests.
         self.claims = 0
         self.applied = 0  # inputs appended and acted on
@@ -116,9 +122,13 @@ class PartitionOwner:
         """Inputs delivered and held back behind an earlier input of their handoff."""
         return 0 if self._order is None else self._order.held
 
-    async def run(self, decide: Decide, act: Act, stop: asyncio.Event) -> None:
+    async def run(
+        self, decide: Decide, act: Act, stop: asyncio.Event, on_claim: OnClaim | None = None
+    ) -> None:
         """Own the partition until another worker fences this one, or until `stop` is set:
-        then the batch in hand is finished and the partition handed over (see "Hand-over")."""
+        then the batch in hand is finished and the partition handed over (see "Hand-over").
+        `on_claim`, if given, is awaited after each claim, before the next batch is decided."""
+        self._on_claim = on_claim
         pull = Pull(
             self._bus, self._stream, self._consumer,
             max_ahead=2 * self._batch, expires_s=self._expires_s,
@@ -201,6 +211,8 @@ class PartitionOwner:
         orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
         self._order = InputOrder(orphans) if orphans else None
         self.orphans += len(orphans)
+        if self._on_claim is not None:
+            await self._on_claim(self.log.partition, caught)
 
     async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> None:
         """Steps 1-4 for one batch; `Fenced` before acting if another worker owns it now."""
@@ -213,7 +225,7 @@ class PartitionOwner:
                 self._order = None
         if fresh:
             inputs = [inbound.stream_seq for inbound in fresh]
-            await self.log.append(inputs, decide(fresh))
+            await self.log.append(inputs, await decide(fresh))
             self._applied.update(inputs)
             self.applied += len(fresh)
             await act(fresh)

@@ -133,6 +133,8 @@ class Batch:
     published: dict[UUID, tuple[int, int]] = field(default_factory=dict)
     rejections: list[tuple[int, str | None, str, bytes]] = field(default_factory=list)
     quarantined: list[tuple[int, str]] = field(default_factory=list)
+    # meta key -> value, set in the same transaction (the partitioned worker's catch-up mark).
+    meta: dict[str, str] = field(default_factory=dict)
 
     def append_input(self, seq: int, record: InputRecord) -> None:
         self._append(record.input.handoff_id, seq, record)
@@ -168,7 +170,12 @@ class Batch:
 
     def __bool__(self) -> bool:
         return bool(
-            self.events or self.handoffs or self.published or self.rejections or self.quarantined
+            self.events
+            or self.handoffs
+            or self.published
+            or self.rejections
+            or self.quarantined
+            or self.meta
         )
 
 
@@ -196,6 +203,10 @@ _QUARANTINE = (
 )
 _INSERT_REJECTION = (
     "INSERT INTO rejections (at_ms, handoff_id, reason, payload) VALUES (?, ?, ?, ?)"
+)
+_SET_META = (
+    "INSERT INTO meta (key, value) VALUES (?, ?)"
+    " ON CONFLICT (key) DO UPDATE SET value = excluded.value"
 )
 _LOADED_COLUMNS = f"{HANDOFF_COLUMNS}, published_seq, published_at_ms"
 _EVENT_COLUMNS = "h.handoff_id, e.seq, e.type, e.at_ms, e.record"
@@ -600,6 +611,11 @@ class EventLog:
             for seq, code, at_ms, blob, published_seq, marked_at in rows
         ]
 
+    async def meta(self, key: str) -> str | None:
+        """The value the meta table holds under `key` (set by a `Batch`), if any."""
+        rows = await self._fetch("SELECT value FROM meta WHERE key = ?", (key,))
+        return None if not rows else str(rows[0][0])
+
     async def compact(self, before_ms: int) -> Compacted:
         """Delete the handoffs that completed before `before_ms`, with their logs, and the
         rejections logged before it. Open and quarantined handoffs are kept."""
@@ -733,6 +749,8 @@ def _commit(db: sqlite3.Connection, batch: Batch) -> None:
             db.executemany(_INSERT_REJECTION, batch.rejections)
         if batch.quarantined:
             db.executemany(_QUARANTINE, batch.quarantined)
+        if batch.meta:
+            db.executemany(_SET_META, batch.meta.items())
 
 
 def _compact(db: sqlite3.Connection, before_ms: int) -> Compacted:

@@ -22,8 +22,8 @@ and claims it. So a partition has a new owner within about MEMBER_TTL_S + rebala
 the catch-up, and priority_timeout when that is longer. A worker that joins takes its share
 at its first round; the others hand that share over at theirs.
 
-What it does not do yet: run the coordinator (the `decide` and `act` it is given stand for
-it: the records to log, the actions to publish), nor keep the partitions' SQLite files.
+The coordinator is not here: the `decide`, `act` and `on_claim` it is given run it
+(worker.partitioned: the records to log, the actions to publish, the partitions' SQLite files).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from kvhandoff.worker.bus import Bus, Member
 from kvhandoff.worker.errors import BusError
 from kvhandoff.worker.ownership import PartitionLog
-from kvhandoff.worker.partition_owner import Act, Decide, PartitionOwner
+from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, PartitionOwner
 from kvhandoff.worker.partitions import rebalance
 
 logger = logging.getLogger(__name__)
@@ -65,12 +65,14 @@ class Tier:
     """This worker's owners, one per partition of its share; `run` it until stopped."""
 
     def __init__(
-        self, bus: Bus, settings: TierSettings, decide: Decide, act: Act, label: str
-    ) -> None:
+        self, bus: Bus, settings: TierSettings, decide: Decide, act: Act, label: str,
+        *, on_claim: OnClaim | None = None,
+    ) -> None:  # fmt: skip
         self._bus = bus
         self._settings = settings
         self._decide = decide
         self._act = act
+        self._on_claim = on_claim  # see PartitionOwner.run
         self.member = Member.this_process()
         self.owner_name = f"{label}/{self.member.instance}"  # in the log's Claimed records
         self._running: dict[int, tuple[PartitionOwner, asyncio.Task[None], asyncio.Event]] = {}
@@ -146,7 +148,8 @@ class Tier:
         )  # fmt: skip
         stop = asyncio.Event()
         task = asyncio.create_task(
-            owner.run(self._decide, self._act, stop), name=f"kvhandoff-partition-{partition}"
+            owner.run(self._decide, self._act, stop, self._on_claim),
+            name=f"kvhandoff-partition-{partition}",
         )
         self._running[partition] = (owner, task, stop)
         self.owners.append((partition, owner))

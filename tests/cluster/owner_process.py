@@ -60,7 +60,7 @@ async def own(url: str, name: str, partition: int) -> PartitionOwner:
         log = PartitionLog(bus, LOG_STREAM, PREFIX, partition, f"{name}/{member.instance}")
         owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=EXPIRES_S, heartbeat_s=0.25)
 
-        def decide(batch: Sequence[Inbound]) -> bytes:
+        async def decide(batch: Sequence[Inbound]) -> bytes:
             return json.dumps([inbound.data.decode() for inbound in batch]).encode()
 
         async def act(batch: Sequence[Inbound]) -> None:

@@ -32,7 +32,7 @@ async def serve(url: str, name: str) -> Tier:
     try:
         await bus.wait_jetstream(30)
 
-        def decide(batch: Sequence[Inbound]) -> bytes:
+        async def decide(batch: Sequence[Inbound]) -> bytes:
             return json.dumps([inbound.data.decode() for inbound in batch]).encode()
 
         async def act(batch: Sequence[Inbound]) -> None:

@@ -176,6 +176,15 @@ INVALID = [
     ),
     Invalid([], "--log-format: 'xml' is not text or json", env={"KVHANDOFF_LOG_FORMAT": "xml"}),
     Invalid(["--log-level", "verbose"], "--log-level: 'VERBOSE' is not a logging level"),
+    Invalid(["--partitions", "4"], "--partitions and --data-dir go together"),
+    Invalid(["--data-dir", "."], "--partitions and --data-dir go together"),
+    Invalid([], "--partitions and --data-dir go together", env={"KVHANDOFF_PARTITIONS": "4"}),
+    Invalid(["--partitions", "1", "--data-dir", "."], "--partitions: 1 is not in 2..1024"),
+    Invalid(["--partitions", "4", "--data-dir", "missing"], "--data-dir: missing is not a dir"),
+    Invalid(
+        ["--partitions", "4", "--data-dir", ".", "--retention", "1h"],
+        "--retention does not go with --partitions",
+    ),
 ]
 
 

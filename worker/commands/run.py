@@ -9,6 +9,11 @@ holds the log, NATS refuses our credentials or TLS, another worker holds the lea
 build's coordinator does not re-derive an open handoff's log. Exit 1 when it stops on an error,
 which includes losing the lease while running: it stops fetching at once, finishes the batch in
 hand and exits, because another worker now consumes the stream.
+
+With `--partitions P --data-dir DIR` it runs as one worker of a partitioned tier instead
+(`worker.partitioned`): no lease and no `--db`; each owned partition's log is
+`DIR/partition-<p>.db` under its own writer lock, and DIR itself is locked (`DIR/worker.lock`):
+exit 2 if another worker uses it, or if the input stream was made with another partition count.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Coroutine
@@ -38,8 +45,10 @@ from kvhandoff.worker.errors import (
 )
 from kvhandoff.worker.logs import configure_logging
 from kvhandoff.worker.metrics import Metrics, MetricsServer
+from kvhandoff.worker.partitioned import PartitionedWorker
 from kvhandoff.worker.service import Worker
 from kvhandoff.worker.store import EventLog, WriterLock
+from kvhandoff.worker.tier import TierSettings
 
 logger = logging.getLogger("kvhandoff.worker.run")
 
@@ -59,8 +68,12 @@ def execute(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvhandoff run: {exc}", file=sys.stderr)
         return 2
+    # One worker per log: the single worker's file, or a tier worker's data directory (two
+    # workers on one directory would claim partitions from each other and then fail to open
+    # the partition's file).
+    locked = config.db_path if config.data_dir is None else config.data_dir / "worker"
     try:
-        lock = WriterLock.acquire(config.db_path)
+        lock = WriterLock.acquire(locked)
     except StoreError as exc:
         print(f"kvhandoff run: {exc}", file=sys.stderr)
         # A log in use is refused like a setting that cannot work; anything else is the log
@@ -70,7 +83,7 @@ def execute(args: argparse.Namespace) -> int:
     # Held until the process ends: the OS releases it if the process dies first.
     with lock:
         try:
-            return asyncio.run(serve(config))
+            return asyncio.run(serve(config) if config.partitions is None else serve_tier(config))
         except (BusRefused, LeaseHeld, LogDiverges, PartitionsMismatch) as exc:
             logger.error("cannot start: %s", exc)
             return 2
@@ -102,6 +115,51 @@ async def serve(config: WorkerConfig) -> int:
             await bus.close()
     finally:
         await log.close()
+
+
+async def serve_tier(config: WorkerConfig) -> int:
+    """One worker of the tier until SIGTERM or SIGINT; every partition is handed over."""
+    assert config.partitions is not None and config.data_dir is not None  # validated
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    bus = await _unless_stopped(stop, Bus.connect(config.nats, name="kvhandoff-worker"))
+    if bus is None:
+        return 0
+    try:
+        settings = TierSettings(
+            partitions=config.partitions, prefix=config.nats.subject_prefix,
+            stream=config.stream, consumer=config.consumer,
+        )  # fmt: skip
+        subjects = Subjects(config.nats.subject_prefix)
+        await _unless_stopped(
+            stop,
+            bus.open_completions(config.done_stream, subjects.completions, config.completion_ttl_s),
+        )
+        if stop.is_set():
+            return 0
+        metrics = Metrics()
+        worker = PartitionedWorker(
+            config, settings, bus, metrics, label=f"{socket.gethostname()}:{os.getpid()}"
+        )
+        server = None
+        if config.metrics_port:
+            server = MetricsServer(
+                metrics, lambda: worker.healthy, config.metrics_host, config.metrics_port
+            )
+        try:
+            logger.info(
+                "serving %d partitions of %s as %s; logs in %s",
+                config.partitions, config.stream, worker.tier.owner_name, config.data_dir,
+            )  # fmt: skip
+            await worker.run(stop)
+        finally:
+            if server is not None:
+                server.close()
+        return 0
+    finally:
+        await bus.close()
 
 
 async def _consume(

@@ -1,0 +1,391 @@
+"""The coordinator as a tier: `kvhandoff run --partitions P --data-dir DIR`.
+
+Theory of operation. A `PartitionedWorker` runs a `worker.tier.Tier` with the real coordinator
+in place of its stand-ins. Each partition this worker owns has a `worker.planner.Planner` (the
+handoffs in memory) and an `EventLog` at `DIR/partition-<p>.db` (the offline tools read
+`DIR/partition-*.db`), held under its `WriterLock` from first claim until the worker stops. The
+tier's `PartitionOwner` drives three steps (see worker.partition_owner):
+
+    on claim   the partition's replicated log was read (`CaughtUp`): commit to the local file
+               the `Appended` entries it lacks (a new owner on another machine starts from an
+               empty file), rebuild the planner from the file, publish its backlog;
+    decide     decode and plan the batch, loading from the local file the handoffs not in
+               memory; return the plan's rows (`LoggedRows`) for the owner to append;
+    act        after the append: commit the same rows locally, then publish the plan's actions
+               and rejections on the subjects and in the encoding of worker.service.
+
+Invariants.
+- The replicated log is the authority; the local file is a prefix of it. Each local commit of
+  an entry carries, in the file's meta table and in the same transaction, the entry's mark (the
+  stream sequence of its first input: an input is applied once, so it names one entry). A
+  catch-up applies the entries after the marked one, in log order, in one transaction. A mark
+  that the log no longer holds (its `max_age` dropped it) means every entry left is newer.
+- Nothing is published before its rows are in the replicated log (the owner appends between
+  `decide` and `act`) and in the local file (`act` commits before it publishes).
+- A plan that was decided but not acted on (the append was fenced or in doubt) leaves the
+  planner ahead of the file: every claim rebuilds it from the file, after the catch-up.
+- Outbox marks ("published") ride in the rows of the partition's next batch after the server
+  confirmed them, so they are in the replicated log too. A claim publishes what the file does
+  not mark published (at most the last batches' actions of the previous owner, which may have
+  died between its append and its publishes, or handed over before its marks rode on a
+  batch), and every action still outstanding: at least once, with the same action ids.
+
+What differs from the single worker (worker.service), in this first version:
+- No timers: no deadlines (`TimedOut`) and no retries of an action without an outcome beyond
+  the republish at each claim. A handoff whose engine never answers stays open.
+- No deferral of early inputs: the owner acknowledges every input it applies, so an input the
+  coordinator refuses as premature is rejected at once (the planner is told it was delivered
+  `DEFER_LIMIT` times). Inputs of one handoff reach the owner in stream order
+  (worker.input_order), which is the order their publishers sent them.
+- No retention (`--retention` is refused with `--partitions`): a compacted file would no longer
+  be a prefix of the replicated log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from uuid import UUID
+
+import msgspec
+
+from kvhandoff.events.codec import encode
+from kvhandoff.events.errors import ReplayDivergence
+from kvhandoff.events.messages import Action, Complete, Role
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.config import WorkerConfig
+from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
+from kvhandoff.worker.metrics import Metrics
+from kvhandoff.worker.ownership import CaughtUp
+from kvhandoff.worker.planner import DEFER_LIMIT, Plan, Planner
+from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog, WriterLock
+from kvhandoff.worker.tier import Tier, TierSettings
+
+logger = logging.getLogger(__name__)
+
+# The meta key of a partition file's mark: the first input of the last entry it holds.
+MARK_KEY = "partition_log_mark"
+
+
+def partition_path(data_dir: Path, partition: int) -> Path:
+    """The local event log of one partition (the offline tools read `partition-*.db`)."""
+    return data_dir / f"partition-{partition}.db"
+
+
+class LoggedRows(msgspec.Struct, frozen=True, tag="rows", tag_field="kind"):
+    """One batch's rows, as appended to the partition's replicated log (`Appended.records`)
+    and committed to its local file: a `worker.store.Batch`, whose outbox marks are those the
+    server confirmed since the previous batch (so that a new owner republishes only the
+    actions of the last batches, not the partition's history)."""
+
+    inputs: list[int]  # the input stream sequences applied: the first is the entry's mark
+    events: list[tuple[str, int, int, int, bytes]]  # (handoff id, seq, type, at_ms, record)
+    handoffs: list[HandoffRow]
+    rejections: list[tuple[int, str | None, str, bytes]]  # (at_ms, handoff id, reason, payload)
+    quarantined: list[tuple[int, str]]  # (at_ms, handoff id)
+    published: list[tuple[str, int, int]]  # (handoff id, seq, at_ms): outbox marks
+
+    @classmethod
+    def of(
+        cls, inputs: list[int], batch: Batch, published: list[tuple[str, int, int]]
+    ) -> LoggedRows:
+        return cls(
+            inputs, batch.events, list(batch.handoffs.values()), batch.rejections,
+            batch.quarantined, published,
+        )  # fmt: skip
+
+    def add_to(self, batch: Batch) -> None:
+        """Add these rows to `batch`, after those it holds (a later row of a handoff wins)."""
+        batch.events.extend(self.events)
+        batch.handoffs.update((row.handoff_id, row) for row in self.handoffs)
+        batch.rejections.extend(self.rejections)
+        batch.quarantined.extend(self.quarantined)
+        for handoff_id, seq, at_ms in self.published:
+            batch.mark_published(UUID(handoff_id), seq, at_ms)
+        if self.inputs:
+            batch.meta[MARK_KEY] = str(self.inputs[0])
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(LoggedRows)
+
+
+@dataclass(frozen=True, slots=True)
+class _Canonical:
+    """A delivery as the planner reads it: under its handoff's input subject, not the
+    partition-qualified one the stream's transform stored it under. `deliveries` is pinned at
+    `DEFER_LIMIT`: an early input is rejected at once (see the module docstring)."""
+
+    data: bytes
+    subject: str
+    stream_seq: int
+    deliveries: int = DEFER_LIMIT
+
+
+@dataclass
+class _Partition:
+    """One owned partition's coordinator state."""
+
+    number: int
+    log: EventLog
+    lock: WriterLock
+    planner: Planner
+    # A plan and its rows, awaiting their append and `act`, with the inputs they apply.
+    decided: tuple[list[int], Plan, LoggedRows] | None = None
+    # Marks of actions published, with the barrier that confirms them.
+    published: list[tuple[asyncio.Future[None], list[tuple[UUID, int, int]]]] = field(
+        default_factory=list
+    )
+
+
+class PartitionedWorker:
+    """The tier's worker with the real coordinator; `run` it until stopped."""
+
+    def __init__(
+        self, config: WorkerConfig, settings: TierSettings, bus: Bus, metrics: Metrics,
+        *, label: str,
+    ) -> None:  # fmt: skip
+        assert config.data_dir is not None  # validated: it comes with --partitions
+        self._config = config
+        self._data_dir = config.data_dir
+        self._bus = bus
+        self._metrics = metrics
+        self._subjects = Subjects(config.nats.subject_prefix)
+        self._partitions: dict[int, _Partition] = {}
+        self._inputs_of = f"{config.nats.subject_prefix}.inp."
+        self.tier = Tier(bus, settings, self.decide, self.act, label, on_claim=self.on_claim)
+
+    @property
+    def healthy(self) -> bool:
+        return self._bus.is_connected
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Own this worker's share until `stop` is set, then close every partition file."""
+        try:
+            await self.tier.run(stop)
+        finally:
+            for part in self._partitions.values():
+                with contextlib.suppress(StoreError):
+                    await self._settle_marks(part)
+                await part.log.close()
+                part.lock.release()
+            self._partitions.clear()
+
+    # --- The owner's three steps --------------------------------------------------------
+
+    async def on_claim(self, partition: int, caught: CaughtUp) -> None:
+        """Catch the local file up from the replicated log, rebuild the planner from it, and
+        publish what the file does not mark published, and every outstanding action."""
+        began = time.perf_counter()
+        part = await self._open(partition)
+        part.decided = None
+        entries = []
+        for index, record in enumerate(caught.records):
+            try:
+                entries.append(_DECODER.decode(record))
+            except msgspec.DecodeError as exc:
+                raise StoreCorrupt(
+                    f"partition {partition}: entry {index} of its replicated log is not a batch "
+                    f"of rows ({exc}); refusing to catch {part.log.path} up from it"
+                ) from exc
+        mark = await part.log.meta(MARK_KEY)
+        marked = [i for i, entry in enumerate(entries) if entry.inputs[:1] == [_int(mark)]]
+        missing = entries[marked[-1] + 1 :] if marked else entries
+        catch_up = Batch()
+        for entry in missing:
+            entry.add_to(catch_up)
+        # Marks of this worker's earlier tenure; those not confirmed yet are republished.
+        for handoff_id, seq, at_ms in self._confirmed(part):
+            catch_up.mark_published(UUID(handoff_id), seq, at_ms)
+        part.published.clear()
+        if catch_up:
+            await part.log.commit(catch_up)
+        await self._rebuild(part)
+        elapsed = time.perf_counter() - began
+        logger.info(
+            "partition %d: caught %s up with %d of %d entries (mark %s), %d open handoffs, "
+            "in %.3fs",
+            partition, part.log.path, len(missing), len(entries), mark, len(part.planner.open),
+            elapsed,
+        )  # fmt: skip
+
+    async def decide(self, batch: Sequence[Inbound]) -> bytes:
+        """Plan the batch against the partition's handoffs; the rows to append."""
+        part = self._partitions[self._partition_of(batch[0])]
+        deliveries = [self._canonical(inbound) for inbound in batch]
+        planner = part.planner
+        decoded = planner.decode(deliveries)
+        missing = planner.missing(decoded)
+        loaded = await part.log.load(missing) if missing else {}
+        plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time())
+        inputs = [inbound.stream_seq for inbound in batch]
+        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part))
+        part.decided = (inputs, plan, rows)
+        return _ENCODER.encode(rows)
+
+    async def act(self, batch: Sequence[Inbound]) -> None:
+        """Commit the appended rows locally, then publish what they say."""
+        part = self._partitions[self._partition_of(batch[0])]
+        inputs = [inbound.stream_seq for inbound in batch]
+        if part.decided is None or part.decided[0] != inputs:
+            raise StoreError(
+                f"partition {part.number}: asked to act on inputs {inputs[:3]}... that were "
+                "not the last decided; the next claim catches the file up"
+            )
+        _, plan, rows = part.decided
+        part.decided = None
+        rows_batch = Batch()
+        rows.add_to(rows_batch)
+        began = time.perf_counter()
+        await part.log.commit(rows_batch)
+        self._metrics.commit_seconds.observe(time.perf_counter() - began)
+        await self._publish(part, plan.publish)
+        for _, rejection in plan.terms:
+            await self._bus.publish(
+                self._subjects.rejected(rejection.handoff_id), encode(rejection)
+            )
+        m = self._metrics
+        Metrics.count(m.inputs, plan.inputs.items())
+        Metrics.count(m.actions, plan.issued.items())
+        Metrics.count(m.rejections, plan.reasons.items())
+        for _, _, action in plan.publish:
+            if isinstance(action, Complete):
+                m.completed.labels(action.completion.value).inc()
+        if plan.duplicates:
+            m.duplicates.inc(plan.duplicates)
+        m.batch_size.observe(len(batch))
+        m.open_handoffs.set(sum(len(p.planner.open) for p in self._partitions.values()))
+
+    # --- Partitions, their files and their outbox ---------------------------------------
+
+    async def _open(self, partition: int) -> _Partition:
+        """The partition's state, opening its file (under its writer lock) the first time."""
+        part = self._partitions.get(partition)
+        if part is not None:
+            return part
+        path = partition_path(self._data_dir, partition)
+        lock = WriterLock.acquire(path)
+        try:
+            log = await EventLog.open(path, self._config.synchronous)
+        except BaseException:
+            lock.release()
+            raise
+        planner = Planner(self._subjects, self._config.batch_size, self._config.ack_wait_s)
+        part = self._partitions[partition] = _Partition(partition, log, lock, planner)
+        return part
+
+    async def _rebuild(self, part: _Partition) -> None:
+        """Replace the planner's memory with the file's open handoffs; publish the backlog."""
+        planner = part.planner
+        planner.open.clear()
+        planner.deferred.clear()
+        planner.quarantined = await part.log.quarantined()
+        quarantines = Batch()
+        try:
+            planner.adopt(
+                (await part.log.open_handoffs()).values(), quarantines, now_ms(), diverging=True
+            )
+        except ReplayDivergence as exc:
+            raise LogDiverges(
+                f"partition {part.number}: {exc}; this build's coordinator does not re-derive "
+                f"the log of an open handoff in {part.log.path}"
+            ) from exc
+        backlog: dict[tuple[UUID, int], tuple[HandoffRow, int, Action]] = {}
+        for unpublished in await part.log.unpublished_actions():
+            if isinstance(unpublished, CorruptHandoff):
+                planner.quarantine(
+                    quarantines, now_ms(), unpublished.handoff_id, unpublished.reason
+                )
+                continue
+            action = unpublished.record.action
+            key = (action.handoff_id, action.action_id)
+            backlog[key] = (unpublished.row, unpublished.seq, action)
+        for handoff in planner.open.values():
+            for action in handoff.coordinator.outstanding():
+                key = (action.handoff_id, action.action_id)
+                backlog.setdefault(key, (handoff.row, -1, action))
+        if quarantines:
+            await part.log.commit(quarantines)
+        await self._publish(part, list(backlog.values()))  # marked with the next batch
+        self._metrics.quarantined.set(
+            sum(len(p.planner.quarantined) for p in self._partitions.values())
+        )
+
+    async def _publish(
+        self, part: _Partition, actions: list[tuple[HandoffRow, int, Action]]
+    ) -> None:
+        """Publish actions as worker.service does; their marks wait for the server's barrier.
+        A seq of -1 is an action the file already marks (republished, not marked again)."""
+        now = now_ms()
+        marks = []
+        for row, seq, action in actions:
+            subject, payload = self._subject_for(row, action), encode(action)
+            if isinstance(action, Complete):
+                await self._bus.publish_stored(subject, payload)
+            else:
+                await self._bus.publish(subject, payload)
+            if seq >= 0:
+                marks.append((action.handoff_id, seq, now))
+        if marks:
+            barrier = asyncio.ensure_future(self._bus.flush())
+            # Its failure is read by `_confirmed`, or never, if a claim drops its marks.
+            barrier.add_done_callback(_retrieve)
+            part.published.append((barrier, marks))
+
+    def _confirmed(self, part: _Partition) -> list[tuple[str, int, int]]:
+        """Take the outbox marks the server has confirmed, in publication order. Marks behind
+        a barrier that failed are dropped: their actions count as never published."""
+        confirmed: list[tuple[str, int, int]] = []
+        while part.published and part.published[0][0].done():
+            barrier, marks = part.published.pop(0)
+            if barrier.cancelled() or barrier.exception() is not None:
+                continue
+            confirmed.extend((str(handoff_id), seq, at_ms) for handoff_id, seq, at_ms in marks)
+        return confirmed
+
+    async def _settle_marks(self, part: _Partition) -> None:
+        """Stopping: wait for the barriers, and commit what they confirm to the local file
+        (the next owner republishes those actions: the replicated log does not mark them)."""
+        for barrier, _ in part.published:
+            with contextlib.suppress(BusError, asyncio.CancelledError):
+                await barrier
+        batch = Batch()
+        for handoff_id, seq, at_ms in self._confirmed(part):
+            batch.mark_published(UUID(handoff_id), seq, at_ms)
+        if batch:
+            await part.log.commit(batch)
+
+    def _subject_for(self, row: HandoffRow, action: Action) -> str:
+        match action.executor:
+            case Role.SOURCE:
+                return self._subjects.engine(row.source)
+            case Role.DESTINATION:
+                return self._subjects.engine(row.destination)
+            case Role.FRONTEND:
+                return self._subjects.done(action.handoff_id)
+
+    def _partition_of(self, inbound: Inbound) -> int:
+        return int(inbound.subject.removeprefix(self._inputs_of).partition(".")[0])
+
+    def _canonical(self, inbound: Inbound) -> _Canonical:
+        """`<prefix>.inp.<p>.<id>` read as `<prefix>.in.<id>`."""
+        handoff = inbound.subject.removeprefix(self._inputs_of).partition(".")[2]
+        subject = f"{self._config.nats.subject_prefix}.in.{handoff}"
+        return _Canonical(inbound.data, subject, inbound.stream_seq)
+
+
+def _int(mark: str | None) -> int | None:
+    return None if mark is None else int(mark)
+
+
+def _retrieve(barrier: asyncio.Future[None]) -> None:
+    if not barrier.cancelled():
+        barrier.exception()
