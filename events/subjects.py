@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from uuid import UUID
 
+from kvhandoff.events.messages import Action, Role
+
 
 @dataclass(frozen=True, slots=True)
 class Subjects:
@@ -54,6 +56,17 @@ class Subjects:
 
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}.engine.{engine_id}.actions"
+
+    def action(self, action: Action, source: str, destination: str) -> str:
+        """Where `action` goes: to the engine that executes it (the handoff's source or
+        destination), or, for `Complete`, to the frontend."""
+        match action.executor:
+            case Role.SOURCE:
+                return self.engine(source)
+            case Role.DESTINATION:
+                return self.engine(destination)
+            case Role.FRONTEND:
+                return self.done(action.handoff_id)
 
     def done(self, handoff_id: UUID) -> str:
         return f"{self.prefix}.done.{handoff_id}"

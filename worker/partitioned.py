@@ -56,7 +56,7 @@ import msgspec
 
 from kvhandoff.events.codec import encode
 from kvhandoff.events.errors import ReplayDivergence
-from kvhandoff.events.messages import Action, Complete, Role
+from kvhandoff.events.messages import Action, Complete
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.clock import now_ms
@@ -327,7 +327,10 @@ class PartitionedWorker:
         now = now_ms()
         marks = []
         for row, seq, action in actions:
-            subject, payload = self._subject_for(row, action), encode(action)
+            subject, payload = (
+                self._subjects.action(action, row.source, row.destination),
+                encode(action),
+            )
             if isinstance(action, Complete):
                 await self._bus.publish_stored(subject, payload)
             else:
@@ -362,15 +365,6 @@ class PartitionedWorker:
             batch.mark_published(UUID(handoff_id), seq, at_ms)
         if batch:
             await part.log.commit(batch)
-
-    def _subject_for(self, row: HandoffRow, action: Action) -> str:
-        match action.executor:
-            case Role.SOURCE:
-                return self._subjects.engine(row.source)
-            case Role.DESTINATION:
-                return self._subjects.engine(row.destination)
-            case Role.FRONTEND:
-                return self._subjects.done(action.handoff_id)
 
     def _partition_of(self, inbound: Inbound) -> int:
         return int(inbound.subject.removeprefix(self._inputs_of).partition(".")[0])

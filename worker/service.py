@@ -76,7 +76,7 @@ from uuid import UUID
 from kvhandoff.events.codec import encode
 from kvhandoff.events.coordinator import Mode
 from kvhandoff.events.errors import ReplayDivergence
-from kvhandoff.events.messages import Action, Complete, Role, TimedOut
+from kvhandoff.events.messages import Action, Complete, TimedOut
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.clock import now_ms
@@ -446,17 +446,11 @@ class Worker:
 
     # --- Actions and timers -------------------------------------------------------------
 
-    def _subject_for(self, row: HandoffRow, action: Action) -> str:
-        match action.executor:
-            case Role.SOURCE:
-                return self._subjects.engine(row.source)
-            case Role.DESTINATION:
-                return self._subjects.engine(row.destination)
-            case Role.FRONTEND:
-                return self._subjects.done(action.handoff_id)
-
     async def _publish_action(self, row: HandoffRow, action: Action) -> None:
-        subject, payload = self._subject_for(row, action), encode(action)
+        subject, payload = (
+            self._subjects.action(action, row.source, row.destination),
+            encode(action),
+        )
         if isinstance(action, Complete):
             # Stored by the completion stream (and still seen by core subscribers), so a
             # frontend that was reconnecting can read it afterwards.
