@@ -12,6 +12,10 @@ and appends the next only after acting, so the previous owner may have died (SIG
 its last append and its publishes. The new owner skips those inputs, which the log says were
 applied, so without this they would never be acted on. Acting is at least once; the log says
 what was applied, exactly once.
+
+For the test of that: with `KVHANDOFF_TEST_KILL_BEFORE_ACTING=N` in its environment, it
+SIGKILLs itself after appending the batch that brings the inputs it applied to N or more, before
+acting on it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -31,6 +36,7 @@ from kvhandoff.worker.tier import Tier, TierSettings
 
 PARTITIONS = 4
 SETTINGS = TierSettings(partitions=PARTITIONS)
+KILL_BEFORE_ACTING = "KVHANDOFF_TEST_KILL_BEFORE_ACTING"
 
 
 async def serve(url: str, name: str) -> Tier:
@@ -48,7 +54,14 @@ async def serve(url: str, name: str) -> Tier:
         async def decide(batch: Sequence[Inbound]) -> bytes:
             return json.dumps([inbound.stream_seq for inbound in batch]).encode()
 
+        kill_at = int(os.environ.get(KILL_BEFORE_ACTING, "0"))
+        applied = 0
+
         async def act(batch: Sequence[Inbound]) -> None:
+            nonlocal applied
+            applied += len(batch)
+            if kill_at and applied >= kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # appended, and dies before acting
             await publish_acted([inbound.stream_seq for inbound in batch])
 
         async def on_claim(partition: int, caught: CaughtUp) -> None:
