@@ -43,7 +43,10 @@ once rather than after the priority timeout.
 
 Left to others: running one owner per partition of a worker's share (worker.tier), and
 catching a local SQLite log up from the claimed records (worker.partitioned, which `run`'s
-`on_claim` tells what the log held, before the next batch is decided).
+`on_claim` tells what the log held, before the next batch is decided). Acting again on what
+the previous owner appended: it may have died between step 3 and step 4, and step 1 here drops
+those inputs as applied, so only `on_claim` can act on them (worker.partitioned republishes
+what its file does not mark published; tests/cluster/tier_process.py, the last record).
 
 What it does not do yet: remember applied inputs in less than a set of every stream sequence
 since the claim; reorder inputs that one owner's own stall (past the ack wait, while still

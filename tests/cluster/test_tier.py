@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -27,21 +28,24 @@ from kvhandoff.worker.natsserver import NatsCluster
 from kvhandoff.worker.ownership import Appended, Claimed, Entry
 from kvhandoff.worker.partitions import partition_of
 from tests.cluster.conftest import WITHIN_S, Acted, publish, until
-from tests.cluster.tier_process import PARTITIONS, SETTINGS
+from tests.cluster.tier_process import KILL_BEFORE_ACTING, PARTITIONS, SETTINGS
 
 
 class WorkerProcess:
     """`tests.cluster.tier_process` in a child process."""
 
-    def __init__(self, url: str, name: str, tmp: Path) -> None:
+    def __init__(self, url: str, name: str, tmp: Path, *, kill_before_acting: int = 0) -> None:
         self.name = name
         self.status_path = tmp / f"{name}.json"
         self.log_path = tmp / f"{name}.log"
+        env = dict(os.environ)
+        if kill_before_acting:
+            env[KILL_BEFORE_ACTING] = str(kill_before_acting)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "tests.cluster.tier_process",
                  url, name, str(self.status_path)],
-                stdout=log, stderr=subprocess.STDOUT,
+                stdout=log, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
 
     def status(self) -> dict[str, object]:
@@ -173,7 +177,15 @@ async def test_a_killed_workers_partitions_are_taken_over_with_every_input_appli
         w2.process.send_signal(signal.SIGTERM)  # for its owners' counts
         w2.process.wait(timeout=2 * WITHIN_S)
         missing = set(load.published).difference(*acted.by.values())
-        raise AssertionError(f"not applied: {sorted(missing)}; w2: {w2.status()}") from None
+        # Applied but never acted on (in the log), or never applied: two different faults.
+        logged = {
+            seq for entries in (await the_log(js)).values() for entry in entries
+            if isinstance(entry, Appended) for seq in entry.inputs
+        }  # fmt: skip
+        raise AssertionError(
+            f"not acted on: {sorted(missing)}, of which in the log: {sorted(missing & logged)}; "
+            f"w2: {w2.status()}"
+        ) from None
     all_applied_s = time.monotonic() - killed_at
     w2.process.send_signal(signal.SIGTERM)
     assert w2.process.wait(timeout=2 * WITHIN_S) == 0, w2.logs()
@@ -186,6 +198,31 @@ async def test_a_killed_workers_partitions_are_taken_over_with_every_input_appli
         f"tier failover: all inputs applied {all_applied_s:.1f}s after w1 was killed "
         f"(member TTL 5 s, priority timeout {SETTINGS.priority_timeout_s} s); w2={status}"
     )
+
+
+async def test_inputs_a_killed_worker_appended_and_did_not_act_on_are_acted_on_by_the_next_owner(
+    nats_cluster: NatsCluster,
+    js: JetStreamContext,
+    workers: dict[str, WorkerProcess],
+    acted: Acted,
+    tmp_path: Path,
+) -> None:
+    """w1 dies (SIGKILL) between an append and its publishes; w2 takes its partitions over,
+    skips those inputs (the log says they were applied) and acts on them at its claim."""
+    load = Load(js)
+    workers["w1"] = w1 = WorkerProcess(nats_cluster.url, "w1", tmp_path, kill_before_acting=20)
+    await until(lambda: "serving" in w1.logs(), "w1 serves", w1)
+    await load.publish(40)
+    await until(lambda: w1.process.poll() is not None, "w1 kills itself before acting")
+    workers["w2"] = w2 = WorkerProcess(nats_cluster.url, "w2", tmp_path)
+    await until(lambda: everything_applied(acted, load), "everything acted on", w2)
+    w2.process.send_signal(signal.SIGTERM)
+    assert w2.process.wait(timeout=2 * WITHIN_S) == 0, w2.logs()
+    by_worker = check_applied_once_in_order(await the_log(js), load)
+    # Counted at the end, when whatever w1 published has long arrived.
+    not_acted = set(by_worker["w1"]).difference(acted.by["w1"])
+    assert not_acted, "w1 died having acted on everything it appended"
+    assert not_acted <= set(acted.by["w2"]), "w2 acted on what w1 applied and did not act on"
 
 
 async def test_a_worker_that_joins_mid_load_takes_its_share_by_clean_hand_overs(

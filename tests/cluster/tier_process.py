@@ -1,10 +1,21 @@
 """A worker of the tier (`worker.tier.Tier`) as a real process that the tests can SIGKILL.
 
 Run as `python -m tests.cluster.tier_process URL NAME STATUS_FILE`. It owns its share of the
-partitions; its records are the inputs' payloads, and it acts by publishing, after each append,
-the stream sequence of every input it applied to `kvhandoff.acted.<NAME>`. Once stopped by
-SIGTERM (every partition handed over) it writes what each of its partition owners did to
-STATUS_FILE, as JSON, and exits 0.
+partitions; its record of a batch is the stream sequences of its inputs, and it acts by
+publishing, after each append, the stream sequence of every input it applied to
+`kvhandoff.acted.<NAME>`. Once stopped by SIGTERM (every partition handed over) it writes what
+each of its partition owners did to STATUS_FILE, as JSON, and exits 0.
+
+At a claim it publishes the partition's last record again, as the real coordinator republishes
+its outbox at a claim (worker.partitioned): an owner acts on a batch only after appending it,
+and appends the next only after acting, so the previous owner may have died (SIGKILL) between
+its last append and its publishes. The new owner skips those inputs, which the log says were
+applied, so without this they would never be acted on. Acting is at least once; the log says
+what was applied, exactly once.
+
+For the test of that: with `KVHANDOFF_TEST_KILL_BEFORE_ACTING=N` in its environment, it
+SIGKILLs itself after appending the batch that brings the inputs it applied to N or more, before
+acting on it.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -19,10 +31,12 @@ from pathlib import Path
 
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.ownership import CaughtUp
 from kvhandoff.worker.tier import Tier, TierSettings
 
 PARTITIONS = 4
 SETTINGS = TierSettings(partitions=PARTITIONS)
+KILL_BEFORE_ACTING = "KVHANDOFF_TEST_KILL_BEFORE_ACTING"
 
 
 async def serve(url: str, name: str) -> Tier:
@@ -32,15 +46,30 @@ async def serve(url: str, name: str) -> Tier:
     try:
         await bus.wait_jetstream(30)
 
-        async def decide(batch: Sequence[Inbound]) -> bytes:
-            return json.dumps([inbound.data.decode() for inbound in batch]).encode()
-
-        async def act(batch: Sequence[Inbound]) -> None:
-            for inbound in batch:
-                await bus.publish(f"{SETTINGS.prefix}.acted.{name}", b"%d" % inbound.stream_seq)
+        async def publish_acted(inputs: Sequence[int]) -> None:
+            for seq in inputs:
+                await bus.publish(f"{SETTINGS.prefix}.acted.{name}", b"%d" % seq)
             await bus.flush()
 
-        tier = Tier(bus, SETTINGS, decide, act, label=name)
+        async def decide(batch: Sequence[Inbound]) -> bytes:
+            return json.dumps([inbound.stream_seq for inbound in batch]).encode()
+
+        kill_at = int(os.environ.get(KILL_BEFORE_ACTING, "0"))
+        applied = 0
+
+        async def act(batch: Sequence[Inbound]) -> None:
+            nonlocal applied
+            applied += len(batch)
+            if kill_at and applied >= kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # appended, and dies before acting
+            await publish_acted([inbound.stream_seq for inbound in batch])
+
+        async def on_claim(partition: int, caught: CaughtUp) -> None:
+            # Only the last record can have been appended and not acted on (see above).
+            if caught.records:
+                await publish_acted(json.loads(caught.records[-1]))
+
+        tier = Tier(bus, SETTINGS, decide, act, label=name, on_claim=on_claim)
         print(f"worker {name} serving", flush=True)
         await tier.run(stop)
         return tier
