@@ -129,8 +129,10 @@ ack) was not checked, so an owner must act only after its append succeeded.
 Membership. Workers announce themselves in the KV bucket `KVHANDOFF_MEMBERS`, shaped like the
 lease bucket: one key per worker instance, one revision kept, dropped after `MEMBER_TTL_S`
 without a refresh; `Membership.keep` refreshes it every third of that. `members` lists who is
-live. Membership says who is *probably* alive, to size each worker's share (ceil(P / live)); it
-never decides who owns a partition. A paused worker stays listed until its TTL passes.
+live, read from the bucket's leader (no direct gets: a replica may answer from before the
+latest refresh). Membership says who is *probably* alive, to size each worker's share
+(ceil(P / live)); it never decides who owns a partition. A paused worker stays listed until
+its TTL passes.
 """
 
 from __future__ import annotations
@@ -1680,6 +1682,10 @@ class Bus:
                     history=1,
                     ttl=MEMBER_TTL_S,
                     replicas=self.replicas,
+                    # Reads from the stream's leader only: a replica's direct get may answer
+                    # from before the latest refresh, or after its own clock expired the key,
+                    # and a live worker would drop out of a listing now and then.
+                    direct=False,
                 )
             )
 
