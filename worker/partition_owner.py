@@ -20,9 +20,9 @@ Doubt. If an append (or a claim) fails without an answer (NATS out of reach past
 time limit), it may have landed or not: the owner leaves the batch unacknowledged and claims
 anew before the next one, which reads the log and so learns which inputs were applied. If
 `act` fails after the append landed (its publishes unconfirmed: `Bus.flush` failed, NATS lost
-a node), the inputs are applied all the same, and their redeliveries are acknowledged without
-acting (step 1): nothing here acts on them again. So the owner claims anew, and `on_claim` must
-publish again what the server did not confirm (worker.partitioned does, from its outbox marks).
+a node), the inputs are applied all the same: the owner claims anew (a warning says so), and
+acting again is `on_claim`'s job, as for an owner that died between steps 3 and 4 (see "Left to
+others").
 
 The fence. If step 3 is refused (`Fenced`), another worker claimed the partition since: this
 one stops at once. It neither acts nor acknowledges anything more, closes its pull, and `run`
@@ -246,9 +246,8 @@ class PartitionOwner:
                 await act(fresh)
             except BusError as exc:
                 raise BusError(
-                    f"partition {self.log.partition}: inputs {inputs[0]}..{inputs[-1]} are "
-                    f"appended (applied), but acting on them failed ({exc}); their acts are "
-                    "published again at the next claim (on_claim)"
+                    f"inputs {inputs[0]}..{inputs[-1]} are appended (applied), but acting on "
+                    f"them failed ({exc}); on_claim must act on them again"
                 ) from exc
         for inbound in (*settled, *fresh):
             await inbound.ack()
