@@ -18,7 +18,11 @@ leaves nothing open; `Bus.connect_unless` gives up when a stop event (a signal) 
 
 The barrier. nats-py's own flush() writes its PING straight to the socket, ahead of commands
 still in its write buffer, so its PONG proves nothing about them. `Bus.flush` sends a message to
-our own inbox instead, behind them: when it comes back, the server has everything before it.
+our own inbox instead, behind them: when it comes back, the server has everything before it,
+if the connection did not change meanwhile. A reconnect loses what the old connection had
+written and the server had not read (a server killed mid-load), while the barrier, written to
+the new connection, comes back all the same: so a flush that a reconnect separates from the
+first `publish` it covers fails (`BusError`), and its caller publishes again, as for a timeout.
 
 Publishing. `publish` is core NATS, buffered and in order. `publish_durable` is a JetStream
 publish that returns once the stream stored the message; it retries with backoff while no
@@ -998,6 +1002,9 @@ class Bus:
         # JetStream acks of durable publishes not yet awaited; `flush` awaits them.
         self._unconfirmed: list[asyncio.Future[Any]] = []
         self._reconnect_listeners: list[Callable[[], None]] = []
+        self._connection = 0  # counts reconnects
+        # The connection that the oldest `publish` not yet covered by a `flush` was made on.
+        self._unflushed_on: int | None = None
 
     async def _start(self) -> None:
         await self._nc.subscribe(self._barrier_subject, cb=self._on_barrier)
@@ -1008,6 +1015,7 @@ class Bus:
             waiter.set_result(None)
 
     def _reconnected(self) -> None:
+        self._connection += 1
         for pull in self._pulls:
             pull.reset()
         for listener in self._reconnect_listeners:
@@ -1080,6 +1088,8 @@ class Bus:
 
     async def publish(self, subject: str, payload: bytes) -> None:
         """Core NATS publish: buffered, in order with everything else on this connection."""
+        if self._unflushed_on is None:
+            self._unflushed_on = self._connection
         try:
             await self._nc.publish(subject, payload)
         except nats.errors.Error as exc:
@@ -1138,9 +1148,18 @@ class Bus:
         token = str(next(self._barrier_count)).encode()
         waiter = self._barriers[token] = asyncio.get_running_loop().create_future()
         unconfirmed, self._unconfirmed = self._unconfirmed, []
+        published_on, self._unflushed_on = self._unflushed_on, None
         try:
             await self._nc.publish(self._barrier_subject, token)
             await asyncio.wait_for(waiter, timeout=_BARRIER_TIMEOUT_S)
+            if published_on is not None and published_on != self._connection:
+                for future in unconfirmed:
+                    future.cancel()
+                raise BusError(
+                    f"flush failed: NATS reconnected ({self._connection - published_on} "
+                    "time(s)) after messages it covers were published, so the server may "
+                    "never have read them"
+                )
             if unconfirmed:
                 await asyncio.wait_for(asyncio.gather(*unconfirmed), timeout=_BARRIER_TIMEOUT_S)
         except (TimeoutError, nats.errors.Error) as exc:

@@ -18,7 +18,11 @@ Then, batch by batch:
 
 Doubt. If an append (or a claim) fails without an answer (NATS out of reach past the append's
 time limit), it may have landed or not: the owner leaves the batch unacknowledged and claims
-anew before the next one, which reads the log and so learns which inputs were applied.
+anew before the next one, which reads the log and so learns which inputs were applied. If
+`act` fails after the append landed (its publishes unconfirmed: `Bus.flush` failed, NATS lost
+a node), the inputs are applied all the same: the owner claims anew (a warning says so), and
+acting again is `on_claim`'s job, as for an owner that died between steps 3 and 4 (see "Left to
+others").
 
 The fence. If step 3 is refused (`Fenced`), another worker claimed the partition since: this
 one stops at once. It neither acts nor acknowledges anything more, closes its pull, and `run`
@@ -166,7 +170,7 @@ class PartitionOwner:
                     # Whether the last append (or claim) landed is unknown: leave the batch
                     # unacknowledged, and claim anew, which reads the log and so learns it.
                     logger.warning(
-                        "partition %d: %s; not acting on %d inputs, claiming anew",
+                        "partition %d: %s; leaving %d inputs unacknowledged, claiming anew",
                         self.log.partition, exc, len(batch),
                     )  # fmt: skip
                     self._claimed = False
@@ -222,6 +226,13 @@ class PartitionOwner:
         fresh = [inbound for inbound in batch if inbound.stream_seq not in self._applied]
         settled = [inbound for inbound in batch if inbound.stream_seq in self._applied]
         self.skipped += len(settled)
+        if settled:
+            # Not acted on again: if their acts were lost, only `on_claim` publishes them.
+            logger.info(
+                "partition %d: %d redelivered inputs are applied already (%d..%d), "
+                "acknowledged without acting",
+                self.log.partition, len(settled), settled[0].stream_seq, settled[-1].stream_seq,
+            )  # fmt: skip
         if self._order is not None:
             fresh = self._order.admit(fresh)  # the others are held, unacknowledged
             if self._order.done:
@@ -231,7 +242,13 @@ class PartitionOwner:
             await self.log.append(inputs, await decide(fresh))
             self._applied.update(inputs)
             self.applied += len(fresh)
-            await act(fresh)
+            try:
+                await act(fresh)
+            except BusError as exc:
+                raise BusError(
+                    f"inputs {inputs[0]}..{inputs[-1]} are appended (applied), but acting on "
+                    f"them failed ({exc}); on_claim must act on them again"
+                ) from exc
         for inbound in (*settled, *fresh):
             await inbound.ack()
         self.acked += len(settled) + len(fresh)

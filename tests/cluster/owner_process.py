@@ -5,7 +5,10 @@ Run as `python -m tests.cluster.owner_process URL NAME PARTITION STATUS_FILE`. I
 partitioned input stream, the log stream and the partition's consumer (as every worker of the
 tier does, idempotently), then owns the partition: its records are the inputs' payloads, and it
 acts by publishing, after each append, the stream sequence of every input it applied to
-`kvhandoff.acted.<NAME>`. At the end it writes what it did to STATUS_FILE, as JSON, and exits 0
+`kvhandoff.acted.<NAME>`. As worker.partitioned does with its outbox, it counts an act done only
+once `Bus.flush` confirmed its publishes, and each claim publishes again the acts of its own
+appended inputs that were not confirmed (a flush that failed as NATS lost a node): at least once,
+so a lost act shows up again. At the end it writes what it did to STATUS_FILE, as JSON, and exits 0
 once stopped by SIGTERM (after handing the partition over), or 3 once fenced. Its consumer's
 priority timeout is 3 s, or KVHANDOFF_PRIORITY_TIMEOUT.
 
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from kvhandoff.worker.bus import Bus, Inbound, Member
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.ownership import CaughtUp, PartitionLog
 from kvhandoff.worker.partition_owner import PartitionOwner
 
 PREFIX = "kvhandoff"
@@ -41,6 +44,8 @@ EXPIRES_S = 1.0
 PRIORITY_TIMEOUT_S = float(os.environ.get("KVHANDOFF_PRIORITY_TIMEOUT", "3"))
 FENCED_EXIT = 3
 _HANG_AFTER = int(os.environ.get("KVHANDOFF_HANG_AFTER", "0"))
+
+logger = logging.getLogger("tests.cluster.owner_process")
 
 
 async def own(url: str, name: str, partition: int) -> PartitionOwner:
@@ -63,16 +68,29 @@ async def own(url: str, name: str, partition: int) -> PartitionOwner:
         async def decide(batch: Sequence[Inbound]) -> bytes:
             return json.dumps([inbound.data.decode() for inbound in batch]).encode()
 
-        async def act(batch: Sequence[Inbound]) -> None:
-            for inbound in batch:
-                await bus.publish(f"{PREFIX}.acted.{name}", b"%d" % inbound.stream_seq)
+        # Inputs this process appended and acted on, whose publishes no flush confirmed yet.
+        unconfirmed: set[int] = set()
+
+        async def publish_acted(seqs: Sequence[int]) -> None:
+            unconfirmed.update(seqs)
+            for seq in seqs:
+                await bus.publish(f"{PREFIX}.acted.{name}", b"%d" % seq)
             await bus.flush()
+            unconfirmed.difference_update(seqs)
+
+        async def on_claim(_: int, caught: CaughtUp) -> None:
+            if again := sorted(unconfirmed & caught.applied):
+                logger.warning("publishing again the unconfirmed acts of %s", again)
+                await publish_acted(again)
+
+        async def act(batch: Sequence[Inbound]) -> None:
+            await publish_acted([inbound.stream_seq for inbound in batch])
             if _HANG_AFTER and owner.applied >= _HANG_AFTER:
                 print(f"hanging after {owner.applied} applied, {owner.acked} acked", flush=True)
                 await asyncio.Event().wait()  # until SIGKILL: the batch is never acknowledged
 
         print(f"owner {name} pulling partition {partition}", flush=True)
-        await owner.run(decide, act, stop)
+        await owner.run(decide, act, stop, on_claim)
         return owner
     finally:
         await bus.close()

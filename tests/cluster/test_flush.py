@@ -1,0 +1,39 @@
+"""The barrier across a reconnect (see "The barrier" in worker.bus): a node killed under a
+connection loses what the connection had written and the node had not read, while a barrier
+written after the reconnect comes back all the same. So a flush that a reconnect separates from
+what it covers fails, and the next one, covering only what came after, proves that again.
+Real cluster node, killed and restarted; the wait is for the Bus's own reconnect callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.errors import BusError
+from kvhandoff.worker.natsserver import NatsCluster
+from tests.cluster.conftest import WITHIN_S
+
+
+async def test_a_flush_across_a_reconnect_fails_and_the_next_one_confirms(
+    nats_cluster: NatsCluster,
+) -> None:
+    node = nats_cluster.nodes[0]
+    bus = await Bus.connect(NatsSettings(url=node.url), "test-flush")  # this node only
+    try:
+        reconnected = asyncio.Event()
+        bus.on_reconnect(reconnected.set)
+        await bus.publish("kvhandoff.test.flush", b"written to the old connection")
+        node.stop(kill=True)
+        nats_cluster.restart(node)
+        async with asyncio.timeout(2 * WITHIN_S):
+            await reconnected.wait()
+        with pytest.raises(BusError, match="reconnected"):
+            await bus.flush()
+        await bus.publish("kvhandoff.test.flush", b"written to the new connection")
+        await bus.flush()
+    finally:
+        await bus.close()
