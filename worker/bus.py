@@ -1673,10 +1673,12 @@ class Bus:
         found: list[Member] = []
         try:
             kv = await self._members_bucket()
-            try:
-                keys = await kv.keys()
-            except nats.js.errors.NoKeysError:
-                return []
+            # The keys from the stream's own count per subject, answered by its leader: nats-py's
+            # `keys()` lists them through a consumer made for the purpose, which can come up
+            # empty when a refresh replaces a key's message just as it is made.
+            prefix = f"$KV.{MEMBERS_BUCKET}."
+            info = await self._js.stream_info(f"KV_{MEMBERS_BUCKET}", subjects_filter=f"{prefix}>")
+            keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
             for key in keys:
                 try:
                     entry = await kv.get(key)
