@@ -6,7 +6,10 @@ and worker processes of the failover tests publish when they act."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import subprocess
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -104,6 +107,39 @@ async def acted(nats_cluster: NatsCluster) -> AsyncIterator[Acted]:
     await nc.flush()
     yield seen
     await nc.close()
+
+
+class StatusChild:
+    """A test module of tests/cluster run as a child process that writes its status as JSON:
+    what the owner and tier tests start. (Its `process` is never None, unlike worker.child's,
+    which the waits here rely on.)"""
+
+    def __init__(
+        self, module: str, name: str, tmp: Path, args: list[str], env: dict[str, str]
+    ) -> None:
+        self.name = name
+        self.status_path = tmp / f"{name}.json"
+        self.log_path = tmp / f"{name}.log"
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", module, *args, str(self.status_path)],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+            )  # fmt: skip
+
+    def status(self) -> dict[str, object]:
+        loaded: dict[str, object] = json.loads(self.status_path.read_text())
+        return loaded
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
 
 
 class Watched(Protocol):

@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -40,7 +36,7 @@ from nats.js import JetStreamContext
 from kvhandoff.worker.natsserver import NatsCluster
 from kvhandoff.worker.ownership import Appended, Claimed, Entry
 from kvhandoff.worker.partitions import partition_of
-from tests.cluster.conftest import WITHIN_S, Acted, publish, until
+from tests.cluster.conftest import WITHIN_S, Acted, StatusChild, publish, until
 from tests.cluster.owner_process import (
     FENCED_EXIT,
     LOG_STREAM,
@@ -53,39 +49,16 @@ from tests.cluster.owner_process import (
 PARTITION = 0
 
 
-class Owner:
+class Owner(StatusChild):
     """`tests.cluster.owner_process` in a child process."""
 
     def __init__(
         self, url: str, name: str, tmp: Path, hang_after: int = 0, priority_timeout_s: float = 0
     ) -> None:
-        self.name = name
-        self.status_path = tmp / f"{name}.json"
-        self.log_path = tmp / f"{name}.log"
-        env = {**os.environ, "KVHANDOFF_HANG_AFTER": str(hang_after)}
+        env = {"KVHANDOFF_HANG_AFTER": str(hang_after)}
         if priority_timeout_s:
             env["KVHANDOFF_PRIORITY_TIMEOUT"] = str(priority_timeout_s)
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.cluster.owner_process",
-                 url, name, str(PARTITION), str(self.status_path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
-
-    def status(self) -> dict[str, object]:
-        loaded: dict[str, object] = json.loads(self.status_path.read_text())
-        return loaded
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def signal(self, signum: int) -> None:
-        self.process.send_signal(signum)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        super().__init__("tests.cluster.owner_process", name, tmp, [url, name, str(PARTITION)], env)
 
 
 @pytest.fixture

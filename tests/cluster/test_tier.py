@@ -9,11 +9,7 @@ timed and printed for the report, not asserted.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -27,38 +23,16 @@ from nats.js import JetStreamContext
 from kvhandoff.worker.natsserver import NatsCluster
 from kvhandoff.worker.ownership import Appended, Claimed, Entry
 from kvhandoff.worker.partitions import partition_of
-from tests.cluster.conftest import WITHIN_S, Acted, publish, until
+from tests.cluster.conftest import WITHIN_S, Acted, StatusChild, publish, until
 from tests.cluster.tier_process import KILL_BEFORE_ACTING, PARTITIONS, SETTINGS
 
 
-class WorkerProcess:
+class WorkerProcess(StatusChild):
     """`tests.cluster.tier_process` in a child process."""
 
     def __init__(self, url: str, name: str, tmp: Path, *, kill_before_acting: int = 0) -> None:
-        self.name = name
-        self.status_path = tmp / f"{name}.json"
-        self.log_path = tmp / f"{name}.log"
-        env = dict(os.environ)
-        if kill_before_acting:
-            env[KILL_BEFORE_ACTING] = str(kill_before_acting)
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.cluster.tier_process",
-                 url, name, str(self.status_path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
-
-    def status(self) -> dict[str, object]:
-        loaded: dict[str, object] = json.loads(self.status_path.read_text())
-        return loaded
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        env = {KILL_BEFORE_ACTING: str(kill_before_acting)} if kill_before_acting else {}
+        super().__init__("tests.cluster.tier_process", name, tmp, [url, name], env)
 
 
 @pytest.fixture
