@@ -9,6 +9,11 @@ hand, unpin). An owner that was fenced ends by itself; the tier forgets it, and 
 partition up again at the next round if it is still in its share (its pull then waits while
 another worker holds the pin).
 
+Set-up. The streams and the consumers are created if absent (idempotent: every worker does it)
+before the worker announces itself; while the cluster cannot answer (forming, or without a meta
+leader) it keeps trying, so a worker that starts before its cluster is ready joins the tier
+later rather than exits. Only another partition count than the stream's stops it.
+
 What decides what. Membership only sizes the shares; the pin decides who is served a
 partition's inputs; the compare-and-set log decides who acted (worker.ownership). So two
 workers that disagree for a moment on who is live both pull a partition at worst, and one of
@@ -33,8 +38,8 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from kvhandoff.worker.bus import Bus, Member
-from kvhandoff.worker.errors import BusError
+from kvhandoff.worker.bus import Bus, Member, Membership
+from kvhandoff.worker.errors import BusError, PartitionsMismatch
 from kvhandoff.worker.ownership import PartitionLog
 from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, PartitionOwner
 from kvhandoff.worker.partitions import rebalance
@@ -87,20 +92,24 @@ class Tier:
         return set(self._running)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Open the streams and consumers (idempotent), announce this worker, and own its share
-        until `stop` is set; then hand every partition over and withdraw."""
+        """Set up (retried while NATS cannot answer; a `PartitionsMismatch` is final), and own
+        this worker's share until `stop` is set; then hand every partition over and withdraw."""
         settings = self._settings
-        await self._bus.open_partitions(settings.stream, settings.prefix, settings.partitions)
-        await self._bus.open_partition_log(
-            settings.log_stream, settings.prefix, settings.log_max_age_s
-        )
-        for partition in range(settings.partitions):
-            self._consumers[partition] = await self._bus.open_partition_consumer(
-                settings.stream, settings.prefix, settings.consumer, partition,
-                ack_wait_s=settings.ack_wait_s, max_pending=settings.max_pending,
-                priority_timeout_s=settings.priority_timeout_s,
-            )  # fmt: skip
-        membership = await self._bus.announce(self.member)
+        while True:
+            try:
+                membership = await self._set_up()
+                break
+            except PartitionsMismatch:
+                raise
+            except BusError as exc:
+                # A cluster that is forming, or electing a leader, answers JetStream's API
+                # late: keep asking rather than leave the tier a worker short.
+                logger.warning("tier: cannot set up yet (%s); retrying", exc)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(settings.rebalance_s):
+                        await stop.wait()
+                if stop.is_set():
+                    return
         keeper = asyncio.create_task(membership.keep(), name="kvhandoff-membership")
         try:
             while not stop.is_set():
@@ -117,6 +126,21 @@ class Tier:
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
             await membership.leave()
+
+    async def _set_up(self) -> Membership:
+        """Open the streams and the consumers (idempotent), and announce this worker."""
+        settings = self._settings
+        await self._bus.open_partitions(settings.stream, settings.prefix, settings.partitions)
+        await self._bus.open_partition_log(
+            settings.log_stream, settings.prefix, settings.log_max_age_s
+        )
+        for partition in range(settings.partitions):
+            self._consumers[partition] = await self._bus.open_partition_consumer(
+                settings.stream, settings.prefix, settings.consumer, partition,
+                ack_wait_s=settings.ack_wait_s, max_pending=settings.max_pending,
+                priority_timeout_s=settings.priority_timeout_s,
+            )  # fmt: skip
+        return await self._bus.announce(self.member)
 
     async def _round(self) -> None:
         self.rounds += 1

@@ -1,0 +1,53 @@
+"""A tier worker (worker.tier) started while the cluster cannot answer JetStream's API (two of
+its three nodes down: no meta leader) keeps trying to set up, and owns every partition once the
+cluster has its quorum back, rather than exiting and leaving the tier a worker short."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import pytest
+
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.tier import Tier, TierSettings
+from tests.cluster.conftest import WITHIN_S
+
+
+async def _never(_: object) -> bytes:
+    raise AssertionError("no input was published")
+
+
+async def test_a_worker_started_without_a_quorum_sets_up_once_the_cluster_has_one(
+    nats_cluster: NatsCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = TierSettings(partitions=2, rebalance_s=0.2)
+    survivor, *down = nats_cluster.nodes
+    for node in down:
+        node.stop(kill=True)
+    bus = await Bus.connect(NatsSettings(url=survivor.url), "test-tier-setup")
+    tier = Tier(bus, settings, _never, _never, "w1")
+    stop = asyncio.Event()
+    caplog.set_level(logging.WARNING, logger="kvhandoff.worker.tier")
+    running = asyncio.create_task(tier.run(stop))
+    try:
+        async with asyncio.timeout(2 * WITHIN_S):
+            while "cannot set up yet" not in caplog.text:
+                assert not running.done(), running
+                await asyncio.sleep(0.05)  # a bounded poll of the tier's log
+        assert tier.owned == set()
+        for node in down:
+            await asyncio.to_thread(nats_cluster.restart, node, WITHIN_S)
+        async with asyncio.timeout(2 * WITHIN_S):
+            while tier.owned != {0, 1}:
+                assert not running.done(), running
+                await asyncio.sleep(0.05)  # a bounded poll of what it owns
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, WITHIN_S)
+        await bus.close()
+    running.result()  # it stopped cleanly
