@@ -7,17 +7,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 
 import pytest
 
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.natsserver import NatsCluster
 from kvhandoff.worker.tier import Tier, TierSettings
 from tests.cluster.conftest import WITHIN_S
 
 
-async def _never(_: object) -> bytes:
+async def _decide(_: Sequence[Inbound]) -> bytes:
+    raise AssertionError("no input was published")
+
+
+async def _act(_: Sequence[Inbound]) -> None:
     raise AssertionError("no input was published")
 
 
@@ -29,7 +34,7 @@ async def test_a_worker_started_without_a_quorum_sets_up_once_the_cluster_has_on
     for node in down:
         node.stop(kill=True)
     bus = await Bus.connect(NatsSettings(url=survivor.url), "test-tier-setup")
-    tier = Tier(bus, settings, _never, _never, "w1")
+    tier = Tier(bus, settings, _decide, _act, "w1")
     stop = asyncio.Event()
     caplog.set_level(logging.WARNING, logger="kvhandoff.worker.tier")
     running = asyncio.create_task(tier.run(stop))
