@@ -1501,7 +1501,8 @@ class Bus:
     async def open_partition_log(self, stream: str, prefix: str, max_age_s: float) -> None:
         """Create the replicated stream of the partitions' logs if absent: one subject per
         partition (`partition_log_subject`), appended with `append_expecting`. `max_age_s` bounds
-        it (0: unbounded); it must exceed the longest life of a handoff."""
+        it (0: unbounded; a stream there is updated to it); it must exceed the longest life of
+        a handoff."""
         config = StreamConfig(
             name=stream,
             subjects=[f"{prefix}.log.*"],
@@ -1512,10 +1513,17 @@ class Bus:
         )
         try:
             try:
-                await self._js.stream_info(stream)
+                info = await self._js.stream_info(stream)
             except nats.js.errors.NotFoundError:
                 await self._js.add_stream(config)
                 logger.info("created stream %s for %s, R%d", stream, config.subjects, self.replicas)
+                return
+            if (info.config.max_age or 0) != (config.max_age or 0):
+                # The retention is a setting of the tier, not of the stream's creator: the
+                # latest worker started sets it.
+                info.config.max_age = config.max_age
+                await self._js.update_stream(info.config)
+                logger.info("stream %s now keeps entries for %ss", stream, config.max_age or "ever")
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot open partition log stream {stream}: {_why(exc)}") from exc
 

@@ -69,6 +69,9 @@ class NatsSettings:
         return self.tls_ca is not None or self.tls_cert is not None or self.url.startswith("tls")
 
 
+TIER_RETENTION_S = 7 * 24 * 3600.0
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     nats: NatsSettings
@@ -91,6 +94,14 @@ class WorkerConfig:
     # The tier (worker.partitioned): None is the single worker of `db_path`.
     partitions: int | None = None
     data_dir: Path | None = None
+
+    @property
+    def tier_retention_s(self) -> float:
+        """How long the tier keeps its replicated log's entries, and its files' completed
+        handoffs: `--retention`, or a week (the replicated log is on every node: it is bounded
+        by default). An open handoff must outlive none of its entries, so a start may ask for at
+        most half of it as its deadline (worker.partitioned)."""
+        return TIER_RETENTION_S if self.retention_s is None else self.retention_s
 
     def validate(self) -> None:
         self.nats.validate()
@@ -138,11 +149,6 @@ class WorkerConfig:
             )
         if not self.data_dir.is_dir():
             raise ConfigError(f"--data-dir: {self.data_dir} is not a directory")
-        if self.retention_s is not None:
-            raise ConfigError(
-                "--retention does not go with --partitions: a partition's file must stay a "
-                "prefix of its replicated log"
-            )
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
@@ -258,7 +264,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         type=duration_arg,
         metavar="DURATION",
         default=env.get("KVHANDOFF_RETENTION"),
-        help="delete completed handoffs older than this, hourly (env KVHANDOFF_RETENTION)",
+        help="delete completed handoffs older than this, hourly (env KVHANDOFF_RETENTION); "
+        "with --partitions also the replicated log's age limit, a week unless given, and a "
+        "start's deadline may be at most half of it",
     )
     group.add_argument(
         "--metrics-host",

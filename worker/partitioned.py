@@ -37,8 +37,16 @@ What differs from the single worker (worker.service), in this first version:
   coordinator refuses as premature is rejected at once (the planner is told it was delivered
   `DEFER_LIMIT` times). Inputs of one handoff reach the owner in stream order
   (worker.input_order), which is the order their publishers sent them.
-- No retention (`--retention` is refused with `--partitions`): a compacted file would no longer
-  be a prefix of the replicated log.
+
+Retention. The replicated log keeps its entries for `--retention` (a week unless given: the
+stream's `max_age`), and the files drop their completed handoffs and rejections older than that,
+hourly, as the single worker's file does. What bounds the log must not cut into an open handoff:
+its entries must stay while it is open, for a new owner on another machine to rebuild it, so a
+start whose deadline is longer than half the retention is rejected (reason `deadline`); every
+handoff ends by its deadline, and the other half is the margin for a tier that is down. A file
+compacted this way still catches up from its mark: the entries after it never need a handoff
+that was completed before them. Without an owner for longer than the retention, a partition's
+open handoffs lose their log (a file that holds them still has them).
 """
 
 from __future__ import annotations
@@ -167,6 +175,10 @@ class PartitionedWorker:
     def healthy(self) -> bool:
         return self._bus.is_connected
 
+    def logs(self) -> list[EventLog]:
+        """The partition files open now (every partition it owned since it started)."""
+        return [part.log for part in self._partitions.values()]
+
     async def run(self, stop: asyncio.Event) -> None:
         """Own this worker's share until `stop` is set, then close every partition file."""
         try:
@@ -278,7 +290,10 @@ class PartitionedWorker:
         except BaseException:
             lock.release()
             raise
-        planner = Planner(self._subjects, self._config.batch_size, self._config.ack_wait_s)
+        planner = Planner(
+            self._subjects, self._config.batch_size, self._config.ack_wait_s,
+            longest_deadline_ms=int(self._config.tier_retention_s * 1000 / 2),
+        )  # fmt: skip
         part = self._partitions[partition] = _Partition(partition, log, lock, planner)
         return part
 

@@ -43,12 +43,12 @@ LOG_STREAM = "KVHANDOFF_LOG"  # worker.tier.TierSettings' default
 class Worker(WorkerChild):
     """`kvhandoff run --partitions 4` with its own data directory."""
 
-    def __init__(self, url: str, name: str, tmp: Path) -> None:
+    def __init__(self, url: str, name: str, tmp: Path, *flags: str) -> None:
         self.data_dir = tmp / name
         self.data_dir.mkdir()
         super().__init__(
             url, tmp / f"{name}.db", "--partitions", str(PARTITIONS),
-            "--data-dir", str(self.data_dir), log_path=tmp / f"{name}.log",
+            "--data-dir", str(self.data_dir), *flags, log_path=tmp / f"{name}.log",
         )  # fmt: skip
         self.name = name
 
@@ -238,3 +238,35 @@ async def test_a_worker_that_owns_a_partition_again_catches_its_file_up_from_its
         assert rows == dict.fromkeys(expected, HandoffState.SUCCEEDED), f"partition {partition}"
     for path in partition_files(tmp_path):
         verify(path)
+
+
+async def test_the_retention_bounds_the_replicated_log_and_refuses_deadlines_past_half_of_it(
+    nats_cluster: NatsCluster, js: JetStreamContext, workers: list[Worker], tmp_path: Path
+) -> None:
+    """`--retention` is the replicated log's `max_age` (the latest worker started sets it), and
+    a start whose deadline is longer than half of it is rejected, while one within it
+    completes."""
+    url = nats_cluster.url
+    w1 = Worker(url, "w1", tmp_path, "--retention", "2h")
+    workers.append(w1)
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    assert (await js.stream_info(LOG_STREAM)).config.max_age == 2 * 3600
+    engines = ScriptedEngines(url.split(",")[0])
+    await engines.start()
+    try:
+        within = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 3_600_000)
+        beyond = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 3_600_001)
+        await engines.start_handoff(beyond)
+        await engines.start_handoff(within)
+        rejection = await engines.wait_rejection(beyond.handoff_id)
+        assert "half its --retention" in rejection.reason, rejection
+        await engines.wait_complete({within.handoff_id}, within=2 * WITHIN_S)
+    finally:
+        await engines.close()
+    await asyncio.wait_for(asyncio.to_thread(w1.terminate, 2 * WITHIN_S), 3 * WITHIN_S)
+    w2 = Worker(url, "w2", tmp_path, "--retention", "3h")
+    workers.append(w2)
+    w2.start(timeout_s=2 * WITHIN_S)
+    await until(w2.took_a_share, "w2 takes the partitions")
+    assert (await js.stream_info(LOG_STREAM)).config.max_age == 3 * 3600

@@ -63,6 +63,16 @@ def test_defaults() -> None:
     )
 
 
+def test_the_tier_keeps_its_log_a_week_unless_told_and_the_single_worker_keeps_all(
+    tmp_path: Path,
+) -> None:
+    tier = ["--partitions", "4", "--data-dir", str(tmp_path)]
+    assert worker_config(parse(*tier)).tier_retention_s == 7 * 86_400
+    told = worker_config(parse(*tier, "--retention", "1h"))
+    assert (told.retention_s, told.tier_retention_s) == (3600, 3600)
+    assert worker_config(parse()).retention_s is None
+
+
 def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "ca.pem").touch()
     (tmp_path / "client.crt").touch()
@@ -181,10 +191,6 @@ INVALID = [
     Invalid([], "--partitions and --data-dir go together", env={"KVHANDOFF_PARTITIONS": "4"}),
     Invalid(["--partitions", "1", "--data-dir", "."], "--partitions: 1 is not in 2..1024"),
     Invalid(["--partitions", "4", "--data-dir", "missing"], "--data-dir: missing is not a dir"),
-    Invalid(
-        ["--partitions", "4", "--data-dir", ".", "--retention", "1h"],
-        "--retention does not go with --partitions",
-    ),
 ]
 
 

@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from kvhandoff.events.subjects import Subjects
@@ -131,6 +131,7 @@ async def serve_tier(config: WorkerConfig) -> int:
         settings = TierSettings(
             partitions=config.partitions, prefix=config.nats.subject_prefix,
             stream=config.stream, consumer=config.consumer,
+            log_max_age_s=config.tier_retention_s,
         )  # fmt: skip
         subjects = Subjects(config.nats.subject_prefix)
         await _unless_stopped(
@@ -148,6 +149,7 @@ async def serve_tier(config: WorkerConfig) -> int:
             server = MetricsServer(
                 metrics, lambda: worker.healthy, config.metrics_host, config.metrics_port
             )
+        retention = asyncio.create_task(_retain(config.tier_retention_s, worker.logs, stop))
         try:
             logger.info(
                 "serving %d partitions of %s as %s; logs in %s",
@@ -155,6 +157,9 @@ async def serve_tier(config: WorkerConfig) -> int:
             )  # fmt: skip
             await worker.run(stop)
         finally:
+            retention.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await retention
             if server is not None:
                 server.close()
         return 0
@@ -176,7 +181,7 @@ async def _consume(
         server = MetricsServer(
             metrics, lambda: worker.healthy, config.metrics_host, config.metrics_port
         )
-    retention = asyncio.create_task(_retain(config, log, stop))
+    retention = asyncio.create_task(_retain(config.retention_s, lambda: [log], stop))
     try:
         # Only now, with the stream to ourselves, may the consumer be re-created.
         await _unless_stopped(
@@ -236,21 +241,23 @@ async def _unless_stopped(stop: asyncio.Event, step: Coroutine[Any, Any, T]) -> 
     return None if task.cancelled() else task.result()
 
 
-async def _retain(config: WorkerConfig, log: EventLog, stop: asyncio.Event) -> None:
-    """Delete completed handoffs and rejections older than the retention, at start and then
-    hourly."""
-    if config.retention_s is None:
+async def _retain(
+    retention_s: float | None, logs: Callable[[], Iterable[EventLog]], stop: asyncio.Event
+) -> None:
+    """Delete completed handoffs and rejections older than the retention from the logs (the
+    worker's, or the partition files the tier worker has open), at start and then hourly."""
+    if retention_s is None:
         return
     while not stop.is_set():
-        cutoff_ms = int((time.time() - config.retention_s) * 1000)
-        try:
-            removed = await log.compact(cutoff_ms)
-            logger.info(
-                "retention: removed %d completed handoffs and %d rejections",
-                removed.handoffs,
-                removed.rejections,
-            )
-        except StoreError as exc:
-            logger.warning("retention: %s", exc)
+        cutoff_ms = int((time.time() - retention_s) * 1000)
+        for log in logs():
+            try:
+                removed = await log.compact(cutoff_ms)
+                logger.info(
+                    "retention: removed %d completed handoffs and %d rejections from %s",
+                    removed.handoffs, removed.rejections, log.path,
+                )  # fmt: skip
+            except StoreError as exc:
+                logger.warning("retention: %s", exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), _COMPACT_EVERY_S)
