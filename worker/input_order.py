@@ -17,7 +17,7 @@ lower sequence still held. Invariants:
 
 - per subject, `admit` returns inputs in increasing stream order, across calls;
 - each stream sequence is returned at most once (a redelivery of a held or returned input
-  replaces the held one, or is dropped);
+  replaces the held one, or is dropped), unless it was given back (`give_back`: deferred);
 - nothing is held for ever, once every orphan has been delivered: an orphan is never held
   behind a newer input, and a held input is released when the orphans before it are.
 
@@ -72,6 +72,13 @@ class InputOrder(Generic[D]):
         held = [self._held[seq] for seq in sorted(self._held)]
         self._held.clear()
         return held
+
+    def give_back(self, seqs: Iterable[int]) -> None:
+        """These inputs, returned by `admit`, were not applied but deferred (early: see
+        worker.planner): a redelivery of one may be admitted again. Their orphans stay
+        counted as applied, so the handoff's newer inputs are not held behind them: an early
+        input waits for its redelivery, not the handoff."""
+        self._returned.difference_update(seqs)
 
     def admit(self, deliveries: Sequence[D]) -> list[D]:
         """Of these deliveries and those held, the ones that may be applied now, in stream

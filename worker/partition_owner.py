@@ -11,10 +11,11 @@ Then, batch by batch:
     1. drop the inputs that some owner already applied (their stream sequences are in the log:
        redeliveries of inputs a dead owner appended but did not acknowledge), to acknowledge;
        hold back those that must wait for an earlier input of their handoff (see "Order");
-    2. `decide` the rest: the records the batch adds to the partition's log;
-    3. append them, compare-and-set (`PartitionLog.append`);
-    4. only then `act` (publish what the records say), and acknowledge what was appended and
-       what was dropped in step 1.
+    2. `decide` the rest: the records the batch adds to the partition's log, and the inputs
+       it defers (early: applied by none, given back with a delay to come again);
+    3. append the records with the inputs applied, compare-and-set (`PartitionLog.append`);
+    4. only then `act` (publish what the records say), acknowledge what was appended and what
+       was dropped in step 1, and give the deferred inputs back (nak with their delay).
 
 Doubt. If an append (or a claim) fails without an answer (NATS out of reach past the append's
 time limit), it may have landed or not: the owner leaves the batch unacknowledged and claims
@@ -54,8 +55,8 @@ what its file does not mark published; tests/cluster/tier_process.py, the last r
 
 What it does not do yet: remember applied inputs in less than a set of every stream sequence
 since the claim; reorder inputs that one owner's own stall (past the ack wait, while still
-pinned) sent back to it out of order, as the single worker does not either (its planner
-defers inputs that come early).
+pinned) sent back to it out of order, as the single worker does not either (both defer inputs
+that come early, through `decide`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch
@@ -72,7 +74,18 @@ from kvhandoff.worker.ownership import CaughtUp, PartitionLog
 
 logger = logging.getLogger(__name__)
 
-Decide = Callable[[Sequence[Inbound]], Awaitable[bytes]]
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """What `decide` made of a batch: the records to append for the inputs it applied, and the
+    inputs it deferred (by stream sequence, with their delay): early inputs, not applied now,
+    given back to come again after the delay (see worker.planner)."""
+
+    records: bytes
+    deferred: Mapping[int, float] = field(default_factory=dict)
+
+
+Decide = Callable[[Sequence[Inbound]], Awaitable[Decided]]
 Act = Callable[[Sequence[Inbound]], Awaitable[None]]
 # Told, right after each claim, what the partition's log held (to catch a local copy up).
 OnClaim = Callable[[int, CaughtUp], Awaitable[None]]
@@ -120,6 +133,7 @@ class PartitionOwner:
         self.skipped = 0  # inputs an owner had applied already (redeliveries)
         self.orphans = 0  # inputs a previous owner left unacknowledged and unapplied
         self.acked = 0
+        self.deferred = 0  # early inputs given back to come again (see `Decided`)
         self.refused_pulls = 0  # 423: another worker held the pin
         self.fenced = False
         self.handed_over = False
@@ -237,9 +251,13 @@ class PartitionOwner:
             fresh = self._order.admit(fresh)  # the others are held, unacknowledged
             if self._order.done:
                 self._order = None
+        decided = await decide(fresh) if fresh else Decided(b"")
+        later = decided.deferred
+        deferred = [(i, later[i.stream_seq]) for i in fresh if i.stream_seq in later]
+        fresh = [inbound for inbound in fresh if inbound.stream_seq not in later]
         if fresh:
             inputs = [inbound.stream_seq for inbound in fresh]
-            await self.log.append(inputs, await decide(fresh))
+            await self.log.append(inputs, decided.records)
             self._applied.update(inputs)
             self.applied += len(fresh)
             try:
@@ -252,6 +270,12 @@ class PartitionOwner:
         for inbound in (*settled, *fresh):
             await inbound.ack()
         self.acked += len(settled) + len(fresh)
+        if deferred:
+            if self._order is not None:
+                self._order.give_back(inbound.stream_seq for inbound, _ in deferred)
+            for inbound, delay_s in deferred:
+                await inbound.nak(delay_s)
+            self.deferred += len(deferred)
 
     def _fenced(self, exc: Fenced) -> None:
         self.fenced = True

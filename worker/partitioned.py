@@ -33,10 +33,6 @@ Invariants.
 What differs from the single worker (worker.service), in this first version:
 - No timers: no deadlines (`TimedOut`) and no retries of an action without an outcome beyond
   the republish at each claim. A handoff whose engine never answers stays open.
-- No deferral of early inputs: the owner acknowledges every input it applies, so an input the
-  coordinator refuses as premature is rejected at once (the planner is told it was delivered
-  `DEFER_LIMIT` times). Inputs of one handoff reach the owner in stream order
-  (worker.input_order), which is the order their publishers sent them.
 
 Retention. The replicated log keeps its entries for `--retention` (a week unless given: the
 stream's `max_age`), and the files drop their completed handoffs and rejections older than that,
@@ -72,7 +68,8 @@ from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
 from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.ownership import CaughtUp
-from kvhandoff.worker.planner import DEFER_LIMIT, Plan, Planner
+from kvhandoff.worker.partition_owner import Decided
+from kvhandoff.worker.planner import Plan, Planner
 from kvhandoff.worker.rows import HandoffRow
 from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog, WriterLock
 from kvhandoff.worker.tier import Tier, TierSettings
@@ -129,13 +126,12 @@ _DECODER = msgspec.msgpack.Decoder(LoggedRows)
 @dataclass(frozen=True, slots=True)
 class _Canonical:
     """A delivery as the planner reads it: under its handoff's input subject, not the
-    partition-qualified one the stream's transform stored it under. `deliveries` is pinned at
-    `DEFER_LIMIT`: an early input is rejected at once (see the module docstring)."""
+    partition-qualified one the stream's transform stored it under."""
 
     data: bytes
     subject: str
     stream_seq: int
-    deliveries: int = DEFER_LIMIT
+    deliveries: int
 
 
 @dataclass
@@ -229,8 +225,9 @@ class PartitionedWorker:
             elapsed,
         )  # fmt: skip
 
-    async def decide(self, batch: Sequence[Inbound]) -> bytes:
-        """Plan the batch against the partition's handoffs; the rows to append."""
+    async def decide(self, batch: Sequence[Inbound]) -> Decided:
+        """Plan the batch against the partition's handoffs: the rows to append, and the early
+        inputs deferred."""
         part = self._partitions[self._partition_of(batch[0])]
         deliveries = [self._canonical(inbound) for inbound in batch]
         planner = part.planner
@@ -238,10 +235,14 @@ class PartitionedWorker:
         missing = planner.missing(decoded)
         loaded = await part.log.load(missing) if missing else {}
         plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time())
-        inputs = [inbound.stream_seq for inbound in batch]
-        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part))
+        deferred = {batch[index].stream_seq: delay_s for index, delay_s in plan.naks}
+        if deferred:
+            self._metrics.deferred.inc(len(deferred))
+        inputs = [inbound.stream_seq for inbound in batch if inbound.stream_seq not in deferred]
+        # A batch of early inputs only is appended by nobody: its marks wait for the next one.
+        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part) if inputs else [])
         part.decided = (inputs, plan, rows)
-        return _ENCODER.encode(rows)
+        return Decided(_ENCODER.encode(rows), deferred)
 
     async def act(self, batch: Sequence[Inbound]) -> None:
         """Commit the appended rows locally, then publish what they say."""
@@ -388,7 +389,7 @@ class PartitionedWorker:
         """`<prefix>.inp.<p>.<id>` read as `<prefix>.in.<id>`."""
         handoff = inbound.subject.removeprefix(self._inputs_of).partition(".")[2]
         subject = f"{self._config.nats.subject_prefix}.in.{handoff}"
-        return _Canonical(inbound.data, subject, inbound.stream_seq)
+        return _Canonical(inbound.data, subject, inbound.stream_seq, inbound.deliveries)
 
 
 def _int(mark: str | None) -> int | None:

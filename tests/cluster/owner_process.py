@@ -31,7 +31,7 @@ from pathlib import Path
 from kvhandoff.worker.bus import Bus, Inbound, Member
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.ownership import CaughtUp, PartitionLog
-from kvhandoff.worker.partition_owner import PartitionOwner
+from kvhandoff.worker.partition_owner import Decided, PartitionOwner
 
 PREFIX = "kvhandoff"
 STREAM = "KVHANDOFF_IN"
@@ -65,8 +65,8 @@ async def own(url: str, name: str, partition: int) -> PartitionOwner:
         log = PartitionLog(bus, LOG_STREAM, PREFIX, partition, f"{name}/{member.instance}")
         owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=EXPIRES_S, heartbeat_s=0.25)
 
-        async def decide(batch: Sequence[Inbound]) -> bytes:
-            return json.dumps([inbound.data.decode() for inbound in batch]).encode()
+        async def decide(batch: Sequence[Inbound]) -> Decided:
+            return Decided(json.dumps([inbound.data.decode() for inbound in batch]).encode())
 
         # Inputs this process appended and acted on, whose publishes no flush confirmed yet.
         unconfirmed: set[int] = set()

@@ -87,3 +87,16 @@ def test_a_newer_input_waits_for_its_handoffs_orphan_and_others_do_not() -> None
     ]  # fmt: skip
     assert order.done
     assert order.admit([Delivered(5, "h")]) == []  # a late redelivery of what was admitted
+
+
+def test_an_input_given_back_is_admitted_again_and_holds_nothing_back() -> None:
+    """An orphan that the coordinator found early is deferred (given back): its redelivery is
+    admitted again, and the handoff's newer inputs do not wait for it."""
+    order: InputOrder[Delivered] = InputOrder([(3, "h")])
+    assert order.admit([Delivered(3, "h"), Delivered(4, "g")]) == [
+        Delivered(3, "h"), Delivered(4, "g"),
+    ]  # fmt: skip
+    order.give_back([3])
+    assert order.admit([Delivered(7, "h")]) == [Delivered(7, "h")]
+    assert order.admit([Delivered(3, "h"), Delivered(4, "g")]) == [Delivered(3, "h")]
+    assert order.done

@@ -24,8 +24,19 @@ import msgspec
 import pytest
 from nats.js import JetStreamContext
 
-from kvhandoff.events.messages import EngineType, StartHandoff
+from kvhandoff.events.messages import (
+    ACCEPTED,
+    Action,
+    ActionOutcome,
+    DestinationReserved,
+    EngineType,
+    Input,
+    ReserveDestination,
+    StartHandoff,
+    SubmitPrefill,
+)
 from kvhandoff.worker.child import WorkerChild
+from kvhandoff.worker.healthy import success_script
 from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import NatsCluster
 from kvhandoff.worker.ownership import Appended, Claimed, Entry
@@ -33,6 +44,7 @@ from kvhandoff.worker.partitioned import partition_path
 from kvhandoff.worker.partitions import partition_of
 from kvhandoff.worker.schema import HandoffState
 from tests.cluster.conftest import WITHIN_S, until
+from tests.worker.conftest import logged_inputs
 from tests.worker.scripted_engine import ScriptedEngines
 
 PARTITIONS = 4
@@ -270,3 +282,39 @@ async def test_the_retention_bounds_the_replicated_log_and_refuses_deadlines_pas
     w2.start(timeout_s=2 * WITHIN_S)
     await until(w2.took_a_share, "w2 takes the partitions")
     assert (await js.stream_info(LOG_STREAM)).config.max_age == 3 * 3600
+
+
+async def test_an_early_fact_is_deferred_until_its_precondition_holds(
+    nats_cluster: NatsCluster, workers: list[Worker], tmp_path: Path
+) -> None:
+    """As the single worker does (tests/worker/test_handoffs.py): a fact that comes before the
+    action it answers is given back, comes again, and is applied once it may be."""
+    w1 = Worker(nats_cluster.url, "w1", tmp_path)
+    workers.append(w1)
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    command = start(0)
+    h = command.handoff_id
+    reserved = DestinationReserved(h, 64)
+
+    def destination_only_accepts(action: Action) -> list[Input]:
+        # The destination's fact overtakes its own outcome: the test sent it early.
+        if isinstance(action, ReserveDestination):
+            return [ActionOutcome(h, action.action_id, ACCEPTED)]
+        return success_script(action)
+
+    engines = ScriptedEngines(nats_cluster.url.split(",")[0], destination_only_accepts)
+    await engines.start()
+    try:
+        await engines.start_handoff(command)
+        await engines.wait_for_action(h, SubmitPrefill)
+        await engines.send(reserved)  # before ReserveDestination was even issued
+        await engines.wait_complete({h}, within=2 * WITHIN_S)
+        assert not engines.rejections, engines.rejections
+    finally:
+        await engines.close()
+    inputs = logged_inputs(partition_path(w1.data_dir, partition_of(h, PARTITIONS)), h)
+    assert inputs.index(reserved) > inputs.index(ActionOutcome(h, 1, ACCEPTED))
+    assert inputs.count(reserved) == 1
+    deferred = re.search(r"^kvhandoff_deferred_inputs_total (\S+)$", w1.metrics(), re.MULTILINE)
+    assert deferred is not None and float(deferred[1]) >= 1, w1.metrics()

@@ -14,11 +14,12 @@ import pytest
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.partition_owner import Decided
 from kvhandoff.worker.tier import Tier, TierSettings
 from tests.cluster.conftest import WITHIN_S
 
 
-async def _decide(_: Sequence[Inbound]) -> bytes:
+async def _decide(_: Sequence[Inbound]) -> Decided:
     raise AssertionError("no input was published")
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.ownership import CaughtUp
+from kvhandoff.worker.partition_owner import Decided
 from kvhandoff.worker.tier import Tier, TierSettings
 
 PARTITIONS = 4
@@ -51,8 +52,8 @@ async def serve(url: str, name: str) -> Tier:
                 await bus.publish(f"{SETTINGS.prefix}.acted.{name}", b"%d" % seq)
             await bus.flush()
 
-        async def decide(batch: Sequence[Inbound]) -> bytes:
-            return json.dumps([inbound.stream_seq for inbound in batch]).encode()
+        async def decide(batch: Sequence[Inbound]) -> Decided:
+            return Decided(json.dumps([inbound.stream_seq for inbound in batch]).encode())
 
         kill_at = int(os.environ.get(KILL_BEFORE_ACTING, "0"))
         applied = 0
