@@ -15,7 +15,9 @@ only: the subscription did not exist yet (a handoff started elsewhere, or before
 subscribed), or the connection was down when it went by. So `wait` reads the stream's last
 completion of the handoff whenever either may have happened: for a handoff this frontend did
 not start since its subscription, and after every reconnect (nats-py subscribes again before it
-reports the reconnect, so what the stream lacks at that read, the subscription delivers).
+reports the reconnect, so what the stream lacks at that read, the subscription delivers). A read
+that fails (in a cluster, a node died and the stream is electing a new leader) is made again
+after a pause, until the wait's timeout.
 
 Which `Complete` ends a wait. A handoff can complete twice: a terminal fact after a success
 reopens the cleanup and it completes again as canceled (see the README, "Cleanup"). `wait`
@@ -36,6 +38,7 @@ Memory: what the frontend knows of a handoff (its completions, its cancel) is ke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections import OrderedDict
@@ -45,7 +48,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvhandoff.client.connection import DEFAULT_PUBLISH_GIVE_UP_S, Connection, Watch
-from kvhandoff.client.errors import CompletionTimeout, HandoffRejected
+from kvhandoff.client.errors import BusUnavailable, CompletionTimeout, HandoffRejected
 from kvhandoff.events.codec import decode_input
 from kvhandoff.events.ids import HandoffId
 from kvhandoff.events.messages import (
@@ -58,6 +61,9 @@ from kvhandoff.events.messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+# The first and the longest pause before the completion stream is read again after a failure.
+_REREAD_PAUSE_S = (0.1, 2.0)
 
 DEFAULT_DONE_STREAM = "KVHANDOFF_DONE"
 DEFAULT_REMEMBER = 100_000
@@ -196,10 +202,13 @@ class Frontend:
         """The `Complete` that ends the handoff (see "Which `Complete` ends a wait").
 
         `CompletionTimeout` if none came within `timeout_s` (None: wait for ever),
-        `HandoffRejected` if the worker rejected its `StartHandoff`, `BusUnavailable` if the
-        completion stream could not be read.
+        `HandoffRejected` if the worker rejected its `StartHandoff`. A read of the completion
+        stream that fails (a NATS node died, and the stream is electing a new leader) is made
+        again after a pause, within the timeout: it does not end the wait.
         """
         watched = self._watch(handoff_id)
+        unread: BusUnavailable | None = None  # the last read of the stream that failed
+        pause_s = _REREAD_PAUSE_S[0]
         try:
             async with asyncio.timeout(timeout_s):
                 while True:
@@ -212,13 +221,24 @@ class Frontend:
                             f"handoff {handoff_id}: the worker rejected its start: "
                             f"{watched.start_rejected}"
                         )
-                    if watched.covered_since != self._reconnects:
-                        await self._read_stream(handoff_id, watched)
+                    if watched.covered_since == self._reconnects:
+                        await watched.changed.wait()
                         continue
-                    await watched.changed.wait()
+                    try:
+                        await self._read_stream(handoff_id, watched)
+                        unread = None
+                    except BusUnavailable as exc:
+                        if unread is None:
+                            logger.warning("handoff %s: %s; reading it again", handoff_id, exc)
+                        unread = exc
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(pause_s):
+                                await watched.changed.wait()  # or a Complete comes meanwhile
+                        pause_s = min(2 * pause_s, _REREAD_PAUSE_S[1])
         except TimeoutError as exc:
+            why = "" if unread is None else f" (the completion stream could not be read: {unread})"
             raise CompletionTimeout(
-                f"handoff {handoff_id}: no final Complete within {timeout_s:g}s"
+                f"handoff {handoff_id}: no final Complete within {timeout_s:g}s{why}"
             ) from exc
 
     async def state(self, handoff_id: HandoffId) -> HandoffStatus:

@@ -1345,6 +1345,7 @@ class Bus:
             retention=RetentionPolicy.LIMITS,
             max_msgs_per_subject=1,
             max_age=max_age_s,
+            num_replicas=self.replicas,  # a frontend reads it after a node died, too
         )
         try:
             try:

@@ -1,0 +1,51 @@
+"""The frontend client (client.frontend) on the three-node cluster: a wait whose read of the
+completion stream fails (the stream has lost its quorum: two nodes down) reads it again until it
+can, and returns the completion, instead of ending the wait with the bus's error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import pytest
+
+from kvhandoff.client import Connection, Frontend
+from kvhandoff.events.codec import encode
+from kvhandoff.events.messages import Complete, HandoffCompletion
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.natsserver import NatsCluster
+from tests.cluster.conftest import WITHIN_S
+
+DONE_STREAM = "KVHANDOFF_DONE"
+
+
+async def test_a_wait_reads_the_completion_stream_again_until_it_answers(
+    nats_cluster: NatsCluster, bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    subjects = Subjects()
+    await bus.open_completions(DONE_STREAM, subjects.completions, 3600)
+    handoff_id = uuid.uuid4()
+    complete = Complete(handoff_id, 7, HandoffCompletion.SUCCESS)
+    await bus.publish_stored(subjects.done(handoff_id), encode(complete))
+    await bus.flush()
+    survivor, *down = nats_cluster.nodes
+    for node in down:
+        node.stop(kill=True)
+    connection = await Connection.open(NatsSettings(url=survivor.url), "test-frontend")
+    caplog.set_level(logging.WARNING, logger="kvhandoff.client.frontend")
+    try:
+        frontend = await Frontend.open(connection)
+        # Started elsewhere: the wait reads the stream, which has no leader now.
+        waiting = asyncio.create_task(frontend.wait(handoff_id, timeout_s=4 * WITHIN_S))
+        async with asyncio.timeout(2 * WITHIN_S):
+            while "reading it again" not in caplog.text:
+                assert not waiting.done(), waiting
+                await asyncio.sleep(0.05)  # a bounded poll of the frontend's log
+        for node in down:
+            await asyncio.to_thread(nats_cluster.restart, node, WITHIN_S)
+        assert await waiting == complete
+    finally:
+        await connection.close()
