@@ -1,4 +1,5 @@
-"""The README's first command, at full size: every handoff ends and no engine leaks."""
+"""The README's first command, at full size: every handoff ends and no engine leaks; and its
+`--cluster` form, with a small load, through the failure it stages midway."""
 
 from __future__ import annotations
 

@@ -84,6 +84,7 @@ async def engines_ready(url: str, engines: Child, console: Console, external: st
 def load_config(
     url: str, args: argparse.Namespace, handoffs: int, *, wait_timeout_s: float | None = None
 ) -> LoadConfig:
+    """The demo's load: every engine type, its share of frontend cancels, the seed."""
     return LoadConfig(
         nats=NatsSettings(url=url),
         handoffs=handoffs,
