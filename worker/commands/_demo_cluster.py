@@ -117,7 +117,7 @@ class ClusterReport(msgspec.Struct, frozen=True):
     log_states: dict[str, int]  # handoffs by state, in the last owners' files
     open_in: dict[str, int]  # of those files, each that holds open handoffs: how many
     verify_bad: dict[str, int]  # bad handoffs by data directory (by worker)
-    ok: bool
+    ok: bool  # all of the above as it should be (the exit status: and every process stopped)
 
 
 def run(args: argparse.Namespace, console: Console, folder: Path) -> int:
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace, console: Console, folder: Path) -> int:
 
 async def _members(url: str, workers: dict[str, WorkerChild]) -> dict[str, str]:
     """Each worker's name by its member instance (as its claims name it), once all three
-    announced themselves; `ChildError` if they do not in time."""
+    announced themselves; `ChildError` if one exits, or they do not announce in time."""
     by_pid = {worker.pid: name for name, worker in workers.items()}
     bus = await Bus.connect(NatsSettings(url=url), "kvhandoff-demo")
     try:
@@ -180,6 +180,9 @@ async def _members(url: str, workers: dict[str, WorkerChild]) -> dict[str, str]:
                 names = {m.instance: by_pid[m.pid] for m in await bus.members() if m.pid in by_pid}
                 if set(names.values()) == set(workers):
                     return names
+            for name, worker in workers.items():
+                if not worker.running():
+                    raise ChildError(f"worker {name} exited; see {worker.log_path}")
             if time.monotonic() > deadline:
                 raise ChildError(
                     f"the workers did not all announce themselves within {_WITHIN_S:.0f}s; "
