@@ -1,4 +1,5 @@
-"""The README's first command, at full size: every handoff ends and no engine leaks."""
+"""The README's first command, at full size: every handoff ends and no engine leaks; and its
+`--cluster` form, with a small load, through the failure it stages midway."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvhandoff.worker.commands._demo_cluster import ClusterReport
 from kvhandoff.worker.loadgen import LoadReport
 
 
@@ -46,3 +48,42 @@ def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "canceled" in shown.stdout
+
+
+def test_the_cluster_demo_survives_a_killed_worker_and_node_with_every_handoff_ended(
+    tmp_path: Path,
+) -> None:
+    """`kvhandoff demo --cluster`, with a small load: a worker and the input stream's leading
+    node are killed midway; the summary shows the takeover, and every handoff ended."""
+    report_path = tmp_path / "report.json"
+    environment = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--cluster", "--quiet",
+         "--handoffs", "200", "--concurrency", "32", "--json", str(report_path)],
+        capture_output=True, text=True, timeout=600, check=False, env=environment,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    report = msgspec.json.decode(report_path.read_bytes(), type=ClusterReport)
+    assert report.ok
+    load = report.load
+    assert load.handoffs == 200
+    assert load.completed + load.canceled == load.handoffs
+    assert load.timed_out == load.rejected == load.leaks == 0
+    # The logs agree: each partition's last owner holds every handoff ended, and verifies.
+    assert report.log_states.get("open", 0) == report.log_states.get("quarantined", 0) == 0
+    assert sum(report.log_states.values()) == load.handoffs
+    assert set(report.verify_bad) >= {"w2", "w3"} and not any(report.verify_bad.values())
+    # The strike happened midway, on the input stream's leader, and the failover was seen:
+    # every partition the killed worker owned was claimed by a survivor.
+    assert report.strike is not None and report.strike.node_led_input_stream
+    assert report.strike.next_leader not in (None, report.strike.node)
+    killed = next(share for share in report.shares if share.killed)
+    assert killed.worker == report.strike.worker and killed.before and not killed.after
+    assert {t.partition for t in report.takeovers} == set(killed.before)
+    assert not report.not_taken_over
+    assert {t.by for t in report.takeovers} <= {"w2", "w3"}
+    assert report.failover_s is not None and report.failover_s > 0
+    assert f"within {report.failover_s:.1f} s of its SIGKILL" in done.stdout
+    survivors = [share for share in report.shares if not share.killed]
+    assert sorted(p for share in survivors for p in share.after) == list(range(16))

@@ -288,6 +288,16 @@ class NatsCluster:
                 )
             time.sleep(_FORMED_POLL_S)
 
+    def stream_leader(self, stream: str) -> EmbeddedNats | None:
+        """The running node that says it leads `stream` (its `/jsz`), or None while none does
+        (an election runs, or the stream does not exist). Only the leader's own word counts: a
+        follower may name a leader that died a moment ago."""
+        for node in self.nodes:
+            assert node.seat is not None
+            if node.pid is not None and _stream_leader(node, stream) == node.seat.name:
+                return node
+        return None
+
     def close(self) -> None:
         for node in self.nodes:
             node.close()
@@ -308,15 +318,30 @@ class NatsCluster:
         self.close()
 
 
-def _meta_group(node: EmbeddedNats) -> dict[str, Any]:
-    """What a node's monitoring endpoint says of JetStream's meta group; {} if it says
-    nothing yet (starting, or not in a meta group)."""
+def _jsz(node: EmbeddedNats, query: str = "") -> dict[str, Any]:
+    """A node's monitoring endpoint `/jsz`; {} if it does not answer (starting, or gone)."""
     assert node.seat is not None
-    url = f"http://127.0.0.1:{node.seat.monitor_port}/jsz"
+    url = f"http://127.0.0.1:{node.seat.monitor_port}/jsz{query}"
     try:
         with urllib.request.urlopen(url, timeout=_MONITOR_TIMEOUT_S) as response:
             body = json.loads(response.read())
     except (OSError, urllib.error.URLError, ValueError):
         return {}
-    meta = body.get("meta_cluster") if isinstance(body, dict) else None
+    return body if isinstance(body, dict) else {}
+
+
+def _meta_group(node: EmbeddedNats) -> dict[str, Any]:
+    """What a node's monitoring endpoint says of JetStream's meta group; {} if it says
+    nothing yet (starting, or not in a meta group)."""
+    meta = _jsz(node).get("meta_cluster")
     return meta if isinstance(meta, dict) else {}
+
+
+def _stream_leader(node: EmbeddedNats, stream: str) -> str | None:
+    """The server name a node gives as `stream`'s leader, if it knows the stream."""
+    for account in _jsz(node, "?accounts=true&streams=true").get("account_details") or []:
+        for detail in account.get("stream_detail") or []:
+            if detail.get("name") == stream:
+                leader = (detail.get("cluster") or {}).get("leader")
+                return leader if isinstance(leader, str) and leader else None
+    return None

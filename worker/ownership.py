@@ -24,6 +24,9 @@ it read. From then on it appends at the sequence its previous append got. Invari
   owner learns every applied input at its claim and appends only inputs not yet applied (the
   caller's duty; `PartitionOwner` does it), and a fenced writer appends nothing.
 
+`read_claims` reads the `Claimed` entries alone, in order: who owned a partition when, for a
+report (the demo's failover times), not for owning it.
+
 What it does not do. It does not stop a fenced writer from acting on what it did not append:
 the caller must act (publish, acknowledge) only after its append returned, and stop at the
 first `Fenced` (see worker.partition_owner). The log grows without bound here; the stream's
@@ -51,8 +54,13 @@ class Claimed(msgspec.Struct, frozen=True, tag="claimed", tag_field="entry"):
     """A worker took the partition, as owner number `epoch`."""
 
     epoch: int
-    owner: str  # the worker's member instance (worker.bus.Member)
-    at_ms: int
+    owner: str  # "<label>/<member instance>" (worker.tier: Tier.owner_name; worker.bus.Member)
+    at_ms: int  # the claimant's wall clock
+
+    @property
+    def instance(self) -> str:
+        """The claimant's member instance, as it announces itself (`worker.bus.Member`)."""
+        return self.owner.rpartition("/")[2]
 
 
 class Appended(msgspec.Struct, frozen=True, tag="appended", tag_field="entry"):
@@ -180,3 +188,18 @@ class PartitionLog:
             )  # fmt: skip
             raise
         return self._last_seq
+
+
+async def read_claims(bus: Bus, stream: str, prefix: str, partition: int) -> list[Claimed]:
+    """The partition's `Claimed` entries, in log order; `BusError` if the log cannot be read
+    or holds an entry this build cannot decode."""
+    subject = partition_log_subject(prefix, partition)
+    claims = []
+    for seq, data in await bus.read_subject(stream, subject):
+        try:
+            entry = _DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            raise BusError(f"entry {seq} of {subject} is not a log entry ({exc})") from exc
+        if isinstance(entry, Claimed):
+            claims.append(entry)
+    return claims

@@ -13,6 +13,10 @@ replays one of its canceled handoffs.
 prints the command to run and waits for that engine to listen before it starts the load.
 
 Exits 0 when every handoff completed or was cleanly canceled and no engine leaked.
+
+`--cluster` runs the same on a tier of workers instead: three clustered nats-servers, three
+`kvhandoff run --partitions` workers, and a worker and a NATS node killed midway
+(worker.commands._demo_cluster). What both demos share is in worker.commands._demo.
 """
 
 from __future__ import annotations
@@ -20,40 +24,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 from rich.console import Console
 
-from kvhandoff.client import BusUnavailable, Connection
-from kvhandoff.worker.child import Child, WorkerChild
-from kvhandoff.worker.commands.load import print_summary, run_with_progress
-from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.engines import Roster, request_reports
+from kvhandoff.client import BusUnavailable
+from kvhandoff.worker.child import WorkerChild
+from kvhandoff.worker.commands import _demo, _demo_cluster
+from kvhandoff.worker.commands.load import print_summary
+from kvhandoff.worker.engines import Roster
 from kvhandoff.worker.errors import ChildError
-from kvhandoff.worker.loadgen import LoadConfig
-from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.schema import HandoffState
 
-# Faults the engines inject: frequent enough that every path shows up in a few thousand
-# handoffs, rare enough that most complete. Modelled times are sped up 20x.
-_ENGINE_FAULTS = [
-    "--speedup", "20", "--fail-rate", "0.02", "--drop-rate", "0.02",
-    "--duplicate-rate", "0.02", "--delay-ms", "20",
-]  # fmt: skip
-_READY_TIMEOUT_S = 30.0
+_HANDOFFS = 3000
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--handoffs", type=int, default=3000, help="default %(default)s")
+    parser.add_argument(
+        "--handoffs",
+        type=int,
+        help=f"default {_HANDOFFS}, {_demo_cluster.HANDOFFS} with --cluster",
+    )
     parser.add_argument("--concurrency", type=int, default=128, help="default %(default)s")
     parser.add_argument("--cancel-share", type=float, default=0.05, help="default %(default)s")
-    parser.add_argument("--json", type=Path, help="also write the load report here")
+    parser.add_argument("--json", type=Path, help="also write the report here")
     parser.add_argument("--db", type=Path, help="event log (default: in the demo's folder)")
     parser.add_argument("--nats-url", help="use this server instead of an embedded one")
     parser.add_argument("--seed", type=int, default=1, help="load and fault seed")
@@ -63,6 +60,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="ENGINE_ID",
         help="leave this engine id (vllm-prefill-0, sglang-decode-1, ...) to an engine you run "
         "(examples/engine.py); the demo waits for it to listen",
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a tier of three workers on three clustered nats-servers; kills a worker and a "
+        "NATS node midway (not with --db or --nats-url)",
     )
 
 
@@ -75,59 +78,50 @@ def execute(args: argparse.Namespace) -> int:
             f"demo; choose one of {', '.join(engine_ids)}"
         )
         return 2
+    if args.cluster and (args.db is not None or args.nats_url is not None):
+        console.print(
+            "kvhandoff demo: --cluster starts its own cluster and keeps a data directory per "
+            "worker; it takes no --db or --nats-url"
+        )
+        return 2
     folder = Path(tempfile.mkdtemp(prefix="kvhandoff-demo-"))
-    db = args.db or folder / "kvhandoff.db"
     try:
-        with contextlib.ExitStack() as children:
-            url = children.enter_context(_stack(args.nats_url, folder))
-            console.print(f"NATS at {url}; logs and event log in {folder}", soft_wrap=True)
-            # Each in a session of its own: Ctrl-C reaches only the demo, which then stops its
-            # children in order, the engines first (an exit stops them in reverse order too).
-            worker = children.enter_context(
-                WorkerChild(url, db, "--retry-interval", "1s", log_path=folder / "worker.log",
-                            new_session=True)
-            )  # fmt: skip
-            external = [] if args.external_engine is None else [args.external_engine]
-            leave_out = [option for engine_id in external for option in ("--leave-out", engine_id)]
-            engines = children.enter_context(
-                Child([sys.executable, "-m", "kvhandoff.worker.cli", "engines", "--nats-url", url,
-                       "--seed", str(args.seed), *_ENGINE_FAULTS, *leave_out],
-                      folder / "engines.log", name="the engines", new_session=True)
-            )  # fmt: skip
-            worker.start(_READY_TIMEOUT_S)
-            engines.start(_READY_TIMEOUT_S)
-            asyncio.run(_wait_for_engines(url, engines))
-            for engine_id in external:
-                role = "destination" if "-decode-" in engine_id else "source"
-                console.print(
-                    f"waiting for engine {engine_id}; run:  python examples/engine.py "
-                    f"--nats-url {url} {role} {engine_id}",
-                    soft_wrap=True,
-                )
-                asyncio.run(_wait_for_external(url, engine_id))
-            config = LoadConfig(
-                nats=NatsSettings(url=url),
-                handoffs=args.handoffs,
-                concurrency=args.concurrency,
-                cancel_share=args.cancel_share,
-                roster=Roster(),
-                deadline_ms=5_000,
-                seed=args.seed,
-            )
-            show = not args.quiet and sys.stdout.isatty()
-            report = asyncio.run(run_with_progress(config, console if show else None))
-            print_summary(report, console)
-            engines_clean = engines.terminate() == 0
-            worker_clean = worker.terminate() == 0
+        if args.cluster:
+            return _demo_cluster.run(args, console, folder)
+        return _single(args, console, folder)
     except (BusUnavailable, ChildError) as exc:
         console.print(f"kvhandoff demo: {exc}")
         return 1
     except KeyboardInterrupt:
         console.print("interrupted; everything the demo started is stopped")
         return 130
+
+
+def _single(args: argparse.Namespace, console: Console, folder: Path) -> int:
+    db = args.db or folder / "kvhandoff.db"
+    with contextlib.ExitStack() as children:
+        url = children.enter_context(_stack(args.nats_url, folder))
+        console.print(f"NATS at {url}; logs and event log in {folder}", soft_wrap=True)
+        # Each in a session of its own: Ctrl-C reaches only the demo, which then stops its
+        # children in order, the engines first (an exit stops them in reverse order too).
+        worker = children.enter_context(
+            WorkerChild(url, db, "--retry-interval", "1s", log_path=folder / "worker.log",
+                        new_session=True)
+        )  # fmt: skip
+        engines = children.enter_context(
+            _demo.engines_child(url, folder, args, _demo.faults(drops=True))
+        )
+        worker.start(_demo.READY_TIMEOUT_S)
+        engines.start(_demo.READY_TIMEOUT_S)
+        asyncio.run(_demo.engines_ready(url, engines, console, args.external_engine))
+        config = _demo.load_config(url, args, args.handoffs or _HANDOFFS)
+        report = asyncio.run(_demo.run_load(config, args, console))
+        print_summary(report, console)
+        engines_clean = engines.terminate() == 0
+        worker_clean = worker.terminate() == 0
     if args.json is not None:
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
-    _point_at_the_log(db, console)
+    _demo.point_at_the_log(db, console)
     ok = report.ok and engines_clean and worker_clean
     if not engines_clean or not worker_clean:
         console.print(f"a process did not stop cleanly; see the logs in {folder}")
@@ -143,39 +137,3 @@ def _stack(nats_url: str | None, folder: Path) -> Iterator[str]:
     store.mkdir()
     with EmbeddedNats(store_dir=store) as server:
         yield server.url
-
-
-async def _wait_for_engines(url: str, engines: Child) -> None:
-    async with await Connection.open(NatsSettings(url=url), "kvhandoff-demo") as connection:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while not await request_reports(connection):
-            if not engines.running():
-                raise ChildError("the engines exited; see engines.log")
-            if time.monotonic() > deadline:
-                raise ChildError(
-                    f"the engines did not answer within {_READY_TIMEOUT_S:.0f}s; see engines.log"
-                )
-
-
-async def _wait_for_external(url: str, engine_id: str) -> None:
-    """Until an engine client listens to `engine_id` (a presence probe each second); Ctrl-C
-    gives up."""
-    async with await Connection.open(NatsSettings(url=url), "kvhandoff-demo") as connection:
-        while not await connection.engine_listening(engine_id):
-            pass  # each probe waits a second for an answer
-
-
-def _point_at_the_log(db: Path, console: Console) -> None:
-    log = open_log(db)
-    try:
-        canceled = log.handoffs([HandoffState.CANCELED])
-    finally:
-        log.close()
-    # Whole lines, never wrapped, so they can be copied.
-    console.print(f"\nevent log: {db}", soft_wrap=True)
-    if canceled:
-        handoff = canceled[0].handoff_id
-        console.print(
-            f"replay a canceled handoff:  kvhandoff replay {db} {handoff}", soft_wrap=True
-        )
-    console.print(f"list them all:              kvhandoff list {db}", soft_wrap=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -125,10 +126,15 @@ def execute(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-async def run_with_progress(config: LoadConfig, console: Console | None) -> LoadReport:
-    """Run the load, with a progress bar on `console` if one is given."""
+async def run_with_progress(
+    config: LoadConfig,
+    console: Console | None,
+    on_progress: Callable[[LoadProgress], None] | None = None,
+) -> LoadReport:
+    """Run the load, with a progress bar on `console` if one is given; `on_progress` is also
+    told the counts each time a handoff ends (the cluster demo's cue to strike midway)."""
     if console is None:
-        return await run_load(config)
+        return await run_load(config, progress=on_progress)
     columns = (
         TextColumn("handoffs"),
         BarColumn(),
@@ -145,6 +151,8 @@ async def run_with_progress(config: LoadConfig, console: Console | None) -> Load
                 f"timed out {progress.timed_out}  rejected {progress.rejected}"
             )
             bar.update(task, completed=progress.ended, counts=counts)
+            if on_progress is not None:
+                on_progress(progress)
 
         return await run_load(config, progress=update)
 
