@@ -13,6 +13,11 @@ The model
   and `Rejection` before it starts anything, so no `Complete` can slip past it, and reading
   the completion stream after a reconnect. Inputs are stored with JetStream, retried while the
   input stream does not exist yet.
+- With `engines_wait_s` (`--wait-for-engines`), it first waits until an engine listens on
+  every engine id of its roster (`Connection.engine_listening`), up to that long: a worker
+  that does not republish unanswered actions (the tier, worker.partitioned) would leave the
+  handoffs of an engine that started late open for good. Engines still silent then are named
+  in a warning, and the load goes ahead (their handoffs time out in the report).
 - Pacing is a closed loop (`concurrency` handoffs open at once; the next starts when one ends)
   or, when `rate_per_s` is set, an open loop (starts at that rate however many are open).
 - A handoff ends where `Frontend.wait` returns: at its first `Complete`, completed (success) or
@@ -91,6 +96,7 @@ class LoadConfig:
     fallback_delay_ms: float = 0.0
     wait_timeout_s: float | None = None  # None: the deadline plus 30 s
     settle_timeout_s: float = 10.0
+    engines_wait_s: float | None = None  # None: start at once
     publish_give_up_s: float = 30.0
     connect_give_up_s: float = 30.0
     seed: int = 0
@@ -113,6 +119,8 @@ class LoadConfig:
             )
         if self.wait_timeout_s is not None and not self.wait_timeout_s > 0:
             raise ConfigError(f"wait timeout must be positive, got {self.wait_timeout_s}")
+        if self.engines_wait_s is not None and not self.engines_wait_s > 0:
+            raise ConfigError(f"engines wait must be positive, got {self.engines_wait_s}")
 
     @property
     def subjects(self) -> Subjects:
@@ -334,8 +342,10 @@ class _LoadRun:
             on_complete=self._on_complete,
             on_rejection=self._on_rejection,
         )
-        self._began = self._last_end = self._loop.time()
         try:
+            if self._config.engines_wait_s is not None:
+                await self._wait_for_engines(self._config.engines_wait_s)
+            self._began = self._last_end = self._loop.time()
             if self._config.rate_per_s is None:
                 await self._closed_loop(frontend)
             else:
@@ -345,6 +355,19 @@ class _LoadRun:
             await _cancel_all(self._cancelers)
             await frontend.close()
         return self._report(reports, engines_settled)
+
+    async def _wait_for_engines(self, within_s: float) -> None:
+        """Until every engine of the roster listens, or `within_s` has passed (see the module
+        docstring). A silent engine's probe waits a second for an answer: the poll's pace."""
+        silent = self._config.roster.engine_ids()
+        give_up_at = self._loop.time() + within_s
+        while silent and self._loop.time() < give_up_at:
+            silent = [e for e in silent if not await self._connection.engine_listening(e)]
+        if silent:
+            logger.warning(
+                "%d engines not listening after %gs, starting anyway: %s",
+                len(silent), within_s, ", ".join(silent),
+            )  # fmt: skip
 
     async def _closed_loop(self, frontend: Frontend) -> None:
         plans = iter(self._plans)

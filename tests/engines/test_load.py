@@ -3,6 +3,8 @@ real worker (`kvhandoff run` in a child process) and the mock engines."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +30,7 @@ from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats
 from kvhandoff.worker.schema import HandoffState
 from tests.engines.conftest import StartEngines
-from tests.engines.harness import FAST
+from tests.engines.harness import FAST, ONE_PAIR
 
 ROSTER = Roster(sources=1, destinations=1)
 FATES = ("success", "canceled", "rejected", "silent", "success, then reopened")
@@ -201,3 +203,42 @@ async def test_handoffs_on_a_silent_engine_time_out_and_are_cleaned_up_once_it_r
     # Handoffs routed to a silent engine ran into their deadline; the others went through.
     assert report.canceled > 0
     assert report.completed > 0
+
+
+async def test_a_load_told_to_wait_for_the_engines_starts_its_handoffs_once_they_listen(
+    nats_server: EmbeddedNats, subjects: Subjects, start_engines: StartEngines
+) -> None:
+    # The tier republishes no unanswered action: an engine that is not listening yet when the
+    # load starts would lose its first actions for good (worker.loadgen, `engines_wait_s`).
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    stream = f"IN_{subjects.prefix}"
+    await js.add_stream(name=stream, subjects=[subjects.inputs])
+    probes: list[str] = []
+
+    async def probed(msg: Msg) -> None:
+        if not msg.data and msg.reply:
+            probes.append(msg.subject)
+
+    await nc.subscribe(f"{subjects.prefix}.engine.*.actions", cb=probed)
+    await nc.flush()
+    # No worker: the handoff is only stored, and times out at once in the report.
+    config = load_config(
+        nats_server, subjects, handoffs=1, engines_wait_s=60.0, wait_timeout_s=0.1,
+        settle_timeout_s=0.1, roster=ONE_PAIR,
+    )  # fmt: skip
+    load = asyncio.create_task(run_load(config))
+    deadline = time.monotonic() + 30
+    while not probes:
+        assert not load.done(), load
+        assert time.monotonic() < deadline, "the load never asked whether the engines listen"
+        await asyncio.sleep(0.05)  # a bounded poll of what the load sent
+    stored_before = (await js.stream_info(stream)).state.messages
+    await start_engines(roster=ONE_PAIR)
+    report = await asyncio.wait_for(load, 60)
+    stored_after = (await js.stream_info(stream)).state.messages
+    await nc.close()
+
+    assert stored_before == 0, "a handoff started before the engines listened"
+    assert stored_after == 1 and report.timed_out == 1, report
+    assert set(probes) <= {subjects.engine(e) for e in ONE_PAIR.engine_ids()}

@@ -80,6 +80,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="how long to wait for the engines to free all but running decodes (default "
         "%(default)s)",
     )
+    load.add_argument(
+        "--wait-for-engines",
+        type=duration_arg,
+        metavar="DURATION",
+        help="first wait up to this long until every engine of the roster listens (the tier "
+        "republishes no unanswered action: an engine that starts late loses its first ones)",
+    )
     load.add_argument("--seed", type=int, default=0, help="routing and cancel seed")
     output = parser.add_argument_group("output")
     output.add_argument("--json", metavar="PATH", help="write the report as JSON ('-': stdout)")
@@ -102,6 +109,7 @@ def execute(args: argparse.Namespace) -> int:
             fallback_delay_ms=args.fallback_delay_ms,
             wait_timeout_s=args.wait_timeout,
             settle_timeout_s=args.settle_timeout,
+            engines_wait_s=args.wait_for_engines,
             seed=args.seed,
         )
     except ConfigError as exc:
