@@ -3,7 +3,9 @@
     /metrics   Prometheus text format
     /healthz   200 once the worker has recovered and is connected to NATS, else 503
 
-Each worker owns its registry, so several workers (in tests) never collide.
+Each worker owns its registry, so several workers (in tests) never collide. A worker of the
+tier (worker.partitioned) adds `TierMetrics` to it: what its tier and partition owners did,
+counted where it happens (worker.tier, worker.partition_owner).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# A claim reads the partition's whole replicated log and commits what the local file lacks.
+_CATCH_UP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Metrics:
@@ -69,6 +73,43 @@ class Metrics:
         """Add a batch's tallies: one labelled increment per kind, not one per message."""
         for label, n in tallies:
             counter.labels(label).inc(n)
+
+
+class TierMetrics:
+    """A tier worker's ownership of partitions (worker.tier, worker.partition_owner)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.owned = Gauge(
+            "kvhandoff_owned_partitions", "Partitions this worker runs an owner for", registry=r
+        )
+        self.claims = Counter(
+            "kvhandoff_partition_claims",
+            "Partitions claimed, by what the log said of the previous owner: nothing (the "
+            "first), handover (it handed over), takeover (it stopped without: a failover), "
+            "reclaim (this worker, pinned anew or in doubt)",
+            ["after"],
+            registry=r,
+        )
+        self.fenced = Counter(
+            "kvhandoff_fenced_appends",
+            "Appends or claims refused because another worker claimed the partition (the "
+            "owner drops it at once)",
+            registry=r,
+        )
+        self.handovers = Counter(
+            "kvhandoff_partition_handovers", "Partitions this worker handed over cleanly",
+            registry=r,
+        )  # fmt: skip
+        self.catch_up_seconds = Histogram(
+            "kvhandoff_catch_up_seconds",
+            "Claim to ready: reading the partition's log and catching the local file up",
+            buckets=_CATCH_UP_BUCKETS,
+            registry=r,
+        )
+        self.catch_up_entries = Counter(
+            "kvhandoff_catch_up_entries", "Entries of partition logs read at claims", registry=r
+        )
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -9,6 +9,9 @@ writer last saw it, and JetStream refuses it if anyone appended since. The log's
     Appended(epoch, inputs, records) the owner applied these inputs (their stream sequences in
                                     the input stream) and logged these records (opaque here:
                                     the event log's records, as the caller encodes them)
+    HandedOver(epoch, owner)        the owner gave the partition up cleanly (it acted on what
+                                    it appended and gave back the rest): the next claim is a
+                                    hand-over, not a takeover from an owner that died
 
 A worker becomes the owner by `claim`: it reads the whole subject (catch-up: the epoch so far,
 every input ever applied, every record), then appends `Claimed(epoch + 1)` at the last sequence
@@ -71,7 +74,16 @@ class Appended(msgspec.Struct, frozen=True, tag="appended", tag_field="entry"):
     records: bytes = b""
 
 
-Entry = Claimed | Appended
+class HandedOver(msgspec.Struct, frozen=True, tag="handed_over", tag_field="entry"):
+    """The owner of `epoch` handed the partition over (worker.partition_owner, "Hand-over").
+    It fences nothing: it only tells the next claimant how the previous owner left."""
+
+    epoch: int
+    owner: str
+    at_ms: int
+
+
+Entry = Claimed | Appended | HandedOver
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Entry)
@@ -83,6 +95,7 @@ class CaughtUp:
 
     epoch: int  # the claimant's: one more than any before
     previous_owner: str | None
+    handed_over: bool = False  # the log ends with the previous owner's `HandedOver`
     applied: set[int] = field(default_factory=set)  # input stream sequences
     records: list[bytes] = field(default_factory=list)  # in log order
 
@@ -144,6 +157,7 @@ class PartitionLog:
                 case Appended(inputs=inputs, records=records):
                     caught.applied.update(inputs)
                     caught.records.append(records)
+            caught.handed_over = isinstance(entry, HandedOver)
         last = entries[-1][0] if entries else 0
         claim = Claimed(epoch=caught.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000)
         try:
@@ -161,9 +175,18 @@ class PartitionLog:
         )  # fmt: skip
         return caught
 
+    async def hand_over(self) -> None:
+        """Log that this owner handed the partition over, last of what it appends; `Fenced`
+        if another worker appended first."""
+        entry = HandedOver(epoch=self.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000)
+        await self._append(entry)
+
     async def append(self, inputs: list[int], records: bytes) -> int:
         """Log that these inputs were applied, with their records; the entry's sequence.
         `Fenced`, for this and every later call, once another worker appended first."""
+        return await self._append(Appended(epoch=self.epoch, inputs=inputs, records=records))
+
+    async def _append(self, entry: Appended | HandedOver) -> int:
         if self._last_seq is None:
             raise BusError(f"partition {self.partition}: append before claim by {self.owner}")
         if self.fenced:
@@ -171,7 +194,6 @@ class PartitionLog:
                 f"partition {self.partition}: {self.owner} (epoch {self.epoch}) was fenced "
                 "already; it appends nothing more"
             )
-        entry = Appended(epoch=self.epoch, inputs=inputs, records=records)
         try:
             self._last_seq = await self._bus.append_expecting(
                 self.subject,

@@ -43,8 +43,13 @@ but unacknowledged, until the orphans of its handoff before it are applied.
 
 Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.partitions giving the
 partition to another worker), the owner finishes the batch in hand, gives back what it holds
-(nak: redelivered at once) and releases the pin (`Bus.unpin`), so the next owner is pinned at
-once rather than after the priority timeout.
+(nak: redelivered at once), logs `HandedOver` if it had claimed (so that the next claim counts
+as a hand-over, not a takeover) and releases the pin (`Bus.unpin`), so the next owner is
+pinned at once rather than after the priority timeout.
+
+Metrics (`worker.metrics.TierMetrics`, if given): each claim, by what the log said of the
+previous owner, and how long it took to be ready, the catch-up included; each fence; each
+hand-over.
 
 Left to others: running one owner per partition of a worker's share (worker.tier), and
 catching a local SQLite log up from the claimed records (worker.partitioned, which `run`'s
@@ -64,12 +69,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch
 from kvhandoff.worker.input_order import InputOrder
+from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import CaughtUp, PartitionLog
 
 logger = logging.getLogger(__name__)
@@ -114,8 +121,10 @@ class PartitionOwner:
         batch: int = 64,
         expires_s: float = 2.0,
         heartbeat_s: float = 0.5,
+        metrics: TierMetrics | None = None,
     ) -> None:
         self._bus = bus
+        self._metrics = metrics
         self._stream = stream
         self._consumer = consumer
         self.log = log
@@ -204,6 +213,8 @@ class PartitionOwner:
             await pull.close()  # deliveries from now on come back after the ack wait
             for seq, inbound in sorted(in_hand.items()):
                 await (inbound.ack() if seq in self._applied else inbound.nak())
+            if self._claimed:
+                await self.log.hand_over()  # before the unpin: before the next claim
             await self._bus.unpin(self._stream, self._consumer)
         except BusError as exc:
             logger.warning(
@@ -213,6 +224,8 @@ class PartitionOwner:
             )  # fmt: skip
             return
         self.handed_over = True
+        if self._metrics is not None:
+            self._metrics.handovers.inc()
         logger.info(
             "partition %d: handed over by %s (%d inputs given back)",
             self.log.partition, self.log.owner, len(in_hand),
@@ -223,6 +236,7 @@ class PartitionOwner:
         applied, and what the previous owner left unapplied (see "Order")."""
         if self.log.epoch:
             self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
+        began = time.perf_counter()
         caught = await self.log.claim()
         self.claims += 1
         self._applied = caught.applied
@@ -234,6 +248,18 @@ class PartitionOwner:
         self.orphans += len(orphans)
         if self._on_claim is not None:
             await self._on_claim(self.log.partition, caught)
+        if self._metrics is not None:
+            self._metrics.claims.labels(self._claimed_after(caught)).inc()
+            self._metrics.catch_up_seconds.observe(time.perf_counter() - began)
+            self._metrics.catch_up_entries.inc(len(caught.records))
+
+    def _claimed_after(self, caught: CaughtUp) -> str:
+        """What the claim followed, for `TierMetrics.claims`."""
+        if caught.previous_owner is None:
+            return "nothing"
+        if caught.previous_owner == self.log.owner:
+            return "reclaim"
+        return "handover" if caught.handed_over else "takeover"
 
     async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> None:
         """Steps 1-4 for one batch; `Fenced` before acting if another worker owns it now."""
@@ -279,6 +305,8 @@ class PartitionOwner:
 
     def _fenced(self, exc: Fenced) -> None:
         self.fenced = True
+        if self._metrics is not None:
+            self._metrics.fenced.inc()
         logger.warning(
             "partition %d: %s; another worker owns it now, %s stops acting for it "
             "(applied %d inputs, acknowledged %d)",

@@ -66,7 +66,7 @@ from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
-from kvhandoff.worker.metrics import Metrics
+from kvhandoff.worker.metrics import Metrics, TierMetrics
 from kvhandoff.worker.ownership import CaughtUp
 from kvhandoff.worker.partition_owner import Decided
 from kvhandoff.worker.planner import Plan, Planner
@@ -165,7 +165,10 @@ class PartitionedWorker:
         self._subjects = Subjects(config.nats.subject_prefix)
         self._partitions: dict[int, _Partition] = {}
         self._inputs_of = f"{config.nats.subject_prefix}.inp."
-        self.tier = Tier(bus, settings, self.decide, self.act, label, on_claim=self.on_claim)
+        self.tier = Tier(
+            bus, settings, self.decide, self.act, label, on_claim=self.on_claim,
+            metrics=TierMetrics(metrics.registry),
+        )  # fmt: skip
 
     @property
     def healthy(self) -> bool:

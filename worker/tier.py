@@ -27,6 +27,9 @@ and claims it. So a partition has a new owner within about MEMBER_TTL_S + rebala
 the catch-up, and priority_timeout when that is longer. A worker that joins takes its share
 at its first round; the others hand that share over at theirs.
 
+Metrics (`worker.metrics.TierMetrics`, if given): the partitions it runs an owner for, set at
+each round; its owners count their claims, fences and hand-overs there.
+
 The coordinator is not here: the `decide`, `act` and `on_claim` it is given run it
 (worker.partitioned: the records to log, the actions to publish, the partitions' SQLite files).
 """
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 
 from kvhandoff.worker.bus import Bus, Member, Membership
 from kvhandoff.worker.errors import BusError, PartitionsMismatch
+from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import PartitionLog
 from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, PartitionOwner
 from kvhandoff.worker.partitions import rebalance
@@ -71,9 +75,10 @@ class Tier:
 
     def __init__(
         self, bus: Bus, settings: TierSettings, decide: Decide, act: Act, label: str,
-        *, on_claim: OnClaim | None = None,
+        *, on_claim: OnClaim | None = None, metrics: TierMetrics | None = None,
     ) -> None:  # fmt: skip
         self._bus = bus
+        self._metrics = metrics
         self._settings = settings
         self._decide = decide
         self._act = act
@@ -122,6 +127,7 @@ class Tier:
                         await stop.wait()
         finally:
             await self._stop_owners(set(self._running))
+            self._count_owned()
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
@@ -160,6 +166,11 @@ class Tier:
         await self._stop_owners(set(moves.hand_over))
         for partition in sorted(moves.take):
             self._start_owner(partition)
+        self._count_owned()
+
+    def _count_owned(self) -> None:
+        if self._metrics is not None:
+            self._metrics.owned.set(len(self._running))
 
     def _start_owner(self, partition: int) -> None:
         settings = self._settings
@@ -169,6 +180,7 @@ class Tier:
         owner = PartitionOwner(
             self._bus, settings.stream, self._consumers[partition], log,
             expires_s=settings.pull_expires_s, heartbeat_s=settings.pull_expires_s / 4,
+            metrics=self._metrics,
         )  # fmt: skip
         stop = asyncio.Event()
         task = asyncio.create_task(
