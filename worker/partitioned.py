@@ -172,7 +172,8 @@ class PartitionedWorker:
 
     @property
     def healthy(self) -> bool:
-        return self._bus.is_connected
+        """Connected, and in the tier: its streams are open and it has taken its share."""
+        return self._bus.is_connected and self.tier.rounds > 0
 
     def logs(self) -> list[EventLog]:
         """The partition files open now (every partition it owned since it started)."""

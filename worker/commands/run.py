@@ -14,6 +14,8 @@ With `--partitions P --data-dir DIR` it runs as one worker of a partitioned tier
 (`worker.partitioned`): no lease and no `--db`; each owned partition's log is
 `DIR/partition-<p>.db` under its own writer lock, and DIR itself is locked (`DIR/worker.lock`):
 exit 2 if another worker uses it, or if the input stream was made with another partition count.
+A tier starts with its cluster, so it first waits for JetStream to answer (the cluster's meta
+group to have a leader), up to `_JETSTREAM_WAIT_S`, then exits 1 for a supervisor to retry.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ logger = logging.getLogger("kvhandoff.worker.run")
 
 _COMPACT_EVERY_S = 3600.0
 _CANCEL_AGAIN_S = 0.05
+_JETSTREAM_WAIT_S = 60.0
 
 T = TypeVar("T")
 
@@ -134,6 +137,9 @@ async def serve_tier(config: WorkerConfig) -> int:
             log_max_age_s=config.tier_retention_s,
         )  # fmt: skip
         subjects = Subjects(config.nats.subject_prefix)
+        await _unless_stopped(stop, bus.wait_jetstream(_JETSTREAM_WAIT_S))
+        if stop.is_set():
+            return 0
         await _unless_stopped(
             stop,
             bus.open_completions(config.done_stream, subjects.completions, config.completion_ttl_s),
