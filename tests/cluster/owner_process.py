@@ -8,7 +8,8 @@ acts by publishing, after each append, the stream sequence of every input it app
 `kvhandoff.acted.<NAME>`. As worker.partitioned does with its outbox, it counts an act done only
 once `Bus.flush` confirmed its publishes, and each claim publishes again the acts of its own
 appended inputs that were not confirmed (a flush that failed as NATS lost a node): at least once,
-so a lost act shows up again. At the end it writes what it did to STATUS_FILE, as JSON, and exits 0
+so a lost act shows up again. At the end it writes what it did to STATUS_FILE, as JSON (its
+`worker.metrics.TierMetrics` under "metrics"), and exits 0
 once stopped by SIGTERM (after handing the partition over), or 3 once fenced. Its consumer's
 priority timeout is 3 s, or KVHANDOFF_PRIORITY_TIMEOUT.
 
@@ -28,8 +29,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from kvhandoff.worker.bus import Bus, Inbound, Member
 from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import CaughtUp, PartitionLog
 from kvhandoff.worker.partition_owner import Decided, PartitionOwner
 
@@ -48,7 +52,7 @@ _HANG_AFTER = int(os.environ.get("KVHANDOFF_HANG_AFTER", "0"))
 logger = logging.getLogger("tests.cluster.owner_process")
 
 
-async def own(url: str, name: str, partition: int) -> PartitionOwner:
+async def own(url: str, name: str, partition: int, metrics: TierMetrics) -> PartitionOwner:
     """Own the partition until stopped or fenced; the owner, for its counts."""
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -63,7 +67,9 @@ async def own(url: str, name: str, partition: int) -> PartitionOwner:
         )  # fmt: skip
         member = Member.this_process()
         log = PartitionLog(bus, LOG_STREAM, PREFIX, partition, f"{name}/{member.instance}")
-        owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=EXPIRES_S, heartbeat_s=0.25)
+        owner = PartitionOwner(
+            bus, STREAM, consumer, log, expires_s=EXPIRES_S, heartbeat_s=0.25, metrics=metrics
+        )
 
         async def decide(batch: Sequence[Inbound]) -> Decided:
             return Decided(json.dumps([inbound.data.decode() for inbound in batch]).encode())
@@ -99,7 +105,8 @@ async def own(url: str, name: str, partition: int) -> PartitionOwner:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     url, name, partition, status = sys.argv[1:5]
-    owner = asyncio.run(own(url, name, int(partition)))
+    registry = CollectorRegistry()
+    owner = asyncio.run(own(url, name, int(partition), TierMetrics(registry)))
     counts = {
         "claims": owner.claims,
         "applied": owner.applied,
@@ -109,6 +116,18 @@ def main() -> int:
         "refused_pulls": owner.refused_pulls,
         "fenced": owner.fenced,
         "handed_over": owner.handed_over,
+        "metrics": {
+            "claims": {
+                # None: a label never counted
+                after: registry.get_sample_value(
+                    "kvhandoff_partition_claims_total", {"after": after}
+                )
+                or 0.0
+                for after in ("nothing", "handover", "takeover", "reclaim")
+            },
+            "fenced": registry.get_sample_value("kvhandoff_fenced_appends_total"),
+            "handovers": registry.get_sample_value("kvhandoff_partition_handovers_total"),
+        },
     }
     Path(status).write_text(json.dumps(counts))
     return FENCED_EXIT if owner.fenced else 0

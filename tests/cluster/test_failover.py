@@ -27,6 +27,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
@@ -146,6 +147,13 @@ async def appended_by_owner(js: JetStreamContext) -> tuple[list[Claimed], dict[s
     return claims, appended
 
 
+def metrics_of(status: dict[str, object]) -> dict[str, Any]:
+    """The owner process's TierMetrics, from its status (tests/cluster/owner_process.py)."""
+    found = status["metrics"]
+    assert isinstance(found, dict), status
+    return found
+
+
 async def test_a_crashed_owners_appended_inputs_are_not_applied_again(
     nats_cluster: NatsCluster,
     js: JetStreamContext,
@@ -227,6 +235,10 @@ async def test_a_paused_owner_is_fenced_and_every_input_is_applied_once(
     assert inputs.out_of_order(acted.by["b"]) == 0, acted.by["b"]
     status_a, status_b = a.status(), b.status()
     assert status_a["fenced"] is True and status_b["fenced"] is False
+    # And so say their metrics: A, paused, never handed over, so B took the partition over.
+    assert metrics_of(status_a)["fenced"] == 1 and metrics_of(status_b)["fenced"] == 0
+    assert metrics_of(status_a)["claims"]["nothing"] == 1
+    assert metrics_of(status_b)["claims"]["takeover"] == 1
     # A acknowledged only what it applied; B skipped A's applied-but-unacknowledged inputs.
     assert status_a["acked"] == status_a["applied"] == sum(appended["a"].values()) == 100
     assert status_b["applied"] == sum(appended["b"].values()) == 150
@@ -321,4 +333,9 @@ async def test_a_stopped_owner_hands_over_at_once_with_nothing_lost_or_reordered
     assert inputs.out_of_order(acted.by["a"] + acted.by["b"]) == 0
     status_a = a.status()
     assert status_a["handed_over"] is True and status_a["fenced"] is False
+    # A logged its hand-over: B's claim counts as one, not as a takeover.
+    status_b = b.status()
+    assert metrics_of(status_a)["handovers"] == 1
+    assert metrics_of(status_b)["claims"]["handover"] == 1
+    assert metrics_of(status_b)["claims"]["takeover"] == 0
     print(f"hand-over: B acted {took_over_s:.2f}s after A was told to stop; A={status_a}")
