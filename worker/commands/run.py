@@ -14,8 +14,9 @@ With `--partitions P --data-dir DIR` it runs as one worker of a partitioned tier
 (`worker.partitioned`): no lease and no `--db`; each owned partition's log is
 `DIR/partition-<p>.db` under its own writer lock, and DIR itself is locked (`DIR/worker.lock`):
 exit 2 if another worker uses it, or if the input stream was made with another partition count.
-A tier starts with its cluster, so it first waits for JetStream to answer (the cluster's meta
-group to have a leader), up to `_JETSTREAM_WAIT_S`, then exits 1 for a supervisor to retry.
+A tier starts with its cluster, so it waits for JetStream to answer (the cluster's meta group
+to have a leader) before it opens the completion stream, up to `_JETSTREAM_WAIT_S`, then exits
+1 for a supervisor to retry; the tier's own set-up keeps trying after that (worker.tier).
 """
 
 from __future__ import annotations
