@@ -17,7 +17,7 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.natsserver import NatsCluster
-from tests.cluster.conftest import WITHIN_S
+from tests.cluster.conftest import WITHIN_S, until
 
 DONE_STREAM = "KVHANDOFF_DONE"
 
@@ -31,7 +31,13 @@ async def test_a_wait_reads_the_completion_stream_again_until_it_answers(
     complete = Complete(handoff_id, 7, HandoffCompletion.SUCCESS)
     await bus.publish_stored(subjects.done(handoff_id), encode(complete))
     await bus.flush()
-    survivor, *down = nats_cluster.nodes
+    # The survivor must not lead the stream: a leader answers reads for a while after it lost
+    # its quorum, until it notices and steps down.
+    await until(lambda: nats_cluster.stream_leader(DONE_STREAM) is not None, "a stream leader")
+    leader = nats_cluster.stream_leader(DONE_STREAM)
+    assert leader is not None
+    survivor, other = [node for node in nats_cluster.nodes if node is not leader]
+    down = [leader, other]
     for node in down:
         node.stop(kill=True)
     connection = await Connection.open(NatsSettings(url=survivor.url), "test-frontend")
