@@ -25,9 +25,8 @@ action with no outcome after the retry interval is published again, through the 
 publish (`republish`), with the same action id, then again after twice as long, and so on up to
 `RETRY_BACKOFF_CAP` intervals, so a slow engine is not buried under its own backlog. Both look
 the handoff up in the planner when they fire, so a handoff that completed, or an action that
-was answered, meanwhile is left alone. A `TimedOut` that cannot be published (NATS away) is
-tried again a second later; a republish that fails is left to the owner, whose publishes fail
-too and which then rebuilds from the log and rearms.
+was answered, meanwhile is left alone. A timer whose publish fails (NATS away) fires again a
+second later.
 """
 
 from __future__ import annotations
@@ -213,5 +212,10 @@ class HandoffTimers:
                 logger.debug("handoff %s: republishing action %d", handoff_id, action_id)
                 self._metrics.republished.inc()
                 self._attempts[(handoff_id, action_id)] = attempts
-                await self._republish(handoff.row, action)
+                try:
+                    await self._republish(handoff.row, action)
+                except BusError:
+                    retry_at = time.time() + _PUBLISH_FAILED_PAUSE_S
+                    self._retries.schedule((handoff_id, action_id), retry_at)
+                    raise
                 return
