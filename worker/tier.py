@@ -27,8 +27,9 @@ and claims it. So a partition has a new owner within about MEMBER_TTL_S + rebala
 the catch-up, and priority_timeout when that is longer. A worker that joins takes its share
 at its first round; the others hand that share over at theirs.
 
-The coordinator is not here: the `decide`, `act` and `on_claim` it is given run it
-(worker.partitioned: the records to log, the actions to publish, the partitions' SQLite files).
+The coordinator is not here: the `decide`, `act`, `on_claim` and `on_release` it is given run
+it (worker.partitioned: the records to log, the actions to publish, the partitions' SQLite
+files, the timers).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from kvhandoff.worker.bus import Bus, Member, Membership
 from kvhandoff.worker.errors import BusError, PartitionsMismatch
 from kvhandoff.worker.ownership import PartitionLog
-from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, PartitionOwner
+from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, OnRelease, PartitionOwner
 from kvhandoff.worker.partitions import rebalance
 
 logger = logging.getLogger(__name__)
@@ -71,13 +72,14 @@ class Tier:
 
     def __init__(
         self, bus: Bus, settings: TierSettings, decide: Decide, act: Act, label: str,
-        *, on_claim: OnClaim | None = None,
+        *, on_claim: OnClaim | None = None, on_release: OnRelease | None = None,
     ) -> None:  # fmt: skip
         self._bus = bus
         self._settings = settings
         self._decide = decide
         self._act = act
         self._on_claim = on_claim  # see PartitionOwner.run
+        self._on_release = on_release
         self.member = Member.this_process()
         self.owner_name = f"{label}/{self.member.instance}"  # in the log's Claimed records
         self._running: dict[int, tuple[PartitionOwner, asyncio.Task[None], asyncio.Event]] = {}
@@ -172,7 +174,7 @@ class Tier:
         )  # fmt: skip
         stop = asyncio.Event()
         task = asyncio.create_task(
-            owner.run(self._decide, self._act, stop, self._on_claim),
+            owner.run(self._decide, self._act, stop, self._on_claim, self._on_release),
             name=f"kvhandoff-partition-{partition}",
         )
         self._running[partition] = (owner, task, stop)
