@@ -2,13 +2,15 @@
 processes on the real three-node cluster with the scripted engines: a deadline whose engine
 never answers times the handoff out (a second `TimedOut`, as a fenced owner's late timer would
 publish it, is dropped as a duplicate); an action without an outcome is published again with
-the same action id, after the retry interval and then twice as long; and after its owner's
-SIGKILL, the new owner times out a handoff whose deadline passes afterwards.
+the same action id, after the retry interval and then twice as long; a worker that hands a
+partition over stops retrying its actions; and after its owner's SIGKILL, the new owner times
+out a handoff whose deadline passes afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from pathlib import Path
@@ -49,11 +51,11 @@ def start(deadline_ms: int, partition: int | None = None) -> StartHandoff:
             return StartHandoff(handoff_id, EngineType.VLLM, "prefill-0", "decode-0", deadline_ms)
 
 
-def silent_prefill(silent: UUID) -> Script:
-    """The success path, except that the source never answers `silent`'s `SubmitPrefill`."""
+def silent_prefill(*silent: UUID) -> Script:
+    """The success path, except that the source never answers these handoffs' `SubmitPrefill`."""
 
     def script(action: Action) -> list[Input]:
-        if isinstance(action, SubmitPrefill) and action.handoff_id == silent:
+        if isinstance(action, SubmitPrefill) and action.handoff_id in silent:
             return []
         return success_script(action)
 
@@ -131,6 +133,57 @@ async def test_an_action_without_an_outcome_is_republished_with_its_id_and_backo
         await engines.wait_complete({h}, within=2 * WITHIN_S)
         assert engines.completions[h][0].completion is HandoffCompletion.SUCCESS
         assert not engines.mismatched, engines.mismatched
+    finally:
+        await engines.close()
+
+
+async def test_a_worker_stops_retrying_the_actions_of_a_partition_it_handed_over(
+    nats_cluster: NatsCluster, workers: list[TierWorker], tmp_path: Path
+) -> None:
+    """w1 retries the unanswered first action of one handoff per partition; w2 joins, and w1
+    hands half the partitions over. No input comes for those, so w2 does not claim them: nobody
+    may republish their actions any more, while w1 goes on retrying the actions it kept."""
+    url = nats_cluster.url
+    fast = ("--retry-interval", f"{RETRY_INTERVAL_S / 2}s")
+    w1, w2 = TierWorker(url, "w1", tmp_path, *fast), TierWorker(url, "w2", tmp_path, *fast)
+    workers += [w1, w2]
+    w1.start(timeout_s=2 * WITHIN_S)
+    starts = [start(600_000, partition=p) for p in range(PARTITIONS)]
+    first = [(s.handoff_id, 0) for s in starts]  # each partition's unanswered action
+    engines = ScriptedEngines(url.split(",")[0], silent_prefill(*(h for h, _ in first)))
+    await engines.start()
+
+    def logs() -> str:
+        return w1.log_path.read_text()
+
+    try:
+        for command in starts:
+            await engines.start_handoff(command)
+        await until(
+            lambda: all(engines.deliveries[key] >= 2 for key in first),
+            "w1 republishes the first action of every handoff",
+        )
+        await asyncio.to_thread(w2.start, 2 * WITHIN_S)
+        handing = r"handing over \[(\d[\d, ]*)\]"
+        await until(lambda: re.search(handing, logs()) is not None, "w1 hands partitions over")
+        match = re.search(handing, logs())
+        assert match is not None
+        handed = {int(p) for p in match[1].split(",")}
+        await until(
+            lambda: all(f"partition {p}: released" in logs() for p in handed),
+            f"w1 releases partitions {sorted(handed)}",
+        )
+        seen = {key: engines.deliveries[key] for key in first}
+        kept = [key for p, key in enumerate(first) if p not in handed]
+        assert kept, handed
+        # Time enough for each of them to have been retried three times at the same pace.
+        await until(
+            lambda: all(engines.deliveries[key] >= seen[key] + 3 for key in kept),
+            "w1 goes on retrying the actions of the partitions it kept",
+        )
+        for p in handed:
+            # At most one that was being published as the partition was released.
+            assert engines.deliveries[first[p]] <= seen[first[p]] + 1, (p, seen, engines.deliveries)
     finally:
         await engines.close()
 
