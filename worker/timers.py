@@ -124,11 +124,8 @@ class HandoffTimers:
         self._attempts: dict[tuple[UUID, int], int] = {}  # publications per outstanding action
         self._changed = asyncio.Event()
 
-    def __len__(self) -> int:
-        """How many deadlines and retries are scheduled."""
-        return len(self._deadlines) + len(self._retries)
-
     def clear(self) -> None:
+        """Forget every timer."""
         self._deadlines = TimerQueue()
         self._retries = TimerQueue()
         self._attempts.clear()
