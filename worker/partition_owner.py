@@ -57,6 +57,8 @@ catching a local SQLite log up from the claimed records (worker.partitioned, whi
 the previous owner appended: it may have died between step 3 and step 4, and step 1 here drops
 those inputs as applied, so only `on_claim` can act on them (worker.partitioned republishes
 what its file does not mark published; tests/cluster/tier_process.py, the last record).
+Acting on its own between batches (worker.partitioned's timers): `on_release` says when that
+must stop, at once, whatever ended the owner.
 
 What it does not do yet: remember applied inputs in less than a set of every stream sequence
 since the claim; reorder inputs that one owner's own stall (past the ack wait, while still
@@ -96,6 +98,8 @@ Decide = Callable[[Sequence[Inbound]], Awaitable[Decided]]
 Act = Callable[[Sequence[Inbound]], Awaitable[None]]
 # Told, right after each claim, what the partition's log held (to catch a local copy up).
 OnClaim = Callable[[int, CaughtUp], Awaitable[None]]
+# Told that the owner stopped owning the partition (handed over, fenced, or failed).
+OnRelease = Callable[[int], None]
 
 _FETCH_TIMEOUT_S = 0.25  # how long an idle owner waits before noticing a stop request
 _FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
@@ -153,12 +157,22 @@ class PartitionOwner:
         return 0 if self._order is None else self._order.held
 
     async def run(
-        self, decide: Decide, act: Act, stop: asyncio.Event, on_claim: OnClaim | None = None
-    ) -> None:
+        self, decide: Decide, act: Act, stop: asyncio.Event, on_claim: OnClaim | None = None,
+        on_release: OnRelease | None = None,
+    ) -> None:  # fmt: skip
         """Own the partition until another worker fences this one, or until `stop` is set:
         then the batch in hand is finished and the partition handed over (see "Hand-over").
-        `on_claim`, if given, is awaited after each claim, before the next batch is decided."""
+        `on_claim`, if given, is awaited after each claim, before the next batch is decided;
+        `on_release`, if given, is called once this owner acts no more (it returned, fenced or
+        handed over, or failed), so that nothing of the caller acts for the partition after."""
         self._on_claim = on_claim
+        try:
+            await self._own(decide, act, stop)
+        finally:
+            if on_release is not None:
+                on_release(self.log.partition)
+
+    async def _own(self, decide: Decide, act: Act, stop: asyncio.Event) -> None:
         pull = Pull(
             self._bus, self._stream, self._consumer,
             max_ahead=2 * self._batch, expires_s=self._expires_s,

@@ -11,8 +11,11 @@ tier's `PartitionOwner` drives three steps (see worker.partition_owner):
                empty file), rebuild the planner from the file, publish its backlog;
     decide     decode and plan the batch, loading from the local file the handoffs not in
                memory; return the plan's rows (`LoggedRows`) for the owner to append;
-    act        after the append: commit the same rows locally, then publish the plan's actions
-               and rejections on the subjects and in the encoding of worker.service.
+    act        after the append: arm the plan's timers, commit the same rows locally, then
+               publish the plan's actions and rejections on the subjects and in the encoding
+               of worker.service;
+    on release the owner stopped (handed over, fenced, or failed): drop the partition's
+               timers and memory.
 
 Invariants.
 - The replicated log is the authority; the local file is a prefix of it. Each local commit of
@@ -30,9 +33,20 @@ Invariants.
   died between its append and its publishes, or handed over before its marks rode on a
   batch), and every action still outstanding: at least once, with the same action ids.
 
+Timers. Each owned partition has its own `worker.timers.HandoffTimers` over its planner, with
+the single worker's semantics: a deadline publishes `TimedOut` to the handoff's input subject
+(so it is appended and logged like any other input), an action without an outcome is published
+again with the same action id after a growing backoff. They are armed from a plan only in `act`
+(what was not appended does not count), rearmed from the file at each claim (so the new owner
+of a dead worker's partition times out its handoffs), and dropped at release. What a worker that
+was fenced published before it learnt so (at its next append) is harmless: a republished action
+is answered by action id like any other, and a second `TimedOut` of a handoff is an exact
+duplicate of the first, dropped by its digest (counted in `kvhandoff_duplicate_inputs_total`).
+
 What differs from the single worker (worker.service), in this first version:
-- No timers: no deadlines (`TimedOut`) and no retries of an action without an outcome beyond
-  the republish at each claim. A handoff whose engine never answers stays open.
+- A partition is claimed at its first input after it changed hands (the pin comes with a
+  delivery), and its timers are armed only then: the handoffs of a dead worker's partition
+  that receives no input at all are neither timed out nor retried until one arrives.
 
 Retention. The replicated log keeps its entries for `--retention` (a week unless given: the
 stream's `max_age`), and the files drop their completed handoffs and rejections older than that,
@@ -53,6 +67,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from uuid import UUID
 
@@ -73,6 +88,7 @@ from kvhandoff.worker.planner import Plan, Planner
 from kvhandoff.worker.rows import HandoffRow
 from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog, WriterLock
 from kvhandoff.worker.tier import Tier, TierSettings
+from kvhandoff.worker.timers import HandoffTimers
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +158,8 @@ class _Partition:
     log: EventLog
     lock: WriterLock
     planner: Planner
+    timers: HandoffTimers  # armed only while this worker owns the partition
+    timers_task: asyncio.Task[None]
     # A plan and its rows, awaiting their append and `act`, with the inputs they apply.
     decided: tuple[list[int], Plan, LoggedRows] | None = None
     # Marks of actions published, with the barrier that confirms them.
@@ -166,7 +184,8 @@ class PartitionedWorker:
         self._partitions: dict[int, _Partition] = {}
         self._inputs_of = f"{config.nats.subject_prefix}.inp."
         self.tier = Tier(
-            bus, settings, self.decide, self.act, label, on_claim=self.on_claim,
+            bus, settings, self.decide, self.act, label,
+            on_claim=self.on_claim, on_release=self.on_release,
             metrics=TierMetrics(metrics.registry),
         )  # fmt: skip
 
@@ -185,6 +204,9 @@ class PartitionedWorker:
             await self.tier.run(stop)
         finally:
             for part in self._partitions.values():
+                part.timers_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await part.timers_task
                 with contextlib.suppress(StoreError):
                     await self._settle_marks(part)
                 await part.log.close()
@@ -229,6 +251,18 @@ class PartitionedWorker:
             elapsed,
         )  # fmt: skip
 
+    def on_release(self, partition: int) -> None:
+        """The partition's owner stopped (handed over, fenced or failed): this worker times
+        out and republishes nothing of it any more. Its memory is stale from now on (another
+        worker may apply its inputs), so it is dropped too; the next claim rebuilds it."""
+        part = self._partitions.get(partition)
+        if part is None:
+            return  # never claimed
+        part.timers.clear()
+        part.planner.open.clear()
+        part.decided = None
+        logger.info("partition %d: released; its timers are dropped", partition)
+
     async def decide(self, batch: Sequence[Inbound]) -> Decided:
         """Plan the batch against the partition's handoffs: the rows to append, and the early
         inputs deferred."""
@@ -259,6 +293,8 @@ class PartitionedWorker:
             )
         _, plan, rows = part.decided
         part.decided = None
+        # Only now, with the plan in the replicated log, are its timers this partition's.
+        part.timers.arm(plan)
         rows_batch = Batch()
         rows.add_to(rows_batch)
         began = time.perf_counter()
@@ -299,18 +335,25 @@ class PartitionedWorker:
             self._subjects, self._config.batch_size, self._config.ack_wait_s,
             longest_deadline_ms=int(self._config.tier_retention_s * 1000 / 2),
         )  # fmt: skip
-        part = self._partitions[partition] = _Partition(partition, log, lock, planner)
+        timers = HandoffTimers(
+            planner, self._bus, self._subjects, self._metrics,
+            retry_interval_s=self._config.retry_interval_s,
+            republish=partial(self._republish, partition),
+        )  # fmt: skip
+        task = asyncio.create_task(timers.run(), name=f"kvhandoff-timers-{partition}")
+        part = self._partitions[partition] = _Partition(partition, log, lock, planner, timers, task)
         return part
 
     async def _rebuild(self, part: _Partition) -> None:
-        """Replace the planner's memory with the file's open handoffs; publish the backlog."""
+        """Replace the planner's memory with the file's open handoffs and their timers;
+        publish the backlog."""
         planner = part.planner
         planner.open.clear()
         planner.deferred.clear()
         planner.quarantined = await part.log.quarantined()
         quarantines = Batch()
         try:
-            planner.adopt(
+            adopted = planner.adopt(
                 (await part.log.open_handoffs()).values(), quarantines, now_ms(), diverging=True
             )
         except ReplayDivergence as exc:
@@ -318,6 +361,7 @@ class PartitionedWorker:
                 f"partition {part.number}: {exc}; this build's coordinator does not re-derive "
                 f"the log of an open handoff in {part.log.path}"
             ) from exc
+        part.timers.rearm(adopted)  # before the backlog's publishes, which count as attempts
         backlog: dict[tuple[UUID, int], tuple[HandoffRow, int, Action]] = {}
         for unpublished in await part.log.unpublished_actions():
             if isinstance(unpublished, CorruptHandoff):
@@ -355,6 +399,7 @@ class PartitionedWorker:
                 await self._bus.publish_stored(subject, payload)
             else:
                 await self._bus.publish(subject, payload)
+            part.timers.sent(action)
             if seq >= 0:
                 marks.append((action.handoff_id, seq, now))
         if marks:
@@ -362,6 +407,10 @@ class PartitionedWorker:
             # Its failure is read by `_confirmed`, or never, if a claim drops its marks.
             barrier.add_done_callback(_retrieve)
             part.published.append((barrier, marks))
+
+    async def _republish(self, partition: int, row: HandoffRow, action: Action) -> None:
+        """A retry: publish the action again (its first publication carries its mark)."""
+        await self._publish(self._partitions[partition], [(row, -1, action)])
 
     def _confirmed(self, part: _Partition) -> list[tuple[str, int, int]]:
         """Take the outbox marks the server has confirmed, in publication order. Marks behind

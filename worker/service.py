@@ -57,10 +57,12 @@ rebuilds from the log and republishes exactly what it does not mark published.
 
 Coordinators of open handoffs live in memory; a completed handoff leaves memory, and an input
 for a handoff not in memory loads its log and replays it (one query per batch). A second task
-runs the timers: a handoff's deadline publishes a `TimedOut` input to the handoff's own input
-subject, so it is logged and replayed like any other input; an action with no outcome after the
-retry interval is published again with the same action id, and again after twice as long, up to
-`_RETRY_BACKOFF_CAP` intervals, so a slow engine is not buried under its own backlog.
+runs the timers (`worker.timers.HandoffTimers`): a handoff's deadline publishes a `TimedOut`
+input to the handoff's own input subject, so it is logged and replayed like any other input; an
+action with no outcome after the retry interval is published again with the same action id, and
+again after twice as long, up to `RETRY_BACKOFF_CAP` intervals, so a slow engine is not buried
+under its own backlog. They are armed when a batch is planned, and rearmed whenever memory is
+rebuilt from the log.
 """
 
 from __future__ import annotations
@@ -74,9 +76,8 @@ from collections.abc import Sequence
 from uuid import UUID
 
 from kvhandoff.events.codec import encode
-from kvhandoff.events.coordinator import Mode
 from kvhandoff.events.errors import ReplayDivergence
-from kvhandoff.events.messages import Action, Complete, TimedOut
+from kvhandoff.events.messages import Action, Complete
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.clock import now_ms
@@ -86,12 +87,11 @@ from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.planner import Decoded, Plan, Planner
 from kvhandoff.worker.rows import HandoffRow
 from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog
-from kvhandoff.worker.timers import TimerQueue
+from kvhandoff.worker.timers import HandoffTimers
 
 logger = logging.getLogger(__name__)
 
 _FETCH_TIMEOUT_S = 0.25  # how long an idle worker waits before noticing a stop request
-_RETRY_BACKOFF_CAP = 8
 _COMMIT_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed commit
 _MARK_INTERVAL_S = 0.2  # the longest time confirmed outbox marks wait for a commit to ride on
 
@@ -105,10 +105,10 @@ class Worker:
         self._subjects = Subjects(config.nats.subject_prefix)
         # Early inputs may hold at most a batch's worth of the consumer's unacknowledged slots.
         self._planner = Planner(self._subjects, config.batch_size, config.ack_wait_s)
-        self._deadlines: TimerQueue[UUID] = TimerQueue()
-        self._retries: TimerQueue[tuple[UUID, int]] = TimerQueue()
-        self._attempts: dict[tuple[UUID, int], int] = {}  # publications per outstanding action
-        self._timers_changed = asyncio.Event()
+        self._timers = HandoffTimers(
+            self._planner, bus, self._subjects, metrics,
+            retry_interval_s=config.retry_interval_s, republish=self._publish_action,
+        )  # fmt: skip
         # Outbox marks of published actions, each batch's with the barrier that confirms them;
         # they ride on the first commit after their barrier returned.
         self._published: deque[tuple[asyncio.Future[None], list[tuple[UUID, int, int]]]] = deque()
@@ -124,7 +124,7 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Recover, then process inputs until `stop` is set; the batch in hand is finished."""
         await self._recover_when_possible(stop, first_wait_s=0.0)
-        timers = asyncio.create_task(self._run_timers(stop), name="kvhandoff-timers")
+        timers = asyncio.create_task(self._timers.run(), name="kvhandoff-timers")
         carrying: asyncio.Task[None] | None = None  # the previous batch's carry-out
         evicted: set[UUID] = set()  # handoffs that batch completed and took out of memory
         held: list[Inbound] = []  # fetched for a top-up, but to be planned with the next batch
@@ -319,10 +319,6 @@ class Worker:
         planner.open.clear()
         planner.quarantined = quarantined
         planner.deferred.clear()
-        self._deadlines = TimerQueue()
-        self._retries = TimerQueue()
-        self._attempts.clear()
-        retry_at = time.time() + self._config.retry_interval_s
         # Not `batch or Batch()`: a Batch is falsy until it holds rows.
         into = Batch() if batch is None else batch
         try:
@@ -332,14 +328,7 @@ class Worker:
                 f"{exc}; this build's coordinator does not re-derive the log of an open handoff."
                 " Run `kvhandoff verify` on the log, and run the build that wrote it"
             ) from exc
-        for handoff in adopted:
-            handoff_id = handoff.start.handoff_id
-            self._deadlines.schedule(handoff_id, handoff.row.deadline_at_ms / 1000)
-            for action in handoff.coordinator.outstanding():
-                if not isinstance(action, Complete):
-                    self._attempts[(handoff_id, action.action_id)] = 1
-                    self._retries.schedule((handoff_id, action.action_id), retry_at)
-        self._timers_changed.set()
+        self._timers.rearm(adopted)
         self._metrics.open_handoffs.set(len(planner.open))
         self._metrics.quarantined.set(len(planner.quarantined))
         return len(loaded)
@@ -354,14 +343,7 @@ class Worker:
         planner = self._planner
         loaded = await self._log.load(missing) if missing else {}
         plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time(), into=into)
-        for handoff_id, due in plan.new_deadlines:
-            self._deadlines.schedule(handoff_id, due)
-        for answered in plan.answered:
-            self._retries.cancel(answered)
-            self._attempts.pop(answered, None)
-        for handoff_id in plan.left_memory:
-            self._deadlines.cancel(handoff_id)
-        self._timers_changed.set()
+        self._timers.arm(plan)
         return plan
 
     async def _carry_out(
@@ -444,7 +426,7 @@ class Worker:
             self._commit_failure = None
             self._commit_backoff_s = _COMMIT_BACKOFF_S[0]
 
-    # --- Actions and timers -------------------------------------------------------------
+    # --- Actions ------------------------------------------------------------------------
 
     async def _publish_action(self, row: HandoffRow, action: Action) -> None:
         subject, payload = (
@@ -457,56 +439,7 @@ class Worker:
             await self._bus.publish_stored(subject, payload)
         else:
             await self._bus.publish(subject, payload)
-            key = (action.handoff_id, action.action_id)
-            attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
-            backoff = min(2 ** (attempts - 1), _RETRY_BACKOFF_CAP)
-            self._retries.schedule(key, time.time() + self._config.retry_interval_s * backoff)
-
-    async def _run_timers(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            self._timers_changed.clear()
-            candidates = (self._deadlines.next_due(), self._retries.next_due())
-            dues = [d for d in candidates if d is not None]
-            wait = min(dues) - time.time() if dues else None
-            if wait is None or wait > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._timers_changed.wait(), wait)
-                continue
-            now = time.time()
-            try:
-                for handoff_id in self._deadlines.pop_due(now):
-                    await self._expire(handoff_id)
-                for handoff_id, action_id in self._retries.pop_due(now):
-                    await self._retry(handoff_id, action_id)
-            except BusError as exc:
-                logger.warning("timer publish failed, will retry: %s", exc)
-                await asyncio.sleep(1.0)  # NATS is reconnecting; the timers were rearmed
-
-    async def _expire(self, handoff_id: UUID) -> None:
-        handoff = self._planner.open.get(handoff_id)
-        if handoff is None or handoff.coordinator.mode is not Mode.ACTIVE:
-            return
-        try:
-            await self._bus.publish_durable(
-                self._subjects.input(handoff_id), encode(TimedOut(handoff_id))
-            )
-        except BusError:
-            self._deadlines.schedule(handoff_id, time.time() + 1.0)
-            raise
-        logger.info("handoff %s: deadline passed, timed out", handoff_id)
-
-    async def _retry(self, handoff_id: UUID, action_id: int) -> None:
-        attempts = self._attempts.pop((handoff_id, action_id), 0)
-        handoff = self._planner.open.get(handoff_id)
-        if handoff is None:
-            return
-        for action in handoff.coordinator.outstanding():
-            if action.action_id == action_id:
-                logger.debug("handoff %s: republishing action %d", handoff_id, action_id)
-                self._metrics.republished.inc()
-                self._attempts[(handoff_id, action_id)] = attempts
-                await self._publish_action(handoff.row, action)
-                return
+        self._timers.sent(action)
 
 
 async def _failure_of(task: asyncio.Task[None]) -> BusError | StoreError | None:

@@ -30,8 +30,9 @@ at its first round; the others hand that share over at theirs.
 Metrics (`worker.metrics.TierMetrics`, if given): the partitions it runs an owner for, set at
 each round; its owners count their claims, fences and hand-overs there.
 
-The coordinator is not here: the `decide`, `act` and `on_claim` it is given run it
-(worker.partitioned: the records to log, the actions to publish, the partitions' SQLite files).
+The coordinator is not here: the `decide`, `act`, `on_claim` and `on_release` it is given run
+it (worker.partitioned: the records to log, the actions to publish, the partitions' SQLite
+files, the timers).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from kvhandoff.worker.bus import Bus, Member, Membership
 from kvhandoff.worker.errors import BusError, PartitionsMismatch
 from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import PartitionLog
-from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, PartitionOwner
+from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, OnRelease, PartitionOwner
 from kvhandoff.worker.partitions import rebalance
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ class Tier:
 
     def __init__(
         self, bus: Bus, settings: TierSettings, decide: Decide, act: Act, label: str,
-        *, on_claim: OnClaim | None = None, metrics: TierMetrics | None = None,
+        *, on_claim: OnClaim | None = None, on_release: OnRelease | None = None,
+        metrics: TierMetrics | None = None,
     ) -> None:  # fmt: skip
         self._bus = bus
         self._metrics = metrics
@@ -83,6 +85,7 @@ class Tier:
         self._decide = decide
         self._act = act
         self._on_claim = on_claim  # see PartitionOwner.run
+        self._on_release = on_release
         self.member = Member.this_process()
         self.owner_name = f"{label}/{self.member.instance}"  # in the log's Claimed records
         self._running: dict[int, tuple[PartitionOwner, asyncio.Task[None], asyncio.Event]] = {}
@@ -184,7 +187,7 @@ class Tier:
         )  # fmt: skip
         stop = asyncio.Event()
         task = asyncio.create_task(
-            owner.run(self._decide, self._act, stop, self._on_claim),
+            owner.run(self._decide, self._act, stop, self._on_claim, self._on_release),
             name=f"kvhandoff-partition-{partition}",
         )
         self._running[partition] = (owner, task, stop)

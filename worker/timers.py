@@ -1,18 +1,64 @@
-"""Keyed deadlines: the worker's handoff deadlines and action retries.
+"""Timers: each open handoff's deadline and each unanswered action's retry.
 
-A plain heap with lazy deletion: scheduling a key again replaces its deadline, cancelling
-forgets it, and stale heap entries are skipped when they surface. No clock and no asyncio
-here; the service asks what is due at the time it reads.
+`TimerQueue` is the data structure: keyed deadlines in a plain heap with lazy deletion.
+Scheduling a key again replaces its deadline, cancelling forgets it, and stale heap entries
+are skipped when they surface. It reads no clock and knows no asyncio.
+
+`HandoffTimers` runs two of them for one set of handoffs in memory (a `worker.planner.Planner`:
+the single worker's, or one owned partition's) in a task of its own, until cancelled. Its owner
+tells it what changed, and it does the rest:
+
+    rearm(adopted)   memory was rebuilt from the log: forget every timer; each adopted
+                     handoff's deadline is its row's, and each of its outstanding actions is
+                     due for a retry one interval from now (as if published once);
+    arm(plan)        a plan counts (the single worker: once planned; a partition: once
+                     appended): deadlines of new handoffs, retries an outcome answered,
+                     deadlines of handoffs that left memory;
+    sent(action)     an action was published (first, republished or recovered): count the
+                     attempt and schedule the next one;
+    clear()          these handoffs are no longer this worker's to time out or retry.
+
+A deadline that passes while its handoff is still active publishes `TimedOut` durably to the
+handoff's own input subject, so it is logged and replayed like any other input (whoever
+applies it: a second `TimedOut` of a handoff is an exact duplicate, dropped by its digest). An
+action with no outcome after the retry interval is published again, through the owner's own
+publish (`republish`), with the same action id, then again after twice as long, and so on up to
+`RETRY_BACKOFF_CAP` intervals, so a slow engine is not buried under its own backlog. Both look
+the handoff up in the planner when they fire, so a handoff that completed, or an action that
+was answered, meanwhile is left alone. A timer whose publish fails (NATS away) fires again a
+second later.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
 import itertools
-from collections.abc import Hashable
+import logging
+import time
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Generic, TypeVar
+from uuid import UUID
+
+from kvhandoff.events.codec import encode
+from kvhandoff.events.coordinator import Mode
+from kvhandoff.events.messages import Action, Complete, TimedOut
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.errors import BusError
+from kvhandoff.worker.metrics import Metrics
+from kvhandoff.worker.planner import OpenHandoff, Plan, Planner
+from kvhandoff.worker.rows import HandoffRow
+
+logger = logging.getLogger(__name__)
+
+RETRY_BACKOFF_CAP = 8  # the longest wait between two publications, in retry intervals
+_PUBLISH_FAILED_PAUSE_S = 1.0  # NATS is reconnecting; the timer was rearmed
 
 K = TypeVar("K", bound=Hashable)
+# Publish an action again as its owner publishes any action (and so calls `sent`).
+Republish = Callable[[HandoffRow, Action], Awaitable[None]]
 
 
 class TimerQueue(Generic[K]):
@@ -58,3 +104,115 @@ class TimerQueue(Generic[K]):
         heap, due = self._heap, self._due
         while heap and due.get(heap[0][2]) != heap[0][0]:
             heapq.heappop(heap)
+
+
+class HandoffTimers:
+    """The deadlines and retries of one planner's handoffs (module docstring); `run` it."""
+
+    def __init__(
+        self, planner: Planner, bus: Bus, subjects: Subjects, metrics: Metrics,
+        *, retry_interval_s: float, republish: Republish,
+    ) -> None:  # fmt: skip
+        self._planner = planner
+        self._bus = bus
+        self._subjects = subjects
+        self._metrics = metrics
+        self._retry_interval_s = retry_interval_s
+        self._republish = republish
+        self._deadlines: TimerQueue[UUID] = TimerQueue()
+        self._retries: TimerQueue[tuple[UUID, int]] = TimerQueue()
+        self._attempts: dict[tuple[UUID, int], int] = {}  # publications per outstanding action
+        self._changed = asyncio.Event()
+
+    def clear(self) -> None:
+        """Forget every timer."""
+        self._deadlines = TimerQueue()
+        self._retries = TimerQueue()
+        self._attempts.clear()
+        self._changed.set()
+
+    def rearm(self, adopted: Iterable[OpenHandoff]) -> None:
+        """Replace every timer with those of handoffs just rebuilt from the log."""
+        self.clear()
+        retry_at = time.time() + self._retry_interval_s
+        for handoff in adopted:
+            handoff_id = handoff.start.handoff_id
+            self._deadlines.schedule(handoff_id, handoff.row.deadline_at_ms / 1000)
+            for action in handoff.coordinator.outstanding():
+                if not isinstance(action, Complete):
+                    self._attempts[(handoff_id, action.action_id)] = 1
+                    self._retries.schedule((handoff_id, action.action_id), retry_at)
+
+    def arm(self, plan: Plan) -> None:
+        """Apply the timer changes of a plan (`Plan.new_deadlines`, `answered`, `left_memory`)."""
+        for handoff_id, due in plan.new_deadlines:
+            self._deadlines.schedule(handoff_id, due)
+        for answered in plan.answered:
+            self._retries.cancel(answered)
+            self._attempts.pop(answered, None)
+        for handoff_id in plan.left_memory:
+            self._deadlines.cancel(handoff_id)
+        self._changed.set()
+
+    def sent(self, action: Action) -> None:
+        """An action was published: its next publication is due after a growing backoff.
+        A `Complete` is not answered, so it is never retried."""
+        if isinstance(action, Complete):
+            return
+        key = (action.handoff_id, action.action_id)
+        attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
+        backoff = min(2 ** (attempts - 1), RETRY_BACKOFF_CAP)
+        self._retries.schedule(key, time.time() + self._retry_interval_s * backoff)
+        self._changed.set()
+
+    async def run(self) -> None:
+        """Fire what is due, as it falls due, until the task is cancelled."""
+        while True:
+            self._changed.clear()
+            candidates = (self._deadlines.next_due(), self._retries.next_due())
+            dues = [d for d in candidates if d is not None]
+            wait = min(dues) - time.time() if dues else None
+            if wait is None or wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), wait)
+                continue
+            now = time.time()
+            try:
+                for handoff_id in self._deadlines.pop_due(now):
+                    await self._expire(handoff_id)
+                for handoff_id, action_id in self._retries.pop_due(now):
+                    await self._retry(handoff_id, action_id)
+            except BusError as exc:
+                logger.warning("timer publish failed, will retry: %s", exc)
+                await asyncio.sleep(_PUBLISH_FAILED_PAUSE_S)
+
+    async def _expire(self, handoff_id: UUID) -> None:
+        handoff = self._planner.open.get(handoff_id)
+        if handoff is None or handoff.coordinator.mode is not Mode.ACTIVE:
+            return
+        try:
+            await self._bus.publish_durable(
+                self._subjects.input(handoff_id), encode(TimedOut(handoff_id))
+            )
+        except BusError:
+            self._deadlines.schedule(handoff_id, time.time() + _PUBLISH_FAILED_PAUSE_S)
+            raise
+        logger.info("handoff %s: deadline passed, timed out", handoff_id)
+
+    async def _retry(self, handoff_id: UUID, action_id: int) -> None:
+        attempts = self._attempts.pop((handoff_id, action_id), 0)
+        handoff = self._planner.open.get(handoff_id)
+        if handoff is None:
+            return
+        for action in handoff.coordinator.outstanding():
+            if action.action_id == action_id:
+                logger.debug("handoff %s: republishing action %d", handoff_id, action_id)
+                self._metrics.republished.inc()
+                self._attempts[(handoff_id, action_id)] = attempts
+                try:
+                    await self._republish(handoff.row, action)
+                except BusError:
+                    retry_at = time.time() + _PUBLISH_FAILED_PAUSE_S
+                    self._retries.schedule((handoff_id, action_id), retry_at)
+                    raise
+                return

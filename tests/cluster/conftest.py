@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,12 +26,14 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.natsserver import NatsCluster
 
 # What a step that should take milliseconds may take on a busy two-core machine, elections
 # included.
 WITHIN_S = 30.0
+PARTITIONS = 4  # of the `kvhandoff run --partitions` workers
 
 
 @pytest.fixture
@@ -107,6 +110,34 @@ async def acted(nats_cluster: NatsCluster) -> AsyncIterator[Acted]:
     await nc.flush()
     yield seen
     await nc.close()
+
+
+class TierWorker(WorkerChild):
+    """`kvhandoff run --partitions 4` (worker.partitioned) with its own data directory, and any
+    further arguments of `run`."""
+
+    def __init__(self, url: str, name: str, tmp: Path, *extra: str) -> None:
+        self.data_dir = tmp / name
+        self.data_dir.mkdir()
+        super().__init__(
+            url, tmp / f"{name}.db", "--partitions", str(PARTITIONS),
+            "--data-dir", str(self.data_dir), *extra, log_path=tmp / f"{name}.log",
+        )  # fmt: skip
+        self.name = name
+
+    def took_a_share(self) -> bool:
+        """Whether its tier took partitions (from its log lines); fails if it died."""
+        assert self.running(), f"{self.name} died: {self.logs()}"
+        return re.search(r"taking \[\d", self.logs()) is not None
+
+
+@pytest.fixture
+def workers() -> Iterator[list[TierWorker]]:
+    """The tier workers a test starts, killed at its end if they still run."""
+    started: list[TierWorker] = []
+    yield started
+    for worker in started:
+        worker.stop()
 
 
 class StatusChild:

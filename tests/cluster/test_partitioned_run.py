@@ -17,11 +17,9 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import pytest
 from nats.js import JetStreamContext
 
 from kvhandoff.events.messages import (
@@ -35,7 +33,6 @@ from kvhandoff.events.messages import (
     StartHandoff,
     SubmitPrefill,
 )
-from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.healthy import success_script
 from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import NatsCluster
@@ -43,39 +40,12 @@ from kvhandoff.worker.ownership import Appended, Claimed, Entry
 from kvhandoff.worker.partitioned import partition_path
 from kvhandoff.worker.partitions import partition_of
 from kvhandoff.worker.schema import HandoffState
-from tests.cluster.conftest import WITHIN_S, until
+from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 from tests.worker.conftest import logged_inputs
 from tests.worker.scripted_engine import ScriptedEngines
 
-PARTITIONS = 4
 HANDOFFS = 200
 LOG_STREAM = "KVHANDOFF_LOG"  # worker.tier.TierSettings' default
-
-
-class Worker(WorkerChild):
-    """`kvhandoff run --partitions 4` with its own data directory."""
-
-    def __init__(self, url: str, name: str, tmp: Path, *flags: str) -> None:
-        self.data_dir = tmp / name
-        self.data_dir.mkdir()
-        super().__init__(
-            url, tmp / f"{name}.db", "--partitions", str(PARTITIONS),
-            "--data-dir", str(self.data_dir), *flags, log_path=tmp / f"{name}.log",
-        )  # fmt: skip
-        self.name = name
-
-    def took_a_share(self) -> bool:
-        """Whether its tier took partitions (from its log lines); fails if it died."""
-        assert self.running(), f"{self.name} died: {self.logs()}"
-        return re.search(r"taking \[\d", self.logs()) is not None
-
-
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for worker in started:
-        worker.stop()
 
 
 def start(n: int) -> StartHandoff:
@@ -117,11 +87,11 @@ def verify(path: Path) -> None:
 async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complete(
     nats_cluster: NatsCluster,
     js: JetStreamContext,
-    workers: list[Worker],
+    workers: list[TierWorker],
     tmp_path: Path,
 ) -> None:
     url = nats_cluster.url
-    w1, w2 = Worker(url, "w1", tmp_path), Worker(url, "w2", tmp_path)
+    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
     workers += [w1, w2]
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")
@@ -198,13 +168,13 @@ async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complet
 
 
 async def test_a_worker_that_owns_a_partition_again_catches_its_file_up_from_its_mark(
-    nats_cluster: NatsCluster, workers: list[Worker], tmp_path: Path
+    nats_cluster: NatsCluster, workers: list[TierWorker], tmp_path: Path
 ) -> None:
     """w1 owns everything, w2 joins and takes a share, then leaves: w1's files for that share
     lack what w2 appended meanwhile, and w1 commits exactly that (the entries after its mark)
     when it claims them again."""
     url = nats_cluster.url
-    w1, w2 = Worker(url, "w1", tmp_path), Worker(url, "w2", tmp_path)
+    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
     workers += [w1, w2]
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")
@@ -253,13 +223,13 @@ async def test_a_worker_that_owns_a_partition_again_catches_its_file_up_from_its
 
 
 async def test_the_retention_bounds_the_replicated_log_and_refuses_deadlines_past_half_of_it(
-    nats_cluster: NatsCluster, js: JetStreamContext, workers: list[Worker], tmp_path: Path
+    nats_cluster: NatsCluster, js: JetStreamContext, workers: list[TierWorker], tmp_path: Path
 ) -> None:
     """`--retention` is the replicated log's `max_age` (the latest worker started sets it), and
     a start whose deadline is longer than half of it is rejected, while one within it
     completes."""
     url = nats_cluster.url
-    w1 = Worker(url, "w1", tmp_path, "--retention", "2h")
+    w1 = TierWorker(url, "w1", tmp_path, "--retention", "2h")
     workers.append(w1)
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")
@@ -277,7 +247,7 @@ async def test_the_retention_bounds_the_replicated_log_and_refuses_deadlines_pas
     finally:
         await engines.close()
     await asyncio.wait_for(asyncio.to_thread(w1.terminate, 2 * WITHIN_S), 3 * WITHIN_S)
-    w2 = Worker(url, "w2", tmp_path, "--retention", "3h")
+    w2 = TierWorker(url, "w2", tmp_path, "--retention", "3h")
     workers.append(w2)
     w2.start(timeout_s=2 * WITHIN_S)
     await until(w2.took_a_share, "w2 takes the partitions")
@@ -285,11 +255,11 @@ async def test_the_retention_bounds_the_replicated_log_and_refuses_deadlines_pas
 
 
 async def test_an_early_fact_is_deferred_until_its_precondition_holds(
-    nats_cluster: NatsCluster, workers: list[Worker], tmp_path: Path
+    nats_cluster: NatsCluster, workers: list[TierWorker], tmp_path: Path
 ) -> None:
     """As the single worker does (tests/worker/test_handoffs.py): a fact that comes before the
     action it answers is given back, comes again, and is applied once it may be."""
-    w1 = Worker(nats_cluster.url, "w1", tmp_path)
+    w1 = TierWorker(nats_cluster.url, "w1", tmp_path)
     workers.append(w1)
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")

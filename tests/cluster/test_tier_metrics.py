@@ -20,14 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvhandoff.worker.child import Child
 from kvhandoff.worker.natsserver import NatsCluster
-from tests.cluster.conftest import WITHIN_S, until
-from tests.cluster.test_partitioned_run import PARTITIONS, Worker
+from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 
 HANDOFFS = 40  # per load: every partition gets inputs (a miss is 4 * 0.75**40, 4e-5)
 CLI = [sys.executable, "-m", "kvhandoff.worker.cli"]
 
 
-def sample(worker: Worker, name: str, **labels: str) -> float:
+def sample(worker: TierWorker, name: str, **labels: str) -> float:
     """The sum of `name`'s samples with these labels in the worker's /metrics."""
     return sum(
         s.value
@@ -37,11 +36,11 @@ def sample(worker: Worker, name: str, **labels: str) -> float:
     )
 
 
-def owned(worker: Worker) -> int:
+def owned(worker: TierWorker) -> int:
     return int(sample(worker, "kvhandoff_owned_partitions"))
 
 
-def claims(worker: Worker, after: str | None = None) -> int:
+def claims(worker: TierWorker, after: str | None = None) -> int:
     labels = {} if after is None else {"after": after}
     return int(sample(worker, "kvhandoff_partition_claims_total", **labels))
 
@@ -69,7 +68,7 @@ async def test_owned_partitions_claims_handovers_and_a_takeover_show_in_the_metr
 ) -> None:
     url = nats_cluster.url
     assert url.count(",") == 2, url
-    w1, w2 = Worker(url, "w1", tmp_path), Worker(url, "w2", tmp_path)
+    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
     engines = Child([*CLI, "engines", "--nats-url", url, "--speedup", "10"], tmp_path / "e.log")
     with engines, w1, w2:
         w1.start(timeout_s=2 * WITHIN_S)
