@@ -130,6 +130,14 @@ class TierWorker(WorkerChild):
         assert self.running(), f"{self.name} died: {self.logs()}"
         return re.search(r"taking \[\d", self.logs()) is not None
 
+    def handed_over_a_share(self) -> bool:
+        """Whether its tier handed partitions over to another worker; fails if it died."""
+        assert self.running(), f"{self.name} died: {self.logs()}"
+        return re.search(r"handing over \[\d", self.whole_log()) is not None
+
+    def whole_log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
 
 @pytest.fixture
 def workers() -> Iterator[list[TierWorker]]:

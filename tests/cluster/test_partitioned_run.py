@@ -1,16 +1,31 @@
 """`kvhandoff run --partitions 4 --data-dir DIR` (worker.partitioned) as real processes on the
-real three-node cluster, with the scripted engines answering: two workers share the load; one
-is killed with SIGKILL mid-load, and still every handoff completes. The checks are on what
-happened: every input appended to the replicated log once, every action the engines were sent
-the same each time it was sent, and each partition file, including those the survivor built
-from the replicated log alone, a log that `kvhandoff verify` passes, holding every handoff of
-its partition as succeeded.
+real three-node cluster, with the scripted engines answering, under the faults of issue 11:
+
+- two workers share the load; one is killed with SIGKILL mid-load, and still every handoff
+  completes;
+- the node that leads the input stream and the replicated log is killed with SIGKILL mid-load:
+  nothing the stream acknowledged is lost, every handoff completes;
+- a worker paused with SIGSTOP past the priority timeout (a zombie) loses its partitions to the
+  other, which completes their handoffs; resumed, its appends are refused (`Fenced`, in its log)
+  and it acts on nothing it lost: the replicated log holds no entry of its old tenure after the
+  new owner's claim;
+- a worker that joins mid-load takes its share by clean hand-overs, no owner fenced.
+
+The checks are on what happened: every input appended to the replicated log once, every action
+the engines were sent the same each time it was sent, one completion per handoff, and each
+partition file, including those a worker built from the replicated log alone, a log that
+`kvhandoff verify` passes; the last owner's file of each partition holds every handoff of the
+partition, succeeded, each transition once (15 events: 9 inputs, 6 actions).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +34,8 @@ import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import msgspec
+import nats
+import nats.errors
 from nats.js import JetStreamContext
 
 from kvhandoff.events.messages import (
@@ -33,19 +49,25 @@ from kvhandoff.events.messages import (
     StartHandoff,
     SubmitPrefill,
 )
+from kvhandoff.worker.bus import MEMBER_TTL_S
 from kvhandoff.worker.healthy import success_script
 from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
 from kvhandoff.worker.ownership import Appended, Claimed, Entry
 from kvhandoff.worker.partitioned import partition_path
 from kvhandoff.worker.partitions import partition_of
 from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.tier import TierSettings
 from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
+from tests.cluster.test_tier import the_log
 from tests.worker.conftest import logged_inputs
 from tests.worker.scripted_engine import ScriptedEngines
 
 HANDOFFS = 200
-LOG_STREAM = "KVHANDOFF_LOG"  # worker.tier.TierSettings' default
+SETTINGS = TierSettings(partitions=PARTITIONS)  # what `kvhandoff run` gives its tier
+LOG_STREAM = SETTINGS.log_stream
+INPUT_STREAM = "KVHANDOFF_IN"  # `kvhandoff run --stream`'s default
+SUCCESS_EVENTS = 15  # a success handoff's log: 9 inputs and the 6 actions they issue
 
 
 def start(n: int) -> StartHandoff:
@@ -54,22 +76,58 @@ def start(n: int) -> StartHandoff:
     )
 
 
+def owners_by_label(*workers: TierWorker) -> dict[str, TierWorker]:
+    """The workers by the label their claims carry (`kvhandoff run`'s: host and pid)."""
+    return {f"{socket.gethostname()}:{w.pid}": w for w in workers}
+
+
 async def applied_inputs(js: JetStreamContext) -> dict[str, Counter[int]]:
     """How often each input stream sequence was appended, over every partition's log, by
-    each worker (by the label in the claims before the appends)."""
-    decoder = msgspec.msgpack.Decoder(Entry)
-    info = await js.stream_info(LOG_STREAM)
+    each worker (by the label in the claim before the appends)."""
     applied: dict[str, Counter[int]] = defaultdict(Counter)
-    owners: dict[str, str] = {}  # log subject -> the worker that claimed it last
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        message = await js.get_msg(LOG_STREAM, seq)
-        assert message.data is not None and message.subject is not None
-        entry = decoder.decode(message.data)
-        if isinstance(entry, Claimed):
-            owners[message.subject] = entry.owner.split("/")[0]
-        elif isinstance(entry, Appended):
-            applied[owners[message.subject]].update(entry.inputs)
+    for entries in (await the_log(js)).values():
+        owner = "nobody"
+        for entry in entries:
+            if isinstance(entry, Claimed):
+                owner = entry.owner.split("/")[0]
+            elif isinstance(entry, Appended):
+                applied[owner].update(entry.inputs)
     return applied
+
+
+def check_appends_follow_their_claim(log: dict[int, list[Entry]]) -> None:
+    """Every append of a partition's log is by the owner of its latest claim: no owner appended
+    after another claimed the partition (the fence)."""
+    for partition, entries in log.items():
+        epoch = 0
+        for entry in entries:
+            if isinstance(entry, Claimed):
+                assert entry.epoch == epoch + 1, f"partition {partition}: {entry}"
+                epoch = entry.epoch
+            else:
+                assert entry.epoch == epoch, f"partition {partition}: append of {entry.epoch}"
+
+
+async def check_last_owners_files(
+    js: JetStreamContext, workers: dict[str, TierWorker], starts: list[StartHandoff]
+) -> None:
+    """The file of each partition's last owner (by its last claim; `workers` by label) holds
+    every handoff of the partition, succeeded, each transition once; `verify` passes on every
+    data directory."""
+    for partition, entries in (await the_log(js)).items():
+        last = [e for e in entries if isinstance(e, Claimed)][-1]
+        owner = workers[last.owner.split("/")[0]]
+        expected = {
+            s.handoff_id for s in starts if partition_of(s.handoff_id, PARTITIONS) == partition
+        }
+        with open_log(partition_path(owner.data_dir, partition)) as log:
+            rows = {row.handoff_id: row.state for row in log.handoffs()}
+            events = {handoff: len(log.load(handoff).events) for handoff in rows}
+        where = f"partition {partition}, {owner.name}'s file"
+        assert rows == dict.fromkeys(expected, HandoffState.SUCCEEDED), where
+        assert set(events.values()) == {SUCCESS_EVENTS}, f"{where}: {Counter(events.values())}"
+    for worker in workers.values():
+        verify(worker.data_dir)
 
 
 def partition_files(tmp: Path) -> list[Path]:
@@ -137,8 +195,8 @@ async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complet
     assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
     repeated = sum(len(c) - 1 for c in engines.completions.values())
     # The logs name the workers by host and pid (`kvhandoff run`'s label).
-    names = {f"{socket.gethostname()}:{w.pid}": w.name for w in (w1, w2)}
-    by_worker = {names[label]: inputs for label, inputs in (await applied_inputs(js)).items()}
+    names = owners_by_label(w1, w2)
+    by_worker = {names[label].name: inputs for label, inputs in (await applied_inputs(js)).items()}
     applied = sum(by_worker.values(), Counter[int]())
     assert applied and set(applied.values()) == {1}, "every input appended once"
     # The survivor's files below hold what w1 appended, from the replicated log alone.
@@ -288,3 +346,268 @@ async def test_an_early_fact_is_deferred_until_its_precondition_holds(
     assert inputs.count(reserved) == 1
     deferred = re.search(r"^kvhandoff_deferred_inputs_total (\S+)$", w1.metrics(), re.MULTILINE)
     assert deferred is not None and float(deferred[1]) >= 1, w1.metrics()
+
+
+async def lead_both_streams(cluster: NatsCluster) -> EmbeddedNats:
+    """The node that leads the input stream, once it leads the replicated log too: the log's
+    leader is asked to step down in its favour until it has."""
+    nc = await nats.connect(cluster.url.split(","), max_reconnect_attempts=-1)
+    try:
+        deadline = time.monotonic() + 2 * WITHIN_S
+        while True:
+            leaders = [
+                await asyncio.to_thread(cluster.stream_leader, stream)
+                for stream in (INPUT_STREAM, LOG_STREAM)
+            ]
+            if leaders[0] is not None and leaders[0] is leaders[1]:
+                return leaders[0]
+            assert time.monotonic() < deadline, f"the streams' leaders stay apart: {leaders}"
+            if leaders[0] is not None and leaders[0].seat is not None:
+                request = {"placement": {"preferred": leaders[0].seat.name}}
+                # Unanswered: asked again on the next turn, once the nodes say who leads.
+                with contextlib.suppress(nats.errors.TimeoutError):
+                    await nc.request(
+                        f"$JS.API.STREAM.LEADER.STEPDOWN.{LOG_STREAM}",
+                        json.dumps(request).encode(), timeout=5,
+                    )  # fmt: skip
+            await asyncio.sleep(0.2)  # a bounded poll of the election
+    finally:
+        await nc.close()
+
+
+async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledged(
+    nats_cluster: NatsCluster,
+    js: JetStreamContext,
+    workers: list[TierWorker],
+    tmp_path: Path,
+) -> None:
+    url = nats_cluster.url
+    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
+    workers += [w1, w2]
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    w2.start(timeout_s=2 * WITHIN_S)
+    await until(w1.handed_over_a_share, "w1 hands w2 its share")
+    leader = await lead_both_streams(nats_cluster)
+    # Actions are core NATS: an engine connected to the node that dies would miss those sent
+    # while it reconnects, which no worker of this version sends again. The workers' own
+    # connections may be to that node: that is under test.
+    survivor = next(node for node in nats_cluster.nodes if node is not leader)
+    engines = ScriptedEngines(survivor.url)
+    await engines.start()
+    starts = [start(n) for n in range(HANDOFFS)]
+    try:
+        for s in starts[: HANDOFFS // 2]:
+            await engines.start_handoff(s)
+        await engines.until(
+            lambda: len(engines.completions) >= HANDOFFS // 4,
+            "a quarter of the handoffs to complete",
+            within=2 * WITHIN_S,
+        )
+        leader.stop(kill=True)
+        killed_at = time.monotonic()
+        for s in starts[HANDOFFS // 2 :]:  # stored by the two nodes left, once they elect
+            await engines.start_handoff(s)
+        await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+        all_done_s = time.monotonic() - killed_at
+        await asyncio.to_thread(nats_cluster.restart, leader)
+        for w in (w1, w2):
+            assert await asyncio.to_thread(w.terminate, 2 * WITHIN_S) == 0, w.logs()
+    finally:
+        await engines.close()
+
+    assert not engines.mismatched, engines.mismatched[:3]
+    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    applied = sum((await applied_inputs(js)).values(), Counter[int]())
+    # Everything the stream acknowledged is applied, and every input once.
+    assert set(engines.stored) <= set(applied), sorted(set(engines.stored) - set(applied))[:10]
+    assert set(applied.values()) == {1}, "every input appended once"
+    check_appends_follow_their_claim(await the_log(js))
+    await check_last_owners_files(js, owners_by_label(w1, w2), starts)
+    print(
+        f"stream leader {leader.seat.name if leader.seat else leader.url} killed mid-load: "
+        f"{HANDOFFS} handoffs completed, the last {all_done_s:.1f}s after"
+    )
+
+
+# "partition <p>: <Fenced>; another worker owns it now, <owner> stops acting for it (applied
+# <n> inputs, acknowledged <m>)": worker.partition_owner's line when its append is refused.
+FENCED_LINE = re.compile(
+    r"partition (\d+): .*another worker owns it now, .* stops acting for it "
+    r"\(applied (\d+) inputs, acknowledged (\d+)\)"
+)
+
+
+async def test_a_paused_worker_is_fenced_and_acts_on_nothing_it_lost(
+    nats_cluster: NatsCluster,
+    js: JetStreamContext,
+    workers: list[TierWorker],
+    tmp_path: Path,
+) -> None:
+    url = nats_cluster.url
+    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
+    workers += [w1, w2]
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    w2.start(timeout_s=2 * WITHIN_S)
+    await until(w1.handed_over_a_share, "w1 hands w2 its share")
+    engines = ScriptedEngines(url.split(",")[0])
+    await engines.start()
+    starts = [start(n) for n in range(HANDOFFS)]
+    paused = False
+    try:
+        for s in starts[: HANDOFFS // 2]:
+            await engines.start_handoff(s)
+        await engines.until(
+            lambda: len(engines.completions) >= HANDOFFS // 4,
+            "a quarter of the handoffs to complete",
+            within=2 * WITHIN_S,
+        )
+        # Mid-load, its pulls open: the inputs sent next are delivered to it too, and wait in
+        # its socket for it to wake, with the pin it is about to lose.
+        os.kill(w1.pid, signal.SIGSTOP)
+        paused, stopped_at = True, time.monotonic()
+        for s in starts[HANDOFFS // 2 :]:
+            await engines.start_handoff(s)
+        # w2 takes w1's partitions (its member key expires, then its pins time out), and
+        # completes every handoff, those w1 had in flight included.
+        await engines.wait_complete({s.handoff_id for s in starts}, 4 * WITHIN_S)
+        paused_s = time.monotonic() - stopped_at
+        assert paused_s > SETTINGS.priority_timeout_s
+        os.kill(w1.pid, signal.SIGCONT)
+        paused = False
+        await until(lambda: FENCED_LINE.search(w1.whole_log()) is not None, "w1 is fenced")
+        woke = len(w1.whole_log())
+
+        def took_back() -> bool:
+            since = w1.whole_log()[woke:]
+            return all(
+                f"partition {p}: claimed as epoch" in since
+                for p, _, _ in FENCED_LINE.findall(w1.whole_log())
+            )
+
+        # The tier goes on: w1, live again, takes its share back by a clean hand-over and
+        # claims it at its next input, catching its file up with what w2 appended meanwhile.
+        deadline = time.monotonic() + 2 * WITHIN_S
+        while not took_back():
+            assert time.monotonic() < deadline, f"w1 claimed nothing again: {w1.logs()}"
+            more = [start(len(starts) + n) for n in range(10)]
+            starts += more
+            for s in more:
+                await engines.start_handoff(s)
+            await engines.wait_complete({s.handoff_id for s in more}, 4 * WITHIN_S)
+        for w in (w1, w2):
+            assert await asyncio.to_thread(w.terminate, 2 * WITHIN_S) == 0, w.logs()
+    finally:
+        if paused:
+            os.kill(w1.pid, signal.SIGCONT)
+        await engines.close()
+
+    assert not engines.mismatched, engines.mismatched[:3]
+    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    labels = owners_by_label(w1, w2)
+    log = await the_log(js)
+    applied = sum((await applied_inputs(js)).values(), Counter[int]())
+    assert set(engines.stored) <= set(applied) and set(applied.values()) == {1}
+    check_appends_follow_their_claim(log)
+    fenced = {int(p): (int(n), int(m)) for p, n, m in FENCED_LINE.findall(w1.whole_log())}
+    for partition, (applied_by_zombie, acked_by_zombie) in fenced.items():
+        claims = [e for e in log[partition] if isinstance(e, Claimed)]
+        owners = [labels[c.owner.split("/")[0]].name for c in claims]
+        # w1's tenure, then w2's claim while w1 slept: the claim that fenced it.
+        taken = owners.index("w2", owners.index("w1"))
+        tenure = claims[taken - 1].epoch
+        assert owners[taken - 1] == "w1", owners
+        # The zombie applied (and so acted on) exactly what its tenure appended, all before
+        # w2's claim (check_appends_follow_their_claim): nothing after it woke.
+        appended = sum(
+            len(e.inputs) for e in log[partition] if isinstance(e, Appended) and e.epoch == tenure
+        )
+        assert applied_by_zombie == appended and acked_by_zombie <= applied_by_zombie
+        assert owners[-1] == "w1", f"w1 took partition {partition} back: {owners}"
+    # Fenced on its share, which w2 took while it slept (the inputs in its socket when it
+    # woke were all of those partitions).
+    assert fenced and len(fenced) < PARTITIONS, w1.whole_log()
+    await check_last_owners_files(js, labels, starts)
+    print(
+        f"zombie: w1 paused {paused_s:.1f}s (member TTL {MEMBER_TTL_S:g}s, priority timeout "
+        f"{SETTINGS.priority_timeout_s:g}s); resumed, fenced on partitions {sorted(fenced)}; "
+        f"{len(starts)} handoffs completed"
+    )
+
+
+async def closed_loop(
+    engines: ScriptedEngines, starts: list[StartHandoff], enough: asyncio.Event, in_flight: int
+) -> None:
+    """Start handoffs (appended to `starts`), `in_flight` at a time, until `enough` is set."""
+    while not enough.is_set():
+        await engines.until(
+            lambda: len(starts) - len(engines.completions) < in_flight or enough.is_set(),
+            "room for another handoff",
+            within=4 * WITHIN_S,
+        )
+        starts.append(start(len(starts)))
+        await engines.start_handoff(starts[-1])
+
+
+async def test_a_worker_that_joins_mid_load_takes_its_share_by_clean_hand_overs(
+    nats_cluster: NatsCluster,
+    js: JetStreamContext,
+    workers: list[TierWorker],
+    tmp_path: Path,
+) -> None:
+    url = nats_cluster.url
+    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
+    workers += [w1, w2]
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    engines = ScriptedEngines(url.split(",")[0])
+    await engines.start()
+    starts: list[StartHandoff] = []
+    enough = asyncio.Event()
+    loading = asyncio.create_task(closed_loop(engines, starts, enough, in_flight=32))
+    try:
+        await engines.until(lambda: len(engines.completions) >= HANDOFFS // 4, "w1 under load")
+        await asyncio.to_thread(w2.start, 2 * WITHIN_S)
+        joined_at = time.monotonic()
+        await until(lambda: "claimed as epoch" in w2.whole_log(), "w2 claims its share")
+        took_s = time.monotonic() - joined_at
+        more = len(engines.completions) + HANDOFFS // 2
+        await engines.until(lambda: len(engines.completions) >= more, "the load goes on")
+        enough.set()
+        await loading
+        await engines.wait_complete({s.handoff_id for s in starts}, 4 * WITHIN_S)
+        running = w1.whole_log()  # what w1 did before it was stopped (and handed over the rest)
+        for w in (w1, w2):
+            assert await asyncio.to_thread(w.terminate, 2 * WITHIN_S) == 0, w.logs()
+    finally:
+        loading.cancel()
+        await engines.close()
+
+    assert not engines.mismatched, engines.mismatched[:3]
+    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    applied = sum((await applied_inputs(js)).values(), Counter[int]())
+    assert set(engines.stored) <= set(applied) and set(applied.values()) == {1}
+    log = await the_log(js)
+    check_appends_follow_their_claim(log)
+    # Clean: no owner was fenced, and w2 claimed exactly what w1 handed over while running.
+    for w in (w1, w2):
+        assert FENCED_LINE.search(w.whole_log()) is None, w.name
+    labels = owners_by_label(w1, w2)
+    claimed_by_w2 = {
+        partition for partition, entries in log.items()
+        if any(isinstance(e, Claimed) and labels[e.owner.split("/")[0]] is w2 for e in entries)
+    }  # fmt: skip
+    # w1's round gave w2 its share, and each of those partitions was handed over (finish the
+    # batch, give back, unpin) before w2 claimed it.
+    given = re.findall(r"handing over \[([\d, ]+)\]", running)
+    assert len(given) == 1, given
+    handed_over = {int(p) for p in given[0].split(", ")}
+    assert handed_over == claimed_by_w2 and 0 < len(handed_over) < PARTITIONS
+    for partition in handed_over:
+        assert f"partition {partition}: handed over by" in running, partition
+    await check_last_owners_files(js, labels, starts)
+    print(
+        f"join: w2 claimed partitions {sorted(claimed_by_w2)} {took_s:.1f}s after it was up; "
+        f"{len(starts)} handoffs completed, none lost"
+    )

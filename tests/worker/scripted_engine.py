@@ -8,6 +8,8 @@ what it saw so tests can assert on it:
   must be the identical action (ids are stable across worker restarts), and is answered with
   the same outcome again, never a second effect (`effects` counts executions).
 - `completions`: every `Complete` on `kvhandoff.done.>`, per handoff.
+- `stored`: the stream sequence of every input it published, as the stream acknowledged it
+  (what must never be lost).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class ScriptedEngines:
         self.mismatched: list[tuple[Action, Action]] = []
         self.completions: dict[UUID, list[Complete]] = defaultdict(list)
         self.rejections: list[Rejection] = []
+        self.stored: list[int] = []
         self._nc: Client | None = None
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -78,7 +81,7 @@ class ScriptedEngines:
         js = self.nc.jetstream()
         for attempt in range(200):
             try:
-                await js.publish(subject, payload, timeout=2.0)
+                self.stored.append((await js.publish(subject, payload, timeout=2.0)).seq)
                 return
             except (nats.errors.Error, TimeoutError):
                 # The stream or the server may be restarting; a bounded retry, not a wait.
