@@ -72,7 +72,6 @@ from kvhandoff.worker.tier import TierSettings
 
 _SETTLE_S = 120.0  # the longest a tier's warm-up may take to spread its partitions
 _WARM_UP = 100  # handoffs per warm-up round
-_LAUNCHES = 3  # of a worker that exits while it sets up
 _FALLBACK_ENTRY_BYTES = 2048  # the append payload when no tier ran (never, with defaults)
 # What a configuration leaves on the cluster: `kvhandoff run`'s streams and buckets.
 _LEFT_BEHIND = (
@@ -167,20 +166,12 @@ def launch(cluster: Cluster, config: Config, round_: int) -> list[WorkerChild]:
 
 
 def _wait_ready(child: WorkerChild) -> None:
-    """Wait until the child is healthy. One that exits while it sets up is launched again, up
-    to `_LAUNCHES` times, and said so: a worker gives up when NATS does not answer in time
-    (creating a stream on a loaded cluster), and the bench measures running workers."""
+    """Wait until the child is healthy (a tier worker keeps setting up while the cluster, just
+    rid of the previous configuration's streams, answers late)."""
     deadline = time.monotonic() + _SETTLE_S
-    launches = 1
     while not child.ready():
         if not child.running():
-            if launches == _LAUNCHES:
-                raise SystemExit(f"{child.name} exited {launches} times: {child.logs()}")
-            last = child.logs().strip().splitlines()[-1:]
-            print(f"  {child.log_path.name} exited while setting up, again: {last}",
-                  file=sys.stderr)  # fmt: skip
-            child.launch()
-            launches += 1
+            raise SystemExit(f"{child.name} exited while setting up: {child.logs()}")
         if time.monotonic() > deadline:
             raise SystemExit(f"{child.name} not ready in {_SETTLE_S:g}s: {child.logs()}")
         time.sleep(0.05)  # readiness poll of a child process

@@ -1483,6 +1483,17 @@ class Bus:
             f"cannot unpin group {group!r} of {stream} / {consumer}",
         )
 
+    async def pinned(self, stream: str, consumer: str, group: str = PRIORITY_GROUP) -> bool:
+        """Whether a client holds the pin of `group` on `consumer` now (its consumer info names
+        one). The server pins a client only when it delivers to it: a consumer with nothing to
+        deliver has no pinned client, whoever pulls it."""
+        info = await self._js_api(
+            f"$JS.API.CONSUMER.INFO.{stream}.{consumer}", {},
+            f"cannot read the pin of group {group!r} of {stream} / {consumer}",
+        )  # fmt: skip
+        groups = info.get("priority_groups") or []
+        return any(g.get("group") == group and g.get("pinned_client_id") for g in groups)
+
     async def _js_api(self, subject: str, request: dict[str, Any], what: str) -> dict[str, Any]:
         """A raw JetStream API request: its answer, or `BusError` naming `what` failed."""
         try:

@@ -41,6 +41,18 @@ claim, the owner reads what the consumer delivered and never had acknowledged
 the inputs of each batch through `worker.input_order.InputOrder`: an input waits, delivered
 but unacknowledged, until the orphans of its handoff before it are applied.
 
+Vacant partitions. The server pins a client only when it delivers to it, so a partition that
+gets no input after it changed hands would wait for one before anyone claimed it, and the open
+handoffs of a dead owner's quiet partition would be neither timed out nor retried (those are
+`on_claim`'s caller's timers). So an owner that is idle and has not claimed asks, once a
+second, whether anyone is pinned; once nobody has been for `claim_vacant_after_s` (the tier
+gives its priority timeout: the time a pin outlives its holder's last pull), it claims without
+a delivery. The first batch then comes under a pin that claim holds for, since a worker pinned
+in between would have claimed, and so fenced this one. If instead a pull is refused with 423
+(another worker is pinned), the owner stops: it would be fenced at its next append anyway. The
+wait keeps a clean hand-over clean: the old owner logs `HandedOver` and unpins within a round
+of the balance rule, well inside the priority timeout.
+
 Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.partitions giving the
 partition to another worker), the owner finishes the batch in hand, gives back what it holds
 (nak: redelivered at once), logs `HandedOver` if it had claimed (so that the next claim counts
@@ -103,6 +115,7 @@ OnRelease = Callable[[int], None]
 
 _FETCH_TIMEOUT_S = 0.25  # how long an idle owner waits before noticing a stop request
 _FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
+_VACANCY_POLL_S = 1.0  # how often an idle, unclaimed owner asks whether anyone is pinned
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:
@@ -125,9 +138,13 @@ class PartitionOwner:
         batch: int = 64,
         expires_s: float = 2.0,
         heartbeat_s: float = 0.5,
+        claim_vacant_after_s: float | None = None,
         metrics: TierMetrics | None = None,
     ) -> None:
         self._bus = bus
+        self._claim_vacant_after_s = claim_vacant_after_s  # see "Vacant partitions"
+        self._vacant_since: float | None = None  # since when nobody was seen pinned (monotonic)
+        self._vacancy_checked = 0.0
         self._metrics = metrics
         self._stream = stream
         self._consumer = consumer
@@ -185,6 +202,16 @@ class PartitionOwner:
                     batch = await pull.fetch(self._batch, timeout_s=_FETCH_TIMEOUT_S)
                 except PinMismatch:
                     self.refused_pulls += 1
+                    self._vacant_since = None
+                    if self._claimed and self._claimed_under is None:
+                        # Claimed while vacant, and another worker was pinned since: its claim
+                        # fences this one, if it has not already. Act no more for it.
+                        logger.warning(
+                            "partition %d: claimed while vacant, but another worker is pinned "
+                            "to it now; %s stops acting for it",
+                            self.log.partition, self.log.owner,
+                        )  # fmt: skip
+                        return
                     continue  # the Pull asks to be pinned anew
                 except BusError as exc:
                     # A consumer just made is not known to every node at once (503), a node
@@ -194,11 +221,18 @@ class PartitionOwner:
                     backoff_s = min(2 * backoff_s, _FETCH_BACKOFF_S[1])
                     continue
                 backoff_s = _FETCH_BACKOFF_S[0]
-                if not batch:
-                    continue
                 try:
-                    if not self._claimed or pull.pin_id != self._claimed_under:
+                    if not batch:
+                        if not self._claimed:
+                            await self._claim_if_vacant()
+                        continue
+                    if not self._claimed or (
+                        self._claimed_under is not None and pull.pin_id != self._claimed_under
+                    ):
                         await self._claim(pull.pin_id)
+                    # A claim made while vacant holds under the first pin: a claim by whoever
+                    # was pinned in between would fence this owner at its next append.
+                    self._claimed_under = pull.pin_id
                     await self._handle(batch, decide, act)
                 except Fenced as exc:
                     self._fenced(exc)
@@ -206,9 +240,10 @@ class PartitionOwner:
                 except BusError as exc:
                     # Whether the last append (or claim) landed is unknown: leave the batch
                     # unacknowledged, and claim anew, which reads the log and so learns it.
+                    doubt = f"leaving {len(batch)} inputs unacknowledged, claiming anew"
                     logger.warning(
-                        "partition %d: %s; leaving %d inputs unacknowledged, claiming anew",
-                        self.log.partition, exc, len(batch),
+                        "partition %d: %s; %s", self.log.partition, exc,
+                        doubt if batch else "claiming it later",
                     )  # fmt: skip
                     self._claimed = False
                     self.log = self.log.anew()
@@ -244,6 +279,26 @@ class PartitionOwner:
             "partition %d: handed over by %s (%d inputs given back)",
             self.log.partition, self.log.owner, len(in_hand),
         )  # fmt: skip
+
+    async def _claim_if_vacant(self) -> None:
+        """Claim the partition without a delivery once nobody was pinned to it for
+        `claim_vacant_after_s` (see "Vacant partitions"); asks the server at most once a
+        second."""
+        now = time.monotonic()
+        if self._claim_vacant_after_s is None or now - self._vacancy_checked < _VACANCY_POLL_S:
+            return
+        self._vacancy_checked = now
+        if await self._bus.pinned(self._stream, self._consumer):
+            self._vacant_since = None
+            return
+        if self._vacant_since is None:
+            self._vacant_since = now
+        if now - self._vacant_since >= self._claim_vacant_after_s:
+            logger.info(
+                "partition %d: nobody pinned to it for %.1fs; %s claims it without a delivery",
+                self.log.partition, now - self._vacant_since, self.log.owner,
+            )  # fmt: skip
+            await self._claim(None)
 
     async def _claim(self, pin_id: str | None) -> None:
         """Claim the partition's log (`Fenced` if another worker owns it), learn what was

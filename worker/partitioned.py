@@ -38,15 +38,15 @@ the single worker's semantics: a deadline publishes `TimedOut` to the handoff's 
 (so it is appended and logged like any other input), an action without an outcome is published
 again with the same action id after a growing backoff. They are armed from a plan only in `act`
 (what was not appended does not count), rearmed from the file at each claim (so the new owner
-of a dead worker's partition times out its handoffs), and dropped at release. What a worker that
+of a dead worker's partition times out its handoffs, a partition with no input included: see
+"Vacant partitions" in worker.partition_owner), and dropped at release. What a worker that
 was fenced published before it learnt so (at its next append) is harmless: a republished action
 is answered by action id like any other, and a second `TimedOut` of a handoff is an exact
 duplicate of the first, dropped by its digest (counted in `kvhandoff_duplicate_inputs_total`).
 
-What differs from the single worker (worker.service), in this first version:
-- A partition is claimed at its first input after it changed hands (the pin comes with a
-  delivery), and its timers are armed only then: the handoffs of a dead worker's partition
-  that receives no input at all are neither timed out nor retried until one arrives.
+What differs from the single worker (worker.service), in this first version: a partition's
+batches are not pipelined (decide, append, act, acknowledge, then the next batch), and the single
+worker is not the P = 1 case of this code but a loop of its own.
 
 Retention. The replicated log keeps its entries for `--retention` (a week unless given: the
 stream's `max_age`), and the files drop their completed handoffs and rejections older than that,

@@ -42,6 +42,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Member, Membership
 from kvhandoff.worker.errors import BusError, PartitionsMismatch
 from kvhandoff.worker.metrics import TierMetrics
@@ -62,6 +63,8 @@ class TierSettings:
     log_stream: str = "KVHANDOFF_LOG"
     consumer: str = "kvhandoff-worker"
     log_max_age_s: float = 0.0
+    done_stream: str = "KVHANDOFF_DONE"  # the completions a frontend reads (worker.service)
+    completion_ttl_s: float = 3600.0
     # The ack wait is shorter than the priority timeout less the pull expiry, so that a new
     # owner is pinned only once the old owner's unacknowledged inputs are due again.
     ack_wait_s: float = 1.0
@@ -137,8 +140,12 @@ class Tier:
             await membership.leave()
 
     async def _set_up(self) -> Membership:
-        """Open the streams and the consumers (idempotent), and announce this worker."""
+        """Open the streams (the completions', the inputs', the log's) and the consumers
+        (idempotent), and announce this worker."""
         settings = self._settings
+        await self._bus.open_completions(
+            settings.done_stream, Subjects(settings.prefix).completions, settings.completion_ttl_s
+        )
         await self._bus.open_partitions(settings.stream, settings.prefix, settings.partitions)
         await self._bus.open_partition_log(
             settings.log_stream, settings.prefix, settings.log_max_age_s
@@ -183,7 +190,7 @@ class Tier:
         owner = PartitionOwner(
             self._bus, settings.stream, self._consumers[partition], log,
             expires_s=settings.pull_expires_s, heartbeat_s=settings.pull_expires_s / 4,
-            metrics=self._metrics,
+            claim_vacant_after_s=settings.priority_timeout_s, metrics=self._metrics,
         )  # fmt: skip
         stop = asyncio.Event()
         task = asyncio.create_task(

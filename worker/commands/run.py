@@ -14,9 +14,8 @@ With `--partitions P --data-dir DIR` it runs as one worker of a partitioned tier
 (`worker.partitioned`): no lease and no `--db`; each owned partition's log is
 `DIR/partition-<p>.db` under its own writer lock, and DIR itself is locked (`DIR/worker.lock`):
 exit 2 if another worker uses it, or if the input stream was made with another partition count.
-A tier starts with its cluster, so it waits for JetStream to answer (the cluster's meta group
-to have a leader) before it opens the completion stream, up to `_JETSTREAM_WAIT_S`, then exits
-1 for a supervisor to retry; the tier's own set-up keeps trying after that (worker.tier).
+A tier starts with its cluster: its set-up (the streams, the consumers, the membership) keeps
+trying while JetStream cannot answer (worker.tier).
 """
 
 from __future__ import annotations
@@ -57,7 +56,6 @@ logger = logging.getLogger("kvhandoff.worker.run")
 
 _COMPACT_EVERY_S = 3600.0
 _CANCEL_AGAIN_S = 0.05
-_JETSTREAM_WAIT_S = 60.0
 
 T = TypeVar("T")
 
@@ -135,18 +133,9 @@ async def serve_tier(config: WorkerConfig) -> int:
         settings = TierSettings(
             partitions=config.partitions, prefix=config.nats.subject_prefix,
             stream=config.stream, consumer=config.consumer,
-            log_max_age_s=config.tier_retention_s,
+            log_max_age_s=config.tier_retention_s, done_stream=config.done_stream,
+            completion_ttl_s=config.completion_ttl_s,
         )  # fmt: skip
-        subjects = Subjects(config.nats.subject_prefix)
-        await _unless_stopped(stop, bus.wait_jetstream(_JETSTREAM_WAIT_S))
-        if stop.is_set():
-            return 0
-        await _unless_stopped(
-            stop,
-            bus.open_completions(config.done_stream, subjects.completions, config.completion_ttl_s),
-        )
-        if stop.is_set():
-            return 0
         metrics = Metrics()
         worker = PartitionedWorker(
             config, settings, bus, metrics, label=f"{socket.gethostname()}:{os.getpid()}"
