@@ -965,6 +965,7 @@ _JS_INFO = "$JS.API.INFO"
 _JS_API_TIMEOUT_S = 5.0
 _JS_READY_POLL_S = 0.1
 _READ_BATCH = 256
+_STALE_READ_GIVE_UP_S = 30.0  # how long a catch-up waits for a lagging replica to catch up
 _ANNOUNCE_GIVE_UP_S = 15.0
 _READER_IDLE_S = 30.0  # a reader's consumer that its reader left goes away after this
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
@@ -1556,7 +1557,27 @@ class Bus:
         """Every message stored on `subject`, as (stream sequence, payload), in order: what a
         new owner reads to catch up. Through an ephemeral consumer (in memory, one replica,
         gone once read) pulled with `no_wait`, so it returns once it has what was stored when
-        it asked; what is appended meanwhile is left to the caller's compare-and-set."""
+        it asked; what is appended meanwhile is left to the caller's compare-and-set. A cluster
+        may place that consumer on a replica that lags the leader (a node that restarted
+        catches up for seconds), so the read is made again until it reaches the subject's last
+        message as the leader has it: an owner that claimed from a stale read would fence
+        itself on its own last appends."""
+        last = await self.last_sequence(stream, subject)
+        clock = asyncio.get_running_loop().time
+        give_up = clock() + _STALE_READ_GIVE_UP_S
+        while True:
+            found = await self._read_subject_once(stream, subject)
+            read = found[-1][0] if found else 0
+            if read >= last:
+                return found
+            if clock() > give_up:
+                raise BusError(
+                    f"cannot read {subject} of {stream} up to its last message {last}: the "
+                    f"replica read holds up to {read} after {_STALE_READ_GIVE_UP_S:g}s"
+                )
+            await asyncio.sleep(_JS_READY_POLL_S)
+
+    async def _read_subject_once(self, stream: str, subject: str) -> list[tuple[int, bytes]]:
         config = ConsumerConfig(
             filter_subject=subject,
             ack_policy=AckPolicy.NONE,

@@ -144,6 +144,7 @@ class PartitionOwner:
         self._bus = bus
         self._claim_vacant_after_s = claim_vacant_after_s  # see "Vacant partitions"
         self._vacant_since: float | None = None  # since when nobody was seen pinned (monotonic)
+        self._claimed_vacant = False  # claimed without a delivery, and no batch came since
         self._vacancy_checked = 0.0
         self._metrics = metrics
         self._stream = stream
@@ -203,7 +204,7 @@ class PartitionOwner:
                 except PinMismatch:
                     self.refused_pulls += 1
                     self._vacant_since = None
-                    if self._claimed and self._claimed_under is None:
+                    if self._claimed_vacant:
                         # Claimed while vacant, and another worker was pinned since: its claim
                         # fences this one, if it has not already. Act no more for it.
                         logger.warning(
@@ -226,13 +227,13 @@ class PartitionOwner:
                         if not self._claimed:
                             await self._claim_if_vacant()
                         continue
-                    if not self._claimed or (
-                        self._claimed_under is not None and pull.pin_id != self._claimed_under
-                    ):
+                    if self._claimed_vacant:
+                        # A claim made while vacant holds under the first pin: a claim by
+                        # whoever was pinned in between would fence this owner at its next
+                        # append.
+                        self._claimed_vacant, self._claimed_under = False, pull.pin_id
+                    if not self._claimed or pull.pin_id != self._claimed_under:
                         await self._claim(pull.pin_id)
-                    # A claim made while vacant holds under the first pin: a claim by whoever
-                    # was pinned in between would fence this owner at its next append.
-                    self._claimed_under = pull.pin_id
                     await self._handle(batch, decide, act)
                 except Fenced as exc:
                     self._fenced(exc)
@@ -299,10 +300,12 @@ class PartitionOwner:
                 self.log.partition, now - self._vacant_since, self.log.owner,
             )  # fmt: skip
             await self._claim(None)
+            self._claimed_vacant = True
 
     async def _claim(self, pin_id: str | None) -> None:
         """Claim the partition's log (`Fenced` if another worker owns it), learn what was
         applied, and what the previous owner left unapplied (see "Order")."""
+        self._claimed_vacant = False
         if self.log.epoch:
             self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
         began = time.perf_counter()
