@@ -94,6 +94,7 @@ class WorkerConfig:
     # The tier (worker.partitioned): None is the single worker of `db_path`.
     partitions: int | None = None
     data_dir: Path | None = None
+    priority_timeout_s: float = 3.0  # worker.tier.TierSettings'
 
     @property
     def tier_retention_s(self) -> float:
@@ -299,6 +300,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory of the owned partitions' event logs, partition-<p>.db "
         "(env KVHANDOFF_DATA_DIR); replaces --db",
     )
+    tier.add_argument(
+        "--priority-timeout",
+        type=duration_arg,
+        metavar="DURATION",
+        default=env.get("KVHANDOFF_PRIORITY_TIMEOUT", f"{defaults.priority_timeout_s}s"),
+        help="how long a partition's pin outlives its owner's last pull, and how long a vacant "
+        "partition waits before it is claimed: most of a failover "
+        "(env KVHANDOFF_PRIORITY_TIMEOUT; default %(default)s)",
+    )
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -321,6 +331,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         log_level=args.log_level.upper(),
         partitions=args.partitions,
         data_dir=args.data_dir,
+        priority_timeout_s=args.priority_timeout,
     )
     config.validate()
     return config

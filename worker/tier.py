@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Member, Membership
-from kvhandoff.worker.errors import BusError, PartitionsMismatch
+from kvhandoff.worker.errors import BusError, ConfigError, PartitionsMismatch
 from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import PartitionLog
 from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, OnRelease, PartitionOwner
@@ -72,6 +72,15 @@ class TierSettings:
     priority_timeout_s: float = 3.0
     max_pending: int = 1024
     rebalance_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        floor_s = self.ack_wait_s + self.pull_expires_s
+        if self.priority_timeout_s <= floor_s:
+            raise ConfigError(
+                f"--priority-timeout must be more than {floor_s:g}s (the tier's ack wait plus "
+                "its pull's expiry), so that a new owner is pinned only after the old owner's "
+                "unacknowledged inputs are due again"
+            )
 
 
 class Tier:

@@ -257,3 +257,16 @@ def test_run_with_an_invalid_setting_exits_2_before_connecting(
     assert err == "kvhandoff run: --nats-url: 'http://x' is not a nats://, tls://, ws:// URL\n"
     assert out == ""
     assert list(tmp_path.iterdir()) == []  # no event log was created either
+
+
+def test_a_tier_priority_timeout_within_the_ack_wait_and_pull_expiry_exits_2_before_connecting(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The tier's timings are checked together (worker.tier.TierSettings): a pin that lapses
+    before the old owner's unacknowledged inputs are due again would let a new owner apply
+    newer inputs first. Nothing listens at the URL: the worker must not get as far."""
+    monkeypatch.chdir(tmp_path)
+    flags = ["--partitions", "4", "--data-dir", ".", "--nats-url", "nats://127.0.0.1:9"]
+    assert worker_config(parse(*flags, "--priority-timeout", "5s")).priority_timeout_s == 5
+    assert main(["run", *flags, "--priority-timeout", "2s", "--metrics-port", "0"]) == 2
+    assert "--priority-timeout must be more than 2s" in capfd.readouterr().err

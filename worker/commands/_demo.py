@@ -4,8 +4,8 @@ of workers) do the same way: the mock engines as one child process, waiting unti
 and the closing lines that point at the event log.
 
 The two differ in what runs under the engines (worker.commands.demo runs one worker on one
-embedded nats-server, worker.commands._demo_cluster three workers on a three-node cluster) and
-in which faults the engines may inject: see `faults`.
+embedded nats-server, worker.commands._demo_cluster three workers on a three-node cluster, of
+which it kills a worker and a node midway).
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ from kvhandoff.worker.schema import HandoffState
 READY_TIMEOUT_S = 30.0
 
 
-def faults(*, drops: bool) -> list[str]:
+def faults() -> list[str]:
     """The faults the engines inject: frequent enough that every path shows up in a few
-    thousand handoffs, rare enough that most complete; modelled times sped up 20x. Dropped
-    actions only where the worker retries an unanswered action (`drops`): the tier does not
-    retry yet (worker.partitioned), so there a dropped action would leave its handoff open."""
-    dropping = ["--drop-rate", "0.02"] if drops else []
+    thousand handoffs, rare enough that most complete; modelled times sped up 20x. A dropped
+    action is one the worker publishes again after its retry interval."""
     return [
-        "--speedup", "20", "--fail-rate", "0.02", *dropping,
+        "--speedup", "20", "--fail-rate", "0.02", "--drop-rate", "0.02",
         "--duplicate-rate", "0.02", "--delay-ms", "20",
     ]  # fmt: skip
 

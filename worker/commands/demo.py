@@ -108,9 +108,7 @@ def _single(args: argparse.Namespace, console: Console, folder: Path) -> int:
             WorkerChild(url, db, "--retry-interval", "1s", log_path=folder / "worker.log",
                         new_session=True)
         )  # fmt: skip
-        engines = children.enter_context(
-            _demo.engines_child(url, folder, args, _demo.faults(drops=True))
-        )
+        engines = children.enter_context(_demo.engines_child(url, folder, args, _demo.faults()))
         worker.start(_demo.READY_TIMEOUT_S)
         engines.start(_demo.READY_TIMEOUT_S)
         asyncio.run(_demo.engines_ready(url, engines, console, args.external_engine))

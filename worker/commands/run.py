@@ -86,7 +86,7 @@ def execute(args: argparse.Namespace) -> int:
     with lock:
         try:
             return asyncio.run(serve(config) if config.partitions is None else serve_tier(config))
-        except (BusRefused, LeaseHeld, LogDiverges, PartitionsMismatch) as exc:
+        except (BusRefused, ConfigError, LeaseHeld, LogDiverges, PartitionsMismatch) as exc:
             logger.error("cannot start: %s", exc)
             return 2
         except (StoreError, BusError) as exc:
@@ -122,6 +122,12 @@ async def serve(config: WorkerConfig) -> int:
 async def serve_tier(config: WorkerConfig) -> int:
     """One worker of the tier until SIGTERM or SIGINT; every partition is handed over."""
     assert config.partitions is not None and config.data_dir is not None  # validated
+    settings = TierSettings(
+        partitions=config.partitions, prefix=config.nats.subject_prefix,
+        stream=config.stream, consumer=config.consumer,
+        log_max_age_s=config.tier_retention_s, done_stream=config.done_stream,
+        completion_ttl_s=config.completion_ttl_s, priority_timeout_s=config.priority_timeout_s,
+    )  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -130,12 +136,6 @@ async def serve_tier(config: WorkerConfig) -> int:
     if bus is None:
         return 0
     try:
-        settings = TierSettings(
-            partitions=config.partitions, prefix=config.nats.subject_prefix,
-            stream=config.stream, consumer=config.consumer,
-            log_max_age_s=config.tier_retention_s, done_stream=config.done_stream,
-            completion_ttl_s=config.completion_ttl_s,
-        )  # fmt: skip
         metrics = Metrics()
         worker = PartitionedWorker(
             config, settings, bus, metrics, label=f"{socket.gethostname()}:{os.getpid()}"
