@@ -142,6 +142,24 @@ def verify(path: Path) -> None:
     assert done.returncode == 0, f"verify {path}: {done.stdout}{done.stderr}"
 
 
+async def two_sharing(
+    url: str, workers: list[TierWorker], tmp_path: Path, *, handed_over: bool = False
+) -> tuple[TierWorker, TierWorker]:
+    """w1, which takes every partition, then w2, once w2 took its share (w1 hands it over at
+    its next round; the pins move at the first pulls), or, with `handed_over`, once w1 logged
+    that it handed it over."""
+    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
+    workers += [w1, w2]
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    w2.start(timeout_s=2 * WITHIN_S)
+    if handed_over:
+        await until(w1.handed_over_a_share, "w1 hands w2 its share")
+    else:
+        await until(w2.took_a_share, "w2 takes its share")
+    return w1, w2
+
+
 async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complete(
     nats_cluster: NatsCluster,
     js: JetStreamContext,
@@ -149,13 +167,7 @@ async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complet
     tmp_path: Path,
 ) -> None:
     url = nats_cluster.url
-    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
-    workers += [w1, w2]
-    w1.start(timeout_s=2 * WITHIN_S)
-    await until(w1.took_a_share, "w1 takes the partitions")
-    w2.start(timeout_s=2 * WITHIN_S)
-    # w1 hands w2 its share at w1's next round; the pins then move at the first pulls.
-    await until(w2.took_a_share, "w2 takes its share")
+    w1, w2 = await two_sharing(url, workers, tmp_path)
     # A data directory is one worker's: a second worker on it is refused before it connects.
     second = await asyncio.to_thread(
         subprocess.run,
@@ -382,16 +394,11 @@ async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledg
     tmp_path: Path,
 ) -> None:
     url = nats_cluster.url
-    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
-    workers += [w1, w2]
-    w1.start(timeout_s=2 * WITHIN_S)
-    await until(w1.took_a_share, "w1 takes the partitions")
-    w2.start(timeout_s=2 * WITHIN_S)
-    await until(w1.handed_over_a_share, "w1 hands w2 its share")
+    w1, w2 = await two_sharing(url, workers, tmp_path, handed_over=True)
     leader = await lead_both_streams(nats_cluster)
     # Actions are core NATS: an engine connected to the node that dies would miss those sent
-    # while it reconnects, which no worker of this version sends again. The workers' own
-    # connections may be to that node: that is under test.
+    # while it reconnects and get them only after the retry interval (5 s), which would only
+    # slow the test. The workers' own connections may be to that node: that is under test.
     survivor = next(node for node in nats_cluster.nodes if node is not leader)
     engines = ScriptedEngines(survivor.url)
     await engines.start()
@@ -445,12 +452,7 @@ async def test_a_paused_worker_is_fenced_and_acts_on_nothing_it_lost(
     tmp_path: Path,
 ) -> None:
     url = nats_cluster.url
-    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
-    workers += [w1, w2]
-    w1.start(timeout_s=2 * WITHIN_S)
-    await until(w1.took_a_share, "w1 takes the partitions")
-    w2.start(timeout_s=2 * WITHIN_S)
-    await until(w1.handed_over_a_share, "w1 hands w2 its share")
+    w1, w2 = await two_sharing(url, workers, tmp_path, handed_over=True)
     engines = ScriptedEngines(url.split(",")[0])
     await engines.start()
     starts = [start(n) for n in range(HANDOFFS)]
