@@ -335,6 +335,10 @@ class PartitionOwner:
 
     async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> None:
         """Steps 1-4 for one batch; `Fenced` before acting if another worker owns it now."""
+        # A stall past the ack wait (an append retried while a node dies) brings an input again
+        # before its first delivery was handled: one batch may hold it twice. It is one input,
+        # appended once; the latest delivery is the one to settle.
+        batch = list({inbound.stream_seq: inbound for inbound in batch}.values())
         fresh = [inbound for inbound in batch if inbound.stream_seq not in self._applied]
         settled = [inbound for inbound in batch if inbound.stream_seq in self._applied]
         self.skipped += len(settled)
