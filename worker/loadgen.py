@@ -14,10 +14,10 @@ The model
   the completion stream after a reconnect. Inputs are stored with JetStream, retried while the
   input stream does not exist yet.
 - With `engines_wait_s` (`--wait-for-engines`), it first waits until an engine listens on
-  every engine id of its roster (`Connection.engine_listening`), up to that long: a worker
-  that does not republish unanswered actions (the tier, worker.partitioned) would leave the
-  handoffs of an engine that started late open for good. Engines still silent then are named
-  in a warning, and the load goes ahead (their handoffs time out in the report).
+  every engine id of its roster (`Connection.engine_listening`), up to that long: the first
+  actions sent to an engine that starts late reach nobody and wait out the worker's retry
+  interval, which would count in the latencies. Engines still silent then are named in a
+  warning, and the load goes ahead.
 - Pacing is a closed loop (`concurrency` handoffs open at once; the next starts when one ends)
   or, when `rate_per_s` is set, an open loop (starts at that rate however many are open).
 - A handoff ends where `Frontend.wait` returns: at its first `Complete`, completed (success) or

@@ -284,7 +284,7 @@ async def test_a_worker_that_owns_a_partition_again_catches_its_file_up_from_its
         w2.start(timeout_s=2 * WITHIN_S)
         await until(w2.took_a_share, "w2 takes its share")
         deadline = time.monotonic() + 2 * WITHIN_S
-        while " up with " not in w2.logs():  # w2 claims a partition at its first input
+        while " up with " not in w2.logs():  # w2 claims at a first input, or vacant
             assert time.monotonic() < deadline, f"w2 claimed nothing: {w2.logs()}"
             await complete(10)
         await complete(HANDOFFS // 4)

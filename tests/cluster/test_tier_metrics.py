@@ -3,11 +3,11 @@
 engines (`kvhandoff engines`) and load generator (`kvhandoff load`) run the handoffs; every
 process is given all three nodes' URLs, comma-separated.
 
-One worker owns every partition and claims each at its first input; a second joins, and the
-first hands it two partitions over, which the second claims as a hand-over; the first is
-killed with SIGKILL, and the survivor takes its partitions over, claims them as a takeover
-after catching up on their logs, and owns all four. Each load ends every handoff, with no
-leak.
+One worker owns every partition and claims each (at its first input, or vacant); a second
+joins, and the first hands it two partitions over, which the second claims as a hand-over; the
+first is killed with SIGKILL, and the survivor takes its partitions over, claims them as a
+takeover after catching up on their logs, and owns all four. Each load ends every handoff, with
+no leak.
 """
 
 from __future__ import annotations

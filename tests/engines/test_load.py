@@ -208,8 +208,8 @@ async def test_handoffs_on_a_silent_engine_time_out_and_are_cleaned_up_once_it_r
 async def test_a_load_told_to_wait_for_the_engines_starts_its_handoffs_once_they_listen(
     nats_server: EmbeddedNats, subjects: Subjects, start_engines: StartEngines
 ) -> None:
-    # The tier republishes no unanswered action: an engine that is not listening yet when the
-    # load starts would lose its first actions for good (worker.loadgen, `engines_wait_s`).
+    # An engine that is not listening yet when the load starts would get its first actions only
+    # after the worker's retry interval (worker.loadgen, `engines_wait_s`).
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
     stream = f"IN_{subjects.prefix}"

@@ -84,8 +84,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--wait-for-engines",
         type=duration_arg,
         metavar="DURATION",
-        help="first wait up to this long until every engine of the roster listens (the tier "
-        "republishes no unanswered action: an engine that starts late loses its first ones)",
+        help="first wait up to this long until every engine of the roster listens (the first "
+        "actions sent to an engine that starts late wait out the worker's retry interval)",
     )
     load.add_argument("--seed", type=int, default=0, help="routing and cancel seed")
     output = parser.add_argument_group("output")
