@@ -1484,6 +1484,17 @@ class Bus:
             f"cannot unpin group {group!r} of {stream} / {consumer}",
         )
 
+    async def ack_floor(self, stream: str, consumer: str) -> int:
+        """The stream sequence at and below which `consumer` has every message acknowledged:
+        it never delivers those again."""
+        try:
+            info = await self._js.consumer_info(stream, consumer)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(
+                f"cannot read the ack floor of {stream} / {consumer}: {_why(exc)}"
+            ) from exc
+        return info.ack_floor.stream_seq if info.ack_floor is not None else 0
+
     async def pinned(self, stream: str, consumer: str, group: str = PRIORITY_GROUP) -> bool:
         """Whether a client holds the pin of `group` on `consumer` now (its consumer info names
         one). The server pins a client only when it delivers to it: a consumer with nothing to

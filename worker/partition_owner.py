@@ -72,8 +72,10 @@ what its file does not mark published; tests/cluster/tier_process.py, the last r
 Acting on its own between batches (worker.partitioned's timers): `on_release` says when that
 must stop, at once, whatever ended the owner.
 
-What it does not do yet: remember applied inputs in less than a set of every stream sequence
-since the claim; reorder inputs that one owner's own stall (past the ack wait, while still
+Memory. The applied inputs it remembers (step 1) are cut, every `forget_every_s` (10 s), to
+those above the consumer's ack floor: only those can be delivered again.
+
+What it does not do yet: reorder inputs that one owner's own stall (past the ack wait, while still
 pinned) sent back to it out of order, as the single worker does not either (both defer inputs
 that come early, through `decide`).
 """
@@ -116,6 +118,7 @@ OnRelease = Callable[[int], None]
 _FETCH_TIMEOUT_S = 0.25  # how long an idle owner waits before noticing a stop request
 _FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
 _VACANCY_POLL_S = 1.0  # how often an idle, unclaimed owner asks whether anyone is pinned
+_FORGET_EVERY_S = 10.0  # how often the applied inputs are cut to the consumer's ack floor
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:
@@ -139,9 +142,11 @@ class PartitionOwner:
         expires_s: float = 2.0,
         heartbeat_s: float = 0.5,
         claim_vacant_after_s: float | None = None,
+        forget_every_s: float = _FORGET_EVERY_S,
         metrics: TierMetrics | None = None,
     ) -> None:
         self._bus = bus
+        self._forget_every_s = forget_every_s
         self._claim_vacant_after_s = claim_vacant_after_s  # see "Vacant partitions"
         self._vacant_since: float | None = None  # since when nobody was seen pinned (monotonic)
         self._claimed_vacant = False  # claimed without a delivery, and no batch came since
@@ -153,7 +158,9 @@ class PartitionOwner:
         self._batch = batch
         self._expires_s = expires_s
         self._heartbeat_s = heartbeat_s
+        # Inputs applied by any owner that the consumer may still deliver (see `_forget`).
         self._applied: set[int] = set()
+        self._forgot_at = 0.0  # when `_applied` was last cut to the ack floor (monotonic)
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
         self._claimed = False  # False: claim before the next batch
         self._claimed_under: str | None = None  # the pin id the claim was made under
@@ -226,6 +233,7 @@ class PartitionOwner:
                     if not batch:
                         if not self._claimed:
                             await self._claim_if_vacant()
+                        await self._forget()
                         continue
                     if self._claimed_vacant:
                         # A claim made while vacant holds under the first pin: a claim by
@@ -235,6 +243,7 @@ class PartitionOwner:
                     if not self._claimed or pull.pin_id != self._claimed_under:
                         await self._claim(pull.pin_id)
                     await self._handle(batch, decide, act)
+                    await self._forget()
                 except Fenced as exc:
                     self._fenced(exc)
                     return
@@ -280,6 +289,27 @@ class PartitionOwner:
             "partition %d: handed over by %s (%d inputs given back)",
             self.log.partition, self.log.owner, len(in_hand),
         )  # fmt: skip
+
+    async def _forget(self) -> None:
+        """Drop from the applied inputs those at or below the consumer's ack floor, at most
+        every `forget_every_s`: it never delivers them again, and the set would otherwise hold
+        every input since the claim. What it may deliver again (a dead owner's applied inputs
+        it did not acknowledge, an ack that was lost) stays above the floor."""
+        now = time.monotonic()
+        if not self._applied or now - self._forgot_at < self._forget_every_s:
+            return
+        self._forgot_at = now
+        try:
+            floor = await self._bus.ack_floor(self._stream, self._consumer)
+        except BusError as exc:
+            logger.info("partition %d: %s; forgetting later", self.log.partition, exc)
+            return
+        self._applied = {seq for seq in self._applied if seq > floor}
+
+    @property
+    def remembered(self) -> int:
+        """How many applied inputs it remembers (to drop their redeliveries)."""
+        return len(self._applied)
 
     async def _claim_if_vacant(self) -> None:
         """Claim the partition without a delivery once nobody was pinned to it for

@@ -1,0 +1,55 @@
+"""A partition owner (worker.partition_owner) does not remember every input it ever applied:
+once the consumer's ack floor has passed them, it forgets them (they are never delivered
+again), so a long-running owner's memory stays flat."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Sequence
+
+from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.partition_owner import Decided, PartitionOwner
+from kvhandoff.worker.partitions import partition_of
+from tests.cluster.conftest import WITHIN_S
+
+PREFIX, STREAM, LOG_STREAM, PARTITIONS = "kvhandoff", "KVHANDOFF_IN", "KVHANDOFF_LOG", 2
+INPUTS = 60
+
+
+async def test_an_owner_forgets_the_inputs_below_the_ack_floor(
+    nats_cluster: NatsCluster, bus: Bus
+) -> None:
+    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+    await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
+    consumer = await bus.open_partition_consumer(
+        STREAM, PREFIX, "c", 0, ack_wait_s=1.0, max_pending=1024, priority_timeout_s=3.0
+    )
+    log = PartitionLog(bus, LOG_STREAM, PREFIX, 0, "test/owner")
+    owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=1.0, forget_every_s=0.2)
+    applied: list[int] = []
+
+    async def decide(batch: Sequence[Inbound]) -> Decided:
+        return Decided(b"records")
+
+    async def act(batch: Sequence[Inbound]) -> None:
+        applied.extend(inbound.stream_seq for inbound in batch)
+
+    stop = asyncio.Event()
+    running = asyncio.create_task(owner.run(decide, act, stop))
+    try:
+        handoff = next(h for h in iter(uuid.uuid4, None) if partition_of(h, PARTITIONS) == 0)
+        for n in range(INPUTS):
+            await bus.publish_durable(f"{PREFIX}.in.{handoff}", b"%d" % n)
+        async with asyncio.timeout(2 * WITHIN_S):
+            while len(applied) < INPUTS or owner.remembered:
+                assert not running.done(), running
+                await asyncio.sleep(0.05)  # a bounded poll of the owner's counts
+        assert owner.applied == INPUTS and len(set(applied)) == INPUTS
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, WITHIN_S)
