@@ -123,6 +123,9 @@ class HandoffTimers:
         self._retries: TimerQueue[tuple[UUID, int]] = TimerQueue()
         self._attempts: dict[tuple[UUID, int], int] = {}  # publications per outstanding action
         self._changed = asyncio.Event()
+        # What the task waits for: the earliest timer it knew of (None: none, so for ever). A
+        # timer due later need not wake it (most retries: one is armed per action published).
+        self._waiting_until: float | None = None
 
     def clear(self) -> None:
         """Forget every timer."""
@@ -144,15 +147,16 @@ class HandoffTimers:
                     self._retries.schedule((handoff_id, action.action_id), retry_at)
 
     def arm(self, plan: Plan) -> None:
-        """Apply the timer changes of a plan (`Plan.new_deadlines`, `answered`, `left_memory`)."""
+        """Apply the timer changes of a plan (`Plan.new_deadlines`, `answered`, `left_memory`).
+        A cancelled timer that the task waits for is found gone when it wakes."""
         for handoff_id, due in plan.new_deadlines:
             self._deadlines.schedule(handoff_id, due)
+            self._wake_for(due)
         for answered in plan.answered:
             self._retries.cancel(answered)
             self._attempts.pop(answered, None)
         for handoff_id in plan.left_memory:
             self._deadlines.cancel(handoff_id)
-        self._changed.set()
 
     def sent(self, action: Action) -> None:
         """An action was published: its next publication is due after a growing backoff.
@@ -162,8 +166,13 @@ class HandoffTimers:
         key = (action.handoff_id, action.action_id)
         attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
         backoff = min(2 ** (attempts - 1), RETRY_BACKOFF_CAP)
-        self._retries.schedule(key, time.time() + self._retry_interval_s * backoff)
-        self._changed.set()
+        due = time.time() + self._retry_interval_s * backoff
+        self._retries.schedule(key, due)
+        self._wake_for(due)
+
+    def _wake_for(self, due: float) -> None:
+        if self._waiting_until is None or due < self._waiting_until:
+            self._changed.set()
 
     async def run(self) -> None:
         """Fire what is due, as it falls due, until the task is cancelled."""
@@ -173,6 +182,7 @@ class HandoffTimers:
             dues = [d for d in candidates if d is not None]
             wait = min(dues) - time.time() if dues else None
             if wait is None or wait > 0:
+                self._waiting_until = min(dues) if dues else None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), wait)
                 continue
