@@ -312,6 +312,7 @@ class Engine:
             except BusUnavailable as exc:
                 # The worker republishes the action and gets the stored outcome again.
                 logger.error("handoff %s: %s: %s", handoff_id, self.engine_id, exc)
+        self._trim()  # what a receipt in hand kept from being forgotten
 
     async def _dispatch(self, action: Action) -> Outcome:
         handlers = self._handlers
@@ -341,8 +342,13 @@ class Engine:
             self._memory.move_to_end(handoff_id)
             return memory
         memory = self._memory[handoff_id] = _Memory()
-        # Forget the handoffs used longest ago, skipping any whose lock is in use: forgetting
-        # a lock that a receipt holds would let the next receipt of that handoff run beside it.
+        self._trim()
+        return memory
+
+    def _trim(self) -> None:
+        """Forget the handoffs used longest ago beyond `remember`, skipping any whose lock is in
+        use (forgetting a lock that a receipt holds would let the next receipt of that handoff
+        run beside it); each receipt trims again once it let go of its lock."""
         for _ in range(len(self._memory) - self._remember):
             oldest, kept = next(iter(self._memory.items()))
             if kept.lock.locked():
@@ -354,7 +360,12 @@ class Engine:
                     self._log.forget(oldest)
                 except OutcomeLogFailed as exc:  # the row stays: a bigger file, no harm
                     logger.warning("%s: %s", self.engine_id, exc)
-        return memory
+
+    @property
+    def remembered(self) -> int:
+        """How many handoffs' outcomes it remembers now (`remember` once no receipt is in
+        hand)."""
+        return len(self._memory)
 
     def _record(self, handoff_id: HandoffId, action_id: int, outcome: Outcome) -> None:
         assert self._log is not None
