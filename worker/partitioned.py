@@ -86,6 +86,7 @@ from kvhandoff.worker.ownership import CaughtUp
 from kvhandoff.worker.partition_owner import Decided
 from kvhandoff.worker.planner import Plan, Planner
 from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.service import publish_action
 from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog, WriterLock
 from kvhandoff.worker.tier import Tier, TierSettings
 from kvhandoff.worker.timers import HandoffTimers
@@ -391,14 +392,7 @@ class PartitionedWorker:
         now = now_ms()
         marks = []
         for row, seq, action in actions:
-            subject, payload = (
-                self._subjects.action(action, row.source, row.destination),
-                encode(action),
-            )
-            if isinstance(action, Complete):
-                await self._bus.publish_stored(subject, payload)
-            else:
-                await self._bus.publish(subject, payload)
+            await publish_action(self._bus, self._subjects, row, action)
             part.timers.sent(action)
             if seq >= 0:
                 marks.append((action.handoff_id, seq, now))

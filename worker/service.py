@@ -429,17 +429,19 @@ class Worker:
     # --- Actions ------------------------------------------------------------------------
 
     async def _publish_action(self, row: HandoffRow, action: Action) -> None:
-        subject, payload = (
-            self._subjects.action(action, row.source, row.destination),
-            encode(action),
-        )
-        if isinstance(action, Complete):
-            # Stored by the completion stream (and still seen by core subscribers), so a
-            # frontend that was reconnecting can read it afterwards.
-            await self._bus.publish_stored(subject, payload)
-        else:
-            await self._bus.publish(subject, payload)
+        await publish_action(self._bus, self._subjects, row, action)
         self._timers.sent(action)
+
+
+async def publish_action(bus: Bus, subjects: Subjects, row: HandoffRow, action: Action) -> None:
+    """Publish an action to its engine's subject (worker.partitioned's too). A `Complete` is
+    also stored by the completion stream (and still seen by core subscribers), so a frontend
+    that was reconnecting can read it afterwards."""
+    subject = subjects.action(action, row.source, row.destination)
+    if isinstance(action, Complete):
+        await bus.publish_stored(subject, encode(action))
+    else:
+        await bus.publish(subject, encode(action))
 
 
 async def _failure_of(task: asyncio.Task[None]) -> BusError | StoreError | None:

@@ -29,7 +29,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from kvhandoff.events.subjects import Subjects
@@ -140,24 +140,16 @@ async def serve_tier(config: WorkerConfig) -> int:
         worker = PartitionedWorker(
             config, settings, bus, metrics, label=f"{socket.gethostname()}:{os.getpid()}"
         )
-        server = None
-        if config.metrics_port:
-            server = MetricsServer(
-                metrics, lambda: worker.healthy, config.metrics_host, config.metrics_port
-            )
-        retention = asyncio.create_task(_retain(config.tier_retention_s, worker.logs, stop))
-        try:
+        beside = _beside(
+            config, metrics, healthy=lambda: worker.healthy,
+            retention_s=config.tier_retention_s, logs=worker.logs, stop=stop,
+        )  # fmt: skip
+        async with beside:
             logger.info(
                 "serving %d partitions of %s as %s; logs in %s",
                 config.partitions, config.stream, worker.tier.owner_name, config.data_dir,
             )  # fmt: skip
             await worker.run(stop)
-        finally:
-            retention.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await retention
-            if server is not None:
-                server.close()
         return 0
     finally:
         await bus.close()
@@ -172,41 +164,35 @@ async def _consume(
     keeper.add_done_callback(lambda _: stop.set())
     metrics = Metrics()
     worker = Worker(config, log, bus, metrics)
-    server = None
-    if config.metrics_port:
-        server = MetricsServer(
-            metrics, lambda: worker.healthy, config.metrics_host, config.metrics_port
-        )
-    retention = asyncio.create_task(_retain(config.retention_s, lambda: [log], stop))
+    beside = _beside(
+        config, metrics, healthy=lambda: worker.healthy,
+        retention_s=config.retention_s, logs=lambda: [log], stop=stop,
+    )  # fmt: skip
     try:
-        # Only now, with the stream to ourselves, may the consumer be re-created.
-        await _unless_stopped(
-            stop,
-            bus.open_inbox(
-                config.stream,
-                Subjects(config.nats.subject_prefix).inputs,
-                config.consumer,
-                config.ack_wait_s,
-                max_pending=max(4 * config.batch_size, 1024),
-            ),
-        )
-        await _unless_stopped(
-            stop,
-            bus.open_completions(
-                config.done_stream,
-                Subjects(config.nats.subject_prefix).completions,
-                config.completion_ttl_s,
-            ),
-        )
-        if not stop.is_set():
-            logger.info("consuming %s as %s; log %s", config.stream, config.consumer, log.path)
-            await worker.run(stop)
+        async with beside:
+            # Only now, with the stream to ourselves, may the consumer be re-created.
+            await _unless_stopped(
+                stop,
+                bus.open_inbox(
+                    config.stream,
+                    Subjects(config.nats.subject_prefix).inputs,
+                    config.consumer,
+                    config.ack_wait_s,
+                    max_pending=max(4 * config.batch_size, 1024),
+                ),
+            )
+            await _unless_stopped(
+                stop,
+                bus.open_completions(
+                    config.done_stream,
+                    Subjects(config.nats.subject_prefix).completions,
+                    config.completion_ttl_s,
+                ),
+            )
+            if not stop.is_set():
+                logger.info("consuming %s as %s; log %s", config.stream, config.consumer, log.path)
+                await worker.run(stop)
     finally:
-        retention.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await retention
-        if server is not None:
-            server.close()
         lost = keeper.exception() if keeper.done() else None
         if lost is None:
             keeper.cancel()
@@ -217,6 +203,27 @@ async def _consume(
         logger.error("stopped consuming %s: %s", config.stream, lost)
         return 1
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _beside(
+    config: WorkerConfig, metrics: Metrics, *, healthy: Callable[[], bool],
+    retention_s: float | None, logs: Callable[[], Iterable[EventLog]], stop: asyncio.Event,
+) -> AsyncIterator[None]:  # fmt: skip
+    """What runs beside a worker while it runs: its metrics endpoint (unless the port is 0)
+    and its retention loop."""
+    server = None
+    if config.metrics_port:
+        server = MetricsServer(metrics, healthy, config.metrics_host, config.metrics_port)
+    retention = asyncio.create_task(_retain(retention_s, logs, stop))
+    try:
+        yield
+    finally:
+        retention.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await retention
+        if server is not None:
+            server.close()
 
 
 async def _unless_stopped(stop: asyncio.Event, step: Coroutine[Any, Any, T]) -> T | None:
