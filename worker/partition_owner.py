@@ -20,10 +20,11 @@ Then, batch by batch:
 Doubt. If an append (or a claim) fails without an answer (NATS out of reach past the append's
 time limit), it may have landed or not: the owner leaves the batch unacknowledged and claims
 anew before the next one, which reads the log and so learns which inputs were applied. If
-`act` fails after the append landed (its publishes unconfirmed: `Bus.flush` failed, NATS lost
-a node), the inputs are applied all the same: the owner claims anew (a warning says so), and
-acting again is `on_claim`'s job, as for an owner that died between steps 3 and 4 (see "Left to
-others").
+`act` raises `BusError` after the append landed, the inputs are applied all the same: the owner
+claims anew (a warning says so), and acting again is `on_claim`'s job, as for an owner that died
+between steps 3 and 4 (see "Left to others"). worker.partitioned's `act` does not raise for
+publishes that NATS lost: it publishes them again itself, since an idle partition may see no
+next batch, and so no claim, for a long time.
 
 The fence. If step 3 is refused (`Fenced`), another worker claimed the partition since: this
 one stops at once. It neither acts nor acknowledges anything more, closes its pull, and `run`

@@ -28,7 +28,12 @@ Invariants.
 - A plan that was decided but not acted on (the append was fenced or in doubt) leaves the
   planner ahead of the file: every claim rebuilds it from the file, after the catch-up.
 - Outbox marks ("published") ride in the rows of the partition's next batch after the server
-  confirmed them, so they are in the replicated log too. A claim publishes what the file does
+  confirmed them, in publication order, so they are in the replicated log too. Actions whose
+  barrier failed (NATS lost the connection they were written to) are published again, with a
+  growing pause, until a barrier confirms them or the partition is released; the marks behind
+  them wait, since a mark says that every earlier action of its handoff was published. Without
+  this, an action that no timer retries (`Complete`: nothing answers it) would wait for the
+  partition's next claim. A claim publishes what the file does
   not mark published (at most the last batches' actions of the previous owner, which may have
   died between its append and its publishes, or handed over before its marks rode on a
   batch), and every action still outstanding: at least once, with the same action ids.
@@ -93,6 +98,9 @@ from kvhandoff.worker.timers import HandoffTimers
 
 logger = logging.getLogger(__name__)
 
+# First and longest pause before publishing again what a failed barrier covered.
+_RESEND_PAUSE_S = (0.1, 2.0)
+
 # The meta key of a partition file's mark: the first input of the last entry it holds.
 MARK_KEY = "partition_log_mark"
 
@@ -152,6 +160,22 @@ class _Canonical:
 
 
 @dataclass
+class _Sent:
+    """Actions published together, the barrier that confirms them, and when they were
+    published (both replaced when the barrier failed and they were published again). A seq of
+    -1 is an action the file already marks."""
+
+    actions: list[tuple[HandoffRow, int, Action]]
+    barrier: asyncio.Future[None]
+    at_ms: int
+
+    def marks(self) -> list[tuple[str, int, int]]:
+        return [
+            (str(action.handoff_id), seq, self.at_ms) for _, seq, action in self.actions if seq >= 0
+        ]
+
+
+@dataclass
 class _Partition:
     """One owned partition's coordinator state."""
 
@@ -163,10 +187,10 @@ class _Partition:
     timers_task: asyncio.Task[None]
     # A plan and its rows, awaiting their append and `act`, with the inputs they apply.
     decided: tuple[list[int], Plan, LoggedRows] | None = None
-    # Marks of actions published, with the barrier that confirms them.
-    published: list[tuple[asyncio.Future[None], list[tuple[UUID, int, int]]]] = field(
-        default_factory=list
-    )
+    # Actions published, in order, each lot with the barrier that confirms it.
+    published: list[_Sent] = field(default_factory=list)
+    # Bumped at each claim and release: a lot is published again only in its own tenure.
+    tenure: int = 0
 
 
 class PartitionedWorker:
@@ -183,6 +207,7 @@ class PartitionedWorker:
         self._metrics = metrics
         self._subjects = Subjects(config.nats.subject_prefix)
         self._partitions: dict[int, _Partition] = {}
+        self._resends: set[asyncio.Task[None]] = set()  # see `_publish_again`
         self._inputs_of = f"{config.nats.subject_prefix}.inp."
         self.tier = Tier(
             bus, settings, self.decide, self.act, label,
@@ -204,6 +229,8 @@ class PartitionedWorker:
         try:
             await self.tier.run(stop)
         finally:
+            for resend in self._resends:
+                resend.cancel()
             for part in self._partitions.values():
                 part.timers_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -222,6 +249,7 @@ class PartitionedWorker:
         began = time.perf_counter()
         part = await self._open(partition)
         part.decided = None
+        part.tenure += 1
         entries = []
         for index, record in enumerate(caught.records):
             try:
@@ -262,6 +290,7 @@ class PartitionedWorker:
         part.timers.clear()
         part.planner.open.clear()
         part.decided = None
+        part.tenure += 1  # what it published and is not confirmed is the next owner's to publish
         logger.info("partition %d: released; its timers are dropped", partition)
 
     async def decide(self, batch: Sequence[Inbound]) -> Decided:
@@ -387,42 +416,85 @@ class PartitionedWorker:
     async def _publish(
         self, part: _Partition, actions: list[tuple[HandoffRow, int, Action]]
     ) -> None:
-        """Publish actions as worker.service does; their marks wait for the server's barrier.
+        """Publish actions as worker.service does; their marks wait for the server's barrier,
+        and they are published again if it fails, or if publishing fails (`_publish_again`).
         A seq of -1 is an action the file already marks (republished, not marked again)."""
-        now = now_ms()
-        marks = []
-        for row, seq, action in actions:
-            await publish_action(self._bus, self._subjects, row, action)
-            part.timers.sent(action)
-            if seq >= 0:
-                marks.append((action.handoff_id, seq, now))
-        if marks:
+        if not actions:
+            return
+        barrier: asyncio.Future[None]
+        try:
+            for row, _, action in actions:
+                await publish_action(self._bus, self._subjects, row, action)
+                part.timers.sent(action)
             barrier = asyncio.ensure_future(self._bus.flush())
-            # Its failure is read by `_confirmed`, or never, if a claim drops its marks.
-            barrier.add_done_callback(_retrieve)
-            part.published.append((barrier, marks))
+        except BusError as exc:  # NATS is out of reach: as good as a failed barrier
+            barrier = asyncio.get_running_loop().create_future()
+            barrier.set_exception(exc)
+        sent = _Sent(actions, barrier, now_ms())
+        part.published.append(sent)
+        barrier.add_done_callback(partial(self._barrier_done, part, part.tenure, sent))
+
+    def _barrier_done(
+        self, part: _Partition, tenure: int, sent: _Sent, barrier: asyncio.Future[None]
+    ) -> None:
+        if not barrier.cancelled() and barrier.exception() is None:
+            return
+        if part.tenure != tenure or sent.barrier is not barrier:
+            return  # released since (the next claim publishes them), or published again
+        resend = asyncio.create_task(self._publish_again(part, tenure, sent))
+        self._resends.add(resend)
+        resend.add_done_callback(self._resends.discard)
+
+    async def _publish_again(self, part: _Partition, tenure: int, sent: _Sent) -> None:
+        """The barrier behind `sent` failed: the server may never have read its actions. Publish
+        them again (at least once, with the same action ids), pausing longer after each
+        failure, until a new barrier confirms them or the partition is released."""
+        error = "" if sent.barrier.cancelled() else f" ({sent.barrier.exception()})"
+        logger.warning(
+            "partition %d: %d actions were published on a connection that NATS lost%s; "
+            "publishing them again",
+            part.number, len(sent.actions), error,
+        )  # fmt: skip
+        pause_s = _RESEND_PAUSE_S[0]
+        while part.tenure == tenure:
+            await asyncio.sleep(pause_s)  # let the connection come back first
+            if part.tenure != tenure:
+                return
+            try:
+                for row, _, action in sent.actions:
+                    await publish_action(self._bus, self._subjects, row, action)
+                    part.timers.sent(action)
+            except BusError as exc:
+                logger.warning("partition %d: publishing again failed: %s", part.number, exc)
+                pause_s = min(2 * pause_s, _RESEND_PAUSE_S[1])
+                continue
+            sent.at_ms = now_ms()
+            sent.barrier = asyncio.ensure_future(self._bus.flush())
+            sent.barrier.add_done_callback(partial(self._barrier_done, part, tenure, sent))
+            return
 
     async def _republish(self, partition: int, row: HandoffRow, action: Action) -> None:
         """A retry: publish the action again (its first publication carries its mark)."""
         await self._publish(self._partitions[partition], [(row, -1, action)])
 
     def _confirmed(self, part: _Partition) -> list[tuple[str, int, int]]:
-        """Take the outbox marks the server has confirmed, in publication order. Marks behind
-        a barrier that failed are dropped: their actions count as never published."""
+        """Take the outbox marks the server has confirmed, in publication order, up to the
+        first lot not confirmed: one whose barrier failed is being published again
+        (`_publish_again`), and a later mark of its handoff would say it was published."""
         confirmed: list[tuple[str, int, int]] = []
-        while part.published and part.published[0][0].done():
-            barrier, marks = part.published.pop(0)
+        while part.published and part.published[0].barrier.done():
+            barrier = part.published[0].barrier
             if barrier.cancelled() or barrier.exception() is not None:
-                continue
-            confirmed.extend((str(handoff_id), seq, at_ms) for handoff_id, seq, at_ms in marks)
+                break
+            confirmed.extend(part.published.pop(0).marks())
         return confirmed
 
     async def _settle_marks(self, part: _Partition) -> None:
         """Stopping: wait for the barriers, and commit what they confirm to the local file
         (the next owner republishes those actions: the replicated log does not mark them)."""
-        for barrier, _ in part.published:
+        for sent in part.published:
             with contextlib.suppress(BusError, asyncio.CancelledError):
-                await barrier
+                await sent.barrier
         batch = Batch()
         for handoff_id, seq, at_ms in self._confirmed(part):
             batch.mark_published(UUID(handoff_id), seq, at_ms)
@@ -441,8 +513,3 @@ class PartitionedWorker:
 
 def _int(mark: str | None) -> int | None:
     return None if mark is None else int(mark)
-
-
-def _retrieve(barrier: asyncio.Future[None]) -> None:
-    if not barrier.cancelled():
-        barrier.exception()

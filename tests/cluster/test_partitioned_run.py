@@ -5,6 +5,9 @@ real three-node cluster, with the scripted engines answering, under the faults o
   completes;
 - the node that leads the input stream and the replicated log is killed with SIGKILL mid-load:
   nothing the stream acknowledged is lost, every handoff completes;
+- the one node a worker is connected to is killed with SIGKILL mid-load and restarted: the
+  actions it had written to that connection are published again, every handoff completes
+  (`Complete`, which no timer retries, included);
 - a worker paused with SIGSTOP past the priority timeout (a zombie) loses its partitions to the
   other, which completes their handoffs; resumed, its appends are refused (`Fenced`, in its log)
   and it acts on nothing it lost: the replicated log holds no entry of its old tenure after the
@@ -454,6 +457,50 @@ async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledg
     print(
         f"stream leader {leader.seat.name if leader.seat else leader.url} killed mid-load: "
         f"{HANDOFFS} handoffs completed, the last {all_done_s:.1f}s after"
+    )
+
+
+RESENT_LINE = "published on a connection that NATS lost"  # worker.partitioned's warning
+
+
+async def test_actions_written_to_a_connection_that_dies_are_published_again(
+    nats_cluster: NatsCluster, workers: list[TierWorker], tmp_path: Path
+) -> None:
+    # The worker's one node: what the worker wrote to it and it did not read dies with it, and
+    # the worker waits for it to come back. The engines are elsewhere, so lose nothing.
+    node, elsewhere = nats_cluster.nodes[0], nats_cluster.nodes[1]
+    w1 = TierWorker(node.url, "w1", tmp_path)
+    workers.append(w1)
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    engines = ScriptedEngines(elsewhere.url)
+    await engines.start()
+    starts = [start(n) for n in range(HANDOFFS)]
+    try:
+        for s in starts:
+            await engines.start_handoff(s)
+        await engines.until(
+            lambda: len(engines.completions) >= HANDOFFS // 4,
+            "a quarter of the handoffs to complete",
+            within=2 * WITHIN_S,
+        )
+        node.stop(kill=True)
+        killed_at = time.monotonic()
+        await asyncio.to_thread(nats_cluster.restart, node)
+        await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+        all_done_s = time.monotonic() - killed_at
+        assert await asyncio.to_thread(w1.terminate, 2 * WITHIN_S) == 0, w1.logs()
+    finally:
+        await engines.close()
+
+    assert not engines.mismatched, engines.mismatched[:3]
+    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    for path in partition_files(tmp_path):
+        verify(path)
+    print(
+        f"the worker's node killed mid-load: {HANDOFFS} handoffs completed, the last "
+        f"{all_done_s:.1f}s after; lots of actions published again: "
+        f"{w1.whole_log().count(RESENT_LINE)}"
     )
 
 
