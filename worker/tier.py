@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from kvhandoff.events.subjects import Subjects
@@ -51,6 +52,8 @@ from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, OnRelease, Pa
 from kvhandoff.worker.partitions import rebalance
 
 logger = logging.getLogger(__name__)
+
+_OWNERS_KEPT = 1024  # `Tier.owners`
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,9 @@ class Tier:
         self._running: dict[int, tuple[PartitionOwner, asyncio.Task[None], asyncio.Event]] = {}
         self._consumers: dict[int, str] = {}
         # What it did, for metrics and tests.
-        self.owners: list[tuple[int, PartitionOwner]] = []  # every owner it ran, in order
+        # The last owners it ran, in order: bounded, as a worker whose partitions move back and
+        # forth for months runs new owners all along.
+        self.owners: deque[tuple[int, PartitionOwner]] = deque(maxlen=_OWNERS_KEPT)
         self.rounds = 0
 
     @property
