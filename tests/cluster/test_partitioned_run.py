@@ -165,6 +165,15 @@ def verify(path: Path) -> None:
     assert done.returncode == 0, f"verify {path}: {done.stdout}{done.stderr}"
 
 
+async def a_quarter_complete(engines: ScriptedEngines) -> None:
+    """Mid-load: wait until a quarter of the handoffs completed."""
+    await engines.until(
+        lambda: len(engines.completions) >= HANDOFFS // 4,
+        "a quarter of the handoffs to complete",
+        within=2 * WITHIN_S,
+    )
+
+
 async def two_sharing(
     url: str, workers: list[TierWorker], tmp_path: Path, *, handed_over: bool = False
 ) -> tuple[TierWorker, TierWorker]:
@@ -429,11 +438,7 @@ async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledg
     try:
         for s in starts[: HANDOFFS // 2]:
             await engines.start_handoff(s)
-        await engines.until(
-            lambda: len(engines.completions) >= HANDOFFS // 4,
-            "a quarter of the handoffs to complete",
-            within=2 * WITHIN_S,
-        )
+        await a_quarter_complete(engines)
         leader.stop(kill=True)
         killed_at = time.monotonic()
         for s in starts[HANDOFFS // 2 :]:  # stored by the two nodes left, once they elect
@@ -479,11 +484,7 @@ async def test_actions_written_to_a_connection_that_dies_are_published_again(
     try:
         for s in starts:
             await engines.start_handoff(s)
-        await engines.until(
-            lambda: len(engines.completions) >= HANDOFFS // 4,
-            "a quarter of the handoffs to complete",
-            within=2 * WITHIN_S,
-        )
+        await a_quarter_complete(engines)
         node.stop(kill=True)
         killed_at = time.monotonic()
         await asyncio.to_thread(nats_cluster.restart, node)
@@ -527,11 +528,7 @@ async def test_a_paused_worker_is_fenced_and_acts_on_nothing_it_lost(
     try:
         for s in starts[: HANDOFFS // 2]:
             await engines.start_handoff(s)
-        await engines.until(
-            lambda: len(engines.completions) >= HANDOFFS // 4,
-            "a quarter of the handoffs to complete",
-            within=2 * WITHIN_S,
-        )
+        await a_quarter_complete(engines)
         # Mid-load, its pulls open: the inputs sent next are delivered to it too, and wait in
         # its socket for it to wake, with the pin it is about to lose.
         os.kill(w1.pid, signal.SIGSTOP)
