@@ -23,6 +23,10 @@ if the connection did not change meanwhile. A reconnect loses what the old conne
 written and the server had not read (a server killed mid-load), while the barrier, written to
 the new connection, comes back all the same: so a flush that a reconnect separates from the
 first `publish` it covers fails (`BusError`), and its caller publishes again, as for a timeout.
+A flush covers what was published since the previous one began, so where several callers
+publish and flush independently (a tier worker's partitions), one's flush can take what another
+published, and the other's flush then proves nothing of it. Such a caller notes `connection`
+before it publishes, keeps the acks its `publish_stored` calls return, and calls `confirm`.
 
 Publishing. `publish` is core NATS, buffered and in order. `publish_durable` is a JetStream
 publish that returns once the stream stored the message; it retries with backoff while no
@@ -151,7 +155,7 @@ import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1211,12 +1215,41 @@ class Bus:
             ) from exc
         return message.data or b""
 
-    async def publish_stored(self, subject: str, payload: bytes) -> None:
-        """JetStream publish whose ack the next `flush` awaits: many can be in flight at once."""
+    async def publish_stored(self, subject: str, payload: bytes) -> asyncio.Future[Any]:
+        """JetStream publish whose ack the next `flush` awaits: many can be in flight at once.
+        Returns the ack, for `confirm`."""
         try:
-            self._unconfirmed.append(await self._js.publish_async(subject, payload))
+            ack = await self._js.publish_async(subject, payload)
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"durable publish to {subject} failed: {_why(exc)}") from exc
+        self._unconfirmed.append(ack)
+        return ack
+
+    @property
+    def connection(self) -> int:
+        """How many times the client reconnected: what was published under an earlier count
+        may have died with its connection (see "The barrier")."""
+        return self._connection
+
+    async def confirm(self, connection: int, stored: Sequence[asyncio.Future[Any]]) -> None:
+        """Return once the server has what one caller published since `connection` was its
+        count, whatever other callers' flushes took meanwhile: a flush, on this connection
+        still, and the acks of its `publish_stored` messages (`stored`). `BusError` otherwise."""
+        await self.flush()
+        if self._connection != connection:
+            raise BusError(
+                f"flush failed: NATS reconnected ({self._connection - connection} time(s)) after "
+                "messages it covers were published, so the server may never have read them"
+            )
+        if not stored:
+            return
+        done, pending = await asyncio.wait(stored, timeout=_BARRIER_TIMEOUT_S)
+        failed = [ack for ack in done if ack.cancelled() or ack.exception() is not None]
+        if pending or failed:
+            raise BusError(
+                f"flush failed: a stream did not store {len(pending) + len(failed)} of "
+                f"{len(stored)} messages (no answer within {_BARRIER_TIMEOUT_S}s, or refused)"
+            )
 
     # --- The worker's streams ---------------------------------------------------------------
 

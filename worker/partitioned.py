@@ -423,16 +423,27 @@ class PartitionedWorker:
             return
         barrier: asyncio.Future[None]
         try:
-            for row, _, action in actions:
-                await publish_action(self._bus, self._subjects, row, action)
-                part.timers.sent(action)
-            barrier = asyncio.ensure_future(self._bus.flush())
+            barrier = await self._send(part, actions)
         except BusError as exc:  # NATS is out of reach: as good as a failed barrier
             barrier = asyncio.get_running_loop().create_future()
             barrier.set_exception(exc)
         sent = _Sent(actions, barrier, now_ms())
         part.published.append(sent)
         barrier.add_done_callback(partial(self._barrier_done, part, part.tenure, sent))
+
+    async def _send(
+        self, part: _Partition, actions: list[tuple[HandoffRow, int, Action]]
+    ) -> asyncio.Future[None]:
+        """Publish the actions; the barrier that confirms them, whatever the other partitions
+        publish and flush meanwhile on the same bus (see "The barrier" in worker.bus)."""
+        connection = self._bus.connection
+        stored = []
+        for row, _, action in actions:
+            ack = await publish_action(self._bus, self._subjects, row, action)
+            if ack is not None:
+                stored.append(ack)
+            part.timers.sent(action)
+        return asyncio.ensure_future(self._bus.confirm(connection, stored))
 
     def _barrier_done(
         self, part: _Partition, tenure: int, sent: _Sent, barrier: asyncio.Future[None]
@@ -461,15 +472,13 @@ class PartitionedWorker:
             if part.tenure != tenure:
                 return
             try:
-                for row, _, action in sent.actions:
-                    await publish_action(self._bus, self._subjects, row, action)
-                    part.timers.sent(action)
+                barrier = await self._send(part, sent.actions)
             except BusError as exc:
                 logger.warning("partition %d: publishing again failed: %s", part.number, exc)
                 pause_s = min(2 * pause_s, _RESEND_PAUSE_S[1])
                 continue
             sent.at_ms = now_ms()
-            sent.barrier = asyncio.ensure_future(self._bus.flush())
+            sent.barrier = barrier
             sent.barrier.add_done_callback(partial(self._barrier_done, part, tenure, sent))
             return
 

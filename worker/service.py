@@ -73,6 +73,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
+from typing import Any
 from uuid import UUID
 
 from kvhandoff.events.codec import encode
@@ -433,15 +434,17 @@ class Worker:
         self._timers.sent(action)
 
 
-async def publish_action(bus: Bus, subjects: Subjects, row: HandoffRow, action: Action) -> None:
+async def publish_action(
+    bus: Bus, subjects: Subjects, row: HandoffRow, action: Action
+) -> asyncio.Future[Any] | None:
     """Publish an action to its engine's subject (worker.partitioned's too). A `Complete` is
     also stored by the completion stream (and still seen by core subscribers), so a frontend
-    that was reconnecting can read it afterwards."""
+    that was reconnecting can read it afterwards: its ack is returned (see `Bus.confirm`)."""
     subject = subjects.action(action, row.source, row.destination)
     if isinstance(action, Complete):
-        await bus.publish_stored(subject, encode(action))
-    else:
-        await bus.publish(subject, encode(action))
+        return await bus.publish_stored(subject, encode(action))
+    await bus.publish(subject, encode(action))
+    return None
 
 
 async def _failure_of(task: asyncio.Task[None]) -> BusError | StoreError | None:
