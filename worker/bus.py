@@ -104,11 +104,14 @@ publishing to `<prefix>.in.<handoff_id>`; the stream's subject transform `{{part
 input of one handoff lands in one partition, in publish order. The partitioned stream captures
 `<prefix>.in.*` only, so nothing lands outside a partition. A worker opening the stream with
 another P gets `PartitionsMismatch` (it exits 2): re-partitioning would move handoffs between
-partitions, and with them between owners. Single-worker mode is P = 1 of the same stream code
-(`open_inbox`): same metadata, same check, and a stream without the metadata (made before
-partitions existed) counts as P = 1. P = 1 has no transform, since `{{partition(1,1)}}` is
-always 0: the inputs keep their canonical subjects and the worker's loop is unchanged. Streams
-and buckets are R3 when the server we reached is in a cluster (its INFO names one), R1 alone.
+partitions, and with them between owners. The metadata also names the kind of worker that
+consumes the stream (`kvhandoff.consumer`): `tier`, or `single` for the single worker, whose
+stream (`open_inbox`) is one partition without a transform (the inputs keep their canonical
+subjects). A tier may run at P = 1 too, and a single worker and a tier must never consume one
+stream, each taking its log for the authority: a worker of the other kind gets
+`PartitionsMismatch` as well. A stream without the metadata (made before it existed) is a
+single worker's at P = 1 and a tier's above. Streams and buckets are R3 when the server we
+reached is in a cluster (its INFO names one), R1 alone.
 
 Pins. Each partition has one durable pull consumer (`<consumer>-p<p>`, filtering that
 partition's subject) with the priority group `owner` and the `pinned_client` policy (ADR-42),
@@ -157,7 +160,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import nats.errors
@@ -542,6 +545,10 @@ class Membership:
             "membership %s not withdrawn (%s); it expires in %.0fs",
             self.member.instance, problem, self.ttl_s,
         )  # fmt: skip
+
+
+def _consumer_kind(consumer: str) -> str:
+    return "a tier" if consumer == "tier" else "a single worker"
 
 
 def _why(exc: BaseException) -> str:
@@ -963,6 +970,12 @@ _INPUT_STREAM: dict[str, Any] = {
     "duplicate_window": 120.0,
 }
 PARTITIONS_METADATA = "kvhandoff.partitions"
+# Which kind of worker consumes the input stream, in its metadata beside the partition count:
+# a single worker (one consumer; its local file is the authority) or a tier (a pinned consumer
+# per partition; the replicated log is the authority). At one partition both are possible, and
+# both applying one stream's inputs would be two authorities for one handoff.
+CONSUMER_METADATA = "kvhandoff.consumer"
+StreamConsumer = Literal["single", "tier"]
 PRIORITY_GROUP = "owner"  # the one priority group of every partition's consumer
 CLUSTER_REPLICAS = 3
 _JS_INFO = "$JS.API.INFO"
@@ -1342,7 +1355,9 @@ class Bus:
         """
         # Single-worker mode is the one-partition case of the input stream (see "Partitions").
         await self._ensure_input_stream(
-            StreamConfig(name=stream, subjects=[subjects], **_INPUT_STREAM), partitions=1
+            StreamConfig(name=stream, subjects=[subjects], **_INPUT_STREAM),
+            partitions=1,
+            consumer="single",
         )
         try:
             with contextlib.suppress(nats.js.errors.NotFoundError):
@@ -1425,12 +1440,9 @@ class Bus:
 
     async def open_partitions(self, stream: str, prefix: str, partitions: int) -> None:
         """Create the partitioned input stream if absent (R3 in a cluster), or check that the
-        one there has `partitions` partitions (`PartitionsMismatch` if not)."""
-        if partitions < 2:
-            raise ConfigError(
-                f"stream {stream}: a partitioned stream has at least 2 partitions, not "
-                f"{partitions}; one partition is the single-worker stream (`open_inbox`)"
-            )
+        one there is a tier's with `partitions` partitions (`PartitionsMismatch` if not)."""
+        if partitions < 1:
+            raise ConfigError(f"stream {stream}: {partitions} partitions; at least one")
         config = StreamConfig(
             name=stream,
             subjects=[f"{prefix}.in.*"],
@@ -1440,11 +1452,14 @@ class Bus:
             ),
             **_INPUT_STREAM,
         )
-        await self._ensure_input_stream(config, partitions=partitions)
+        await self._ensure_input_stream(config, partitions=partitions, consumer="tier")
 
-    async def _ensure_input_stream(self, config: StreamConfig, *, partitions: int) -> None:
-        """Create the input stream with `config` and the partition count in its metadata, or
-        check the count of the one there (without the metadata: 1, made before partitions)."""
+    async def _ensure_input_stream(
+        self, config: StreamConfig, *, partitions: int, consumer: StreamConsumer
+    ) -> None:
+        """Create the input stream with `config`, and the partition count and the kind of its
+        consumer in its metadata; or check those of the one there (a stream made before they
+        existed: one partition is a single worker's, more a tier's)."""
         stream = config.name
         assert stream is not None
         try:
@@ -1452,21 +1467,31 @@ class Bus:
                 info = await self._js.stream_info(stream)
             except nats.js.errors.NotFoundError:
                 config.num_replicas = self.replicas
-                config.metadata = {PARTITIONS_METADATA: str(partitions)}
+                config.metadata = {
+                    PARTITIONS_METADATA: str(partitions), CONSUMER_METADATA: consumer
+                }  # fmt: skip
                 await self._js.add_stream(config)
                 logger.info(
-                    "created stream %s for %s: %d partition(s), R%d",
-                    stream, config.subjects, partitions, config.num_replicas,
+                    "created stream %s for %s: %d partition(s) for a %s worker, R%d",
+                    stream, config.subjects, partitions, consumer, config.num_replicas,
                 )  # fmt: skip
                 return
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot open stream {stream}: {_why(exc)}") from exc
-        stored = (info.config.metadata or {}).get(PARTITIONS_METADATA, "1")
-        if stored != str(partitions):
+        metadata = info.config.metadata or {}
+        stored = metadata.get(PARTITIONS_METADATA, "1")
+        stored_consumer = metadata.get(CONSUMER_METADATA, "single" if stored == "1" else "tier")
+        if (stored, stored_consumer) != (str(partitions), consumer):
+            start = (
+                f"start every worker with --partitions {stored} --data-dir DIR"
+                if stored_consumer == "tier"
+                else "start one worker, without --partitions"
+            )
             raise PartitionsMismatch(
-                f"stream {stream} has {stored} partition(s) and this worker was started with "
-                f"{partitions}; partitions are fixed when the stream is created: start every "
-                f"worker with --partitions {stored}, or delete the stream"
+                f"stream {stream} has {stored} partition(s) for {_consumer_kind(stored_consumer)}"
+                f" and this worker was started with {partitions} as {_consumer_kind(consumer)};"
+                f" the partitions and the kind of worker are fixed when the stream is created:"
+                f" {start}, or delete the stream"
             )
 
     async def open_partition_consumer(

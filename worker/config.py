@@ -143,11 +143,8 @@ class WorkerConfig:
             raise ConfigError("--partitions and --data-dir go together")
         if self.partitions is None or self.data_dir is None:
             return
-        if not 2 <= self.partitions <= 1024:
-            raise ConfigError(
-                f"--partitions: {self.partitions} is not in 2..1024 (without --partitions, one "
-                "worker consumes the whole stream)"
-            )
+        if not 1 <= self.partitions <= 1024:
+            raise ConfigError(f"--partitions: {self.partitions} is not in 1..1024")
         if not self.data_dir.is_dir():
             raise ConfigError(f"--data-dir: {self.data_dir} is not a directory")
 

@@ -14,7 +14,7 @@ into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's 
     │   ├── LeaseHeld      another worker holds the lease on the stream's consumer
     │   ├── PinMismatch    another client holds the pin of a consumer's priority group
     │   ├── Fenced         a compare-and-set append found that another writer appended first
-    │   └── PartitionsMismatch  the input stream was created with another partition count
+    │   └── PartitionsMismatch  the input stream was made for other partitions or workers
     ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
     ├── ChildError         a process we started (`worker.child`) did not come up
     ├── NatsServerError    the embedded nats-server did not start
@@ -92,9 +92,10 @@ class Fenced(BusError):
 
 
 class PartitionsMismatch(BusError):
-    """The input stream exists with another partition count than this worker was started
-    with; partitions are fixed when the stream is created, so the worker refuses to start
-    (exit 2). The message names the stream and both counts."""
+    """The input stream exists with another partition count, or for another kind of worker
+    (single or tier), than this worker was started with; both are fixed when the stream is
+    created, so the worker refuses to start (exit 2). The message names the stream and both
+    counts and kinds."""
 
 
 class ChildError(WorkerError):

@@ -16,7 +16,7 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from kvhandoff.worker.bus import PARTITIONS_METADATA, Bus, partition_subject
+from kvhandoff.worker.bus import CONSUMER_METADATA, PARTITIONS_METADATA, Bus, partition_subject
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import ConfigError, PartitionsMismatch
 from kvhandoff.worker.natsserver import EmbeddedNats
@@ -69,13 +69,14 @@ async def test_the_stream_is_replicated_and_keeps_its_partition_count(
 
     info = await js.stream_info(STREAM)
     assert info.config.num_replicas == 3
-    assert (info.config.metadata or {})[PARTITIONS_METADATA] == str(PARTITIONS)
+    metadata = info.config.metadata or {}
+    assert (metadata[PARTITIONS_METADATA], metadata[CONSUMER_METADATA]) == ("4", "tier")
     with pytest.raises(PartitionsMismatch, match=rf"{STREAM} has 4 partition\(s\).* with 8"):
         await bus.open_partitions(STREAM, PREFIX, 8)
     with pytest.raises(PartitionsMismatch, match=r"has 4 partition.* started with 1"):
         await bus.open_inbox(STREAM, f"{PREFIX}.in.>", "w", ack_wait_s=30, max_pending=64)
-    with pytest.raises(ConfigError, match="at least 2 partitions"):
-        await bus.open_partitions("OTHER", PREFIX, 1)
+    with pytest.raises(ConfigError, match="0 partitions; at least one"):
+        await bus.open_partitions("OTHER", PREFIX, 0)
 
 
 async def test_an_input_outside_the_partitioned_subjects_is_not_stored(
@@ -103,38 +104,73 @@ async def test_alone_the_stream_is_r1_and_one_partition_is_the_single_worker_str
                 # The single-worker stream, as open_inbox makes it: P = 1 in its metadata.
                 await bus.open_inbox("SINGLE", "single.in.>", "w", ack_wait_s=30, max_pending=64)
                 single = await nc.jetstream().stream_info("SINGLE")
-                assert (single.config.metadata or {})[PARTITIONS_METADATA] == "1"
+                metadata = single.config.metadata or {}
+                assert (metadata[PARTITIONS_METADATA], metadata[CONSUMER_METADATA]) == (
+                    "1", "single"
+                )  # fmt: skip
                 assert single.config.subject_transform is None
-                # A stream made before partitions existed has no metadata: it counts as P = 1.
+                # A tier at one partition is not the single worker: neither takes the other's.
+                with pytest.raises(
+                    PartitionsMismatch,
+                    match=r"SINGLE has 1 partition\(s\) for a single worker and this worker was "
+                    r"started with 1 as a tier.*start one worker, without --partitions",
+                ):
+                    await bus.open_partitions("SINGLE", "single", 1)
+                await bus.open_partitions("TIER1", "tier1", 1)
+                with pytest.raises(
+                    PartitionsMismatch,
+                    match=r"TIER1 has 1 partition\(s\) for a tier and this worker was started "
+                    r"with 1 as a single worker.*--partitions 1 --data-dir DIR",
+                ):
+                    await bus.open_inbox("TIER1", "tier1.in.>", "w", ack_wait_s=30, max_pending=64)
+                # A stream made before the metadata existed: one partition, a single worker's.
                 await nc.jetstream().add_stream(StreamConfig(name="OLD", subjects=["old.in.>"]))
                 await bus.open_inbox("OLD", "old.in.>", "w", ack_wait_s=30, max_pending=64)
-                with pytest.raises(PartitionsMismatch, match="OLD has 1 partition"):
-                    await bus.open_partitions("OLD", "old", 2)
+                for partitions in (1, 2):
+                    with pytest.raises(PartitionsMismatch, match="OLD has 1 partition"):
+                        await bus.open_partitions("OLD", "old", partitions)
             finally:
                 await nc.close()
         finally:
             await bus.close()
 
 
-def test_a_worker_started_on_a_partitioned_stream_with_another_count_exits_2(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("made_by", "started_as", "refusal"),
+    [
+        (4, None, "has 4 partition(s) for a tier and this worker was started with 1 as a single"),
+        (1, None, "has 1 partition(s) for a tier and this worker was started with 1 as a single"),
+        (None, 1, "has 1 partition(s) for a single worker and this worker was started with 1 as"),
+    ],
+    ids=["tier-4-then-single", "tier-1-then-single", "single-then-tier-1"],
+)
+def test_a_worker_started_on_a_stream_of_another_count_or_kind_exits_2(
+    tmp_path: Path, made_by: int | None, started_as: int | None, refusal: str
 ) -> None:
-    async def partition() -> None:
+    """`made_by`/`started_as`: the tier's partition count, or None for the single worker."""
+
+    async def make() -> None:
         bus = await Bus.connect(NatsSettings(url=server.url), "test-partition")
         try:
-            await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+            if made_by is None:
+                await bus.open_inbox(STREAM, f"{PREFIX}.in.>", "w", ack_wait_s=30, max_pending=64)
+            else:
+                await bus.open_partitions(STREAM, PREFIX, made_by)
         finally:
             await bus.close()
 
     store = tmp_path / "nats"
     store.mkdir()
+    tier = (
+        [] if started_as is None else ["--partitions", str(started_as), "--data-dir", str(tmp_path)]
+    )
     with EmbeddedNats(store_dir=store) as server:
-        asyncio.run(partition())
-        worker = WorkerProcess(server.url, tmp_path / "kvhandoff.db")
+        asyncio.run(make())
+        worker = WorkerProcess(server.url, tmp_path / "kvhandoff.db", *tier)
         worker.launch()
         assert worker.process is not None
         try:
             assert worker.process.wait(timeout=60) == 2, worker.logs()
         finally:
             worker.stop()
-        assert "has 4 partition(s) and this worker was started with 1" in worker.logs()
+        assert refusal in worker.logs()

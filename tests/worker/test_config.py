@@ -71,6 +71,8 @@ def test_the_tier_keeps_its_log_a_week_unless_told_and_the_single_worker_keeps_a
     told = worker_config(parse(*tier, "--retention", "1h"))
     assert (told.retention_s, told.tier_retention_s) == (3600, 3600)
     assert worker_config(parse()).retention_s is None
+    # One partition is a tier too (of one owner at a time), not the single worker.
+    assert worker_config(parse("--partitions", "1", "--data-dir", str(tmp_path))).partitions == 1
 
 
 def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,7 +191,8 @@ INVALID = [
     Invalid(["--partitions", "4"], "--partitions and --data-dir go together"),
     Invalid(["--data-dir", "."], "--partitions and --data-dir go together"),
     Invalid([], "--partitions and --data-dir go together", env={"KVHANDOFF_PARTITIONS": "4"}),
-    Invalid(["--partitions", "1", "--data-dir", "."], "--partitions: 1 is not in 2..1024"),
+    Invalid(["--partitions", "0", "--data-dir", "."], "--partitions: 0 is not in 1..1024"),
+    Invalid(["--partitions", "1025", "--data-dir", "."], "--partitions: 1025 is not in 1..1024"),
     Invalid(["--partitions", "4", "--data-dir", "missing"], "--data-dir: missing is not a dir"),
 ]
 
