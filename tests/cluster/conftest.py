@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -113,14 +113,16 @@ async def acted(nats_cluster: NatsCluster) -> AsyncIterator[Acted]:
 
 
 class TierWorker(WorkerChild):
-    """`kvhandoff run --partitions 4` (worker.partitioned) with its own data directory, and any
-    further arguments of `run`."""
+    """`kvhandoff run --partitions 4` (worker.partitioned, or `partitions`) with its own data
+    directory, and any further arguments of `run`."""
 
-    def __init__(self, url: str, name: str, tmp: Path, *extra: str) -> None:
+    def __init__(
+        self, url: str, name: str, tmp: Path, *extra: str, partitions: int = PARTITIONS
+    ) -> None:
         self.data_dir = tmp / name
         self.data_dir.mkdir()
         super().__init__(
-            url, tmp / f"{name}.db", "--partitions", str(PARTITIONS),
+            url, tmp / f"{name}.db", "--partitions", str(partitions),
             "--data-dir", str(self.data_dir), *extra, log_path=tmp / f"{name}.log",
         )  # fmt: skip
         self.name = name
@@ -198,3 +200,11 @@ async def until(holds: Callable[[], bool], what: str, *watched: Watched) -> None
             assert owner.process.poll() is None, f"{owner.name} died: {owner.logs()}"
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         await asyncio.sleep(0.05)  # a bounded poll of what the owners published
+
+
+async def until_async(holds: Callable[[], Awaitable[bool]], what: str) -> None:
+    """`until`, for a condition read over the bus."""
+    deadline = time.monotonic() + 2 * WITHIN_S
+    while not await holds():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.05)  # a bounded poll of what the bus says

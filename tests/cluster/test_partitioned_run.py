@@ -35,10 +35,13 @@ import sys
 import time
 import uuid
 from collections import Counter, defaultdict
+from functools import partial
 from pathlib import Path
 
+import msgspec
 import nats
 import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 
 from kvhandoff.events.messages import (
@@ -52,16 +55,16 @@ from kvhandoff.events.messages import (
     StartHandoff,
     SubmitPrefill,
 )
-from kvhandoff.worker.bus import MEMBER_TTL_S
+from kvhandoff.worker.bus import MEMBER_TTL_S, MEMBERS_BUCKET, Member
 from kvhandoff.worker.healthy import success_script
 from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
 from kvhandoff.worker.ownership import Appended, Claimed, Entry
 from kvhandoff.worker.partitioned import partition_path
-from kvhandoff.worker.partitions import partition_of
+from kvhandoff.worker.partitions import assign, partition_of
 from kvhandoff.worker.schema import HandoffState
 from kvhandoff.worker.tier import TierSettings
-from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
+from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until, until_async
 from tests.cluster.test_tier import the_log
 from tests.worker.conftest import logged_inputs
 from tests.worker.scripted_engine import ScriptedEngines
@@ -132,7 +135,10 @@ def check_appends_follow_their_claim(log: dict[int, list[Entry]]) -> None:
 
 
 async def check_last_owners_files(
-    js: JetStreamContext, workers: dict[str, TierWorker], starts: list[StartHandoff]
+    js: JetStreamContext,
+    workers: dict[str, TierWorker],
+    starts: list[StartHandoff],
+    partitions: int = PARTITIONS,
 ) -> None:
     """The file of each partition's last owner (by its last claim; `workers` by label) holds
     every handoff of the partition, succeeded, each transition once; `verify` passes on every
@@ -141,7 +147,7 @@ async def check_last_owners_files(
         last = [e for e in entries if isinstance(e, Claimed)][-1]
         owner = workers[last.owner.split("/")[0]]
         expected = {
-            s.handoff_id for s in starts if partition_of(s.handoff_id, PARTITIONS) == partition
+            s.handoff_id for s in starts if partition_of(s.handoff_id, partitions) == partition
         }
         with open_log(partition_path(owner.data_dir, partition)) as log:
             rows = {row.handoff_id: row.state for row in log.handoffs()}
@@ -462,6 +468,82 @@ async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledg
     print(
         f"stream leader {leader.seat.name if leader.seat else leader.url} killed mid-load: "
         f"{HANDOFFS} handoffs completed, the last {all_done_s:.1f}s after"
+    )
+
+
+async def members(js: JetStreamContext) -> dict[int, str]:
+    """The tier's live workers, as they announce themselves: pid -> member instance."""
+    kv = await js.key_value(MEMBERS_BUCKET)
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return {}
+    found = {}
+    for key in keys:
+        entry = await kv.get(key)
+        assert entry.value is not None
+        member = msgspec.json.decode(entry.value, type=Member)
+        found[member.pid] = member.instance
+    return found
+
+
+async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_killed_owner(
+    nats_cluster: NatsCluster,
+    js: JetStreamContext,
+    workers: list[TierWorker],
+    tmp_path: Path,
+) -> None:
+    """`--partitions 1`: the tier is one owner at a time, and the other worker a standby."""
+    url = nats_cluster.url
+    w1, w2 = (TierWorker(url, name, tmp_path, partitions=1) for name in ("w1", "w2"))
+    workers += [w1, w2]
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partition")
+    w2.start(timeout_s=2 * WITHIN_S)
+    # Settled: the owner is the worker the balance rule picks among the two, by its claim.
+    instances: dict[int, str] = {}
+
+    async def both_announced() -> bool:
+        instances.update(await members(js))
+        return {w1.pid, w2.pid} <= instances.keys()
+
+    await until_async(both_announced, "both workers announce themselves")
+    chosen = assign(1, [instances[w1.pid], instances[w2.pid]])[0]
+    owner, standby = (w1, w2) if chosen == instances[w1.pid] else (w2, w1)
+
+    async def claimed_by(worker: TierWorker) -> bool:
+        claims = [e for e in (await the_log(js))[0] if isinstance(e, Claimed)]
+        return bool(claims) and claims[-1].instance == instances[worker.pid]
+
+    await until_async(partial(claimed_by, owner), f"{owner.name} claims the partition")
+    engines = ScriptedEngines(url.split(",")[0])
+    await engines.start()
+    starts = [start(n) for n in range(HANDOFFS)]
+    try:
+        for s in starts[: HANDOFFS // 2]:
+            await engines.start_handoff(s)
+        await a_quarter_complete(engines)
+        assert not await claimed_by(standby)
+        owner.kill()
+        killed_at = time.monotonic()
+        for s in starts[HANDOFFS // 2 :]:
+            await engines.start_handoff(s)
+        await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+        all_done_s = time.monotonic() - killed_at
+        assert await asyncio.to_thread(standby.terminate, 2 * WITHIN_S) == 0, standby.logs()
+    finally:
+        await engines.close()
+
+    assert not engines.mismatched, engines.mismatched[:3]
+    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    assert await claimed_by(standby)
+    applied = sum((await applied_inputs(js)).values(), Counter[int]())
+    assert applied and set(applied.values()) == {1}, twice_applied(await the_log(js))
+    check_appends_follow_their_claim(await the_log(js))
+    await check_last_owners_files(js, owners_by_label(w1, w2), starts, partitions=1)
+    print(
+        f"one partition: {owner.name} killed mid-load, {standby.name} took over; {HANDOFFS} "
+        f"handoffs completed, the last {all_done_s:.1f}s after"
     )
 
 

@@ -75,6 +75,8 @@ async def the_log(js: JetStreamContext) -> dict[int, list[Entry]]:
     decoder = msgspec.msgpack.Decoder(Entry)
     info = await js.stream_info(SETTINGS.log_stream)
     found: dict[int, list[Entry]] = defaultdict(list)
+    if not info.state.messages:
+        return found
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
         message = await js.get_msg(SETTINGS.log_stream, seq)
         assert message.subject is not None and message.data is not None
