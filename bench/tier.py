@@ -9,6 +9,7 @@ files in a temporary directory):
 
     single   `kvhandoff run --db FILE`: one worker consumes the whole stream (P = 1), the baseline
     tier xK  K workers `kvhandoff run --partitions P --data-dir DIR` (P = 16), K = 1, 2, 3
+             up to P (a worker beyond the P-th would only stand by)
 
 The load is the same for each: this process plays every engine and the frontend
 (`bench/hops.py`'s `TimedEngines`: each action answered as the success script says, half vLLM,
@@ -305,8 +306,8 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 async def bench(args: argparse.Namespace) -> None:
     configs = [Config("single", 0, 1)] + [
-        Config(f"tier x{k}", k, args.partitions) for k in (1, 2, 3)
-    ]
+        Config(f"tier x{k}", k, args.partitions) for k in (1, 2, 3) if k <= args.partitions
+    ]  # a worker beyond the P-th would only stand by
     results: dict[str, list[Result]] = {c.name: [] for c in configs}
     costs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as scratch_dir:
