@@ -118,8 +118,12 @@ async def test_the_pin_moves_after_the_priority_timeout_and_unacked_inputs_come_
             for inbound in batch:
                 await inbound.ack()
         assert successor.pin_id and successor.pin_id != old_pin
-    # The input the old holder never acknowledged is redelivered first, then the others.
-    assert [(m.data, m.deliveries) for m in got] == [(b"0", 2), (b"1", 1), (b"2", 1)]
+    # The input the old holder never acknowledged is redelivered first, then the others, in
+    # order. A slow first answer makes the holder's Pull ask again (a 503 while the node learns
+    # the consumer, or a request that looks lost), and that second request may have been given
+    # "1" before it left: then "1" is a redelivery too, and still comes in its place.
+    assert [m.data for m in got] == [b"0", b"1", b"2"]
+    assert [m.deliveries for m in got] in ([2, 1, 1], [2, 2, 1])
     # The pin moved no sooner than the timeout (give or take the server's timer) and, on a
     # quiet machine, about then: the figure is printed for the report, not asserted.
     assert moved_s > PRIORITY_TIMEOUT_S / 2
