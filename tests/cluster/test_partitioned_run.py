@@ -171,6 +171,12 @@ def verify(path: Path) -> None:
     assert done.returncode == 0, f"verify {path}: {done.stdout}{done.stderr}"
 
 
+def check_each_completed_once(engines: ScriptedEngines) -> None:
+    """The engines were sent only actions they expected, and one completion per handoff."""
+    assert not engines.mismatched, engines.mismatched[:3]
+    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+
+
 async def a_quarter_complete(engines: ScriptedEngines) -> None:
     """Mid-load: wait until a quarter of the handoffs completed."""
     await engines.until(
@@ -232,7 +238,7 @@ async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complet
         killed_at = time.monotonic()
         for s in starts[HANDOFFS // 2 :]:
             await engines.start_handoff(s)
-        await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+        await engines.wait_complete({s.handoff_id for s in starts}, 4 * WITHIN_S)
         all_done_s = time.monotonic() - killed_at
         await asyncio.wait_for(asyncio.to_thread(w2.terminate, 2 * WITHIN_S), 3 * WITHIN_S)
         assert w2.process is not None and w2.process.returncode == 0, w2.logs()
@@ -241,8 +247,7 @@ async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complet
 
     # An action sent again (a new owner republishes what the log does not mark published)
     # was the same action each time, its completion included.
-    assert not engines.mismatched, engines.mismatched[:3]
-    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    check_each_completed_once(engines)
     repeated = sum(len(c) - 1 for c in engines.completions.values())
     # The logs name the workers by host and pid (`kvhandoff run`'s label).
     names = owners_by_label(w1, w2)
@@ -449,7 +454,7 @@ async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledg
         killed_at = time.monotonic()
         for s in starts[HANDOFFS // 2 :]:  # stored by the two nodes left, once they elect
             await engines.start_handoff(s)
-        await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+        await engines.wait_complete({s.handoff_id for s in starts}, 4 * WITHIN_S)
         all_done_s = time.monotonic() - killed_at
         await asyncio.to_thread(nats_cluster.restart, leader)
         for w in (w1, w2):
@@ -457,8 +462,7 @@ async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledg
     finally:
         await engines.close()
 
-    assert not engines.mismatched, engines.mismatched[:3]
-    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    check_each_completed_once(engines)
     applied = sum((await applied_inputs(js)).values(), Counter[int]())
     # Everything the stream acknowledged is applied, and every input once.
     assert set(engines.stored) <= set(applied), sorted(set(engines.stored) - set(applied))[:10]
@@ -528,14 +532,13 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
         killed_at = time.monotonic()
         for s in starts[HANDOFFS // 2 :]:
             await engines.start_handoff(s)
-        await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+        await engines.wait_complete({s.handoff_id for s in starts}, 4 * WITHIN_S)
         all_done_s = time.monotonic() - killed_at
         assert await asyncio.to_thread(standby.terminate, 2 * WITHIN_S) == 0, standby.logs()
     finally:
         await engines.close()
 
-    assert not engines.mismatched, engines.mismatched[:3]
-    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    check_each_completed_once(engines)
     assert await claimed_by(standby)
     applied = sum((await applied_inputs(js)).values(), Counter[int]())
     assert applied and set(applied.values()) == {1}, twice_applied(await the_log(js))
@@ -570,14 +573,13 @@ async def test_actions_written_to_a_connection_that_dies_are_published_again(
         node.stop(kill=True)
         killed_at = time.monotonic()
         await asyncio.to_thread(nats_cluster.restart, node)
-        await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+        await engines.wait_complete({s.handoff_id for s in starts}, 4 * WITHIN_S)
         all_done_s = time.monotonic() - killed_at
         assert await asyncio.to_thread(w1.terminate, 2 * WITHIN_S) == 0, w1.logs()
     finally:
         await engines.close()
 
-    assert not engines.mismatched, engines.mismatched[:3]
-    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    check_each_completed_once(engines)
     for path in partition_files(tmp_path):
         verify(path)
     print(
@@ -651,8 +653,7 @@ async def test_a_paused_worker_is_fenced_and_acts_on_nothing_it_lost(
             os.kill(w1.pid, signal.SIGCONT)
         await engines.close()
 
-    assert not engines.mismatched, engines.mismatched[:3]
-    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    check_each_completed_once(engines)
     labels = owners_by_label(w1, w2)
     log = await the_log(js)
     applied = sum((await applied_inputs(js)).values(), Counter[int]())
@@ -732,8 +733,7 @@ async def test_a_worker_that_joins_mid_load_takes_its_share_by_clean_hand_overs(
         loading.cancel()
         await engines.close()
 
-    assert not engines.mismatched, engines.mismatched[:3]
-    assert all(len(set(c)) == 1 for c in engines.completions.values()), "one completion each"
+    check_each_completed_once(engines)
     applied = sum((await applied_inputs(js)).values(), Counter[int]())
     assert set(engines.stored) <= set(applied) and set(applied.values()) == {1}
     log = await the_log(js)
