@@ -547,10 +547,6 @@ class Membership:
         )  # fmt: skip
 
 
-def _consumer_kind(consumer: str) -> str:
-    return "a tier" if consumer == "tier" else "a single worker"
-
-
 def _why(exc: BaseException) -> str:
     """An exception's message, or its type when it has none (nats-py's timeouts)."""
     return str(exc) or type(exc).__name__
@@ -976,6 +972,7 @@ PARTITIONS_METADATA = "kvhandoff.partitions"
 # both applying one stream's inputs would be two authorities for one handoff.
 CONSUMER_METADATA = "kvhandoff.consumer"
 StreamConsumer = Literal["single", "tier"]
+_CONSUMER_NAMES = {"single": "a single worker", "tier": "a tier"}
 PRIORITY_GROUP = "owner"  # the one priority group of every partition's consumer
 CLUSTER_REPLICAS = 3
 _JS_INFO = "$JS.API.INFO"
@@ -1488,8 +1485,9 @@ class Bus:
                 else "start one worker, without --partitions"
             )
             raise PartitionsMismatch(
-                f"stream {stream} has {stored} partition(s) for {_consumer_kind(stored_consumer)}"
-                f" and this worker was started with {partitions} as {_consumer_kind(consumer)};"
+                f"stream {stream} has {stored} partition(s) for"
+                f" {_CONSUMER_NAMES.get(stored_consumer, repr(stored_consumer))} and this worker"
+                f" was started with {partitions} as {_CONSUMER_NAMES[consumer]};"
                 f" the partitions and the kind of worker are fixed when the stream is created:"
                 f" {start}, or delete the stream"
             )

@@ -6,6 +6,7 @@ and worker processes of the failover tests publish when they act."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import re
@@ -192,19 +193,16 @@ class Watched(Protocol):
     def logs(self) -> str: ...
 
 
-async def until(holds: Callable[[], bool], what: str, *watched: Watched) -> None:
-    """Return once `holds()`; fail after twice WITHIN_S, or at once if a watched child died."""
+async def until(holds: Callable[[], bool | Awaitable[bool]], what: str, *watched: Watched) -> None:
+    """Return once `holds()` (awaited, if it reads over the bus); fail after twice WITHIN_S, or
+    at once if a watched child died."""
     deadline = time.monotonic() + 2 * WITHIN_S
-    while not holds():
+    while not await _truth(holds()):
         for owner in watched:
             assert owner.process.poll() is None, f"{owner.name} died: {owner.logs()}"
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         await asyncio.sleep(0.05)  # a bounded poll of what the owners published
 
 
-async def until_async(holds: Callable[[], Awaitable[bool]], what: str) -> None:
-    """`until`, for a condition read over the bus."""
-    deadline = time.monotonic() + 2 * WITHIN_S
-    while not await holds():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.05)  # a bounded poll of what the bus says
+async def _truth(held: bool | Awaitable[bool]) -> bool:
+    return await held if inspect.isawaitable(held) else held

@@ -38,10 +38,8 @@ from collections import Counter, defaultdict
 from functools import partial
 from pathlib import Path
 
-import msgspec
 import nats
 import nats.errors
-import nats.js.errors
 from nats.js import JetStreamContext
 
 from kvhandoff.events.messages import (
@@ -55,7 +53,7 @@ from kvhandoff.events.messages import (
     StartHandoff,
     SubmitPrefill,
 )
-from kvhandoff.worker.bus import MEMBER_TTL_S, MEMBERS_BUCKET, Member
+from kvhandoff.worker.bus import MEMBER_TTL_S, Bus
 from kvhandoff.worker.healthy import success_script
 from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
@@ -64,7 +62,7 @@ from kvhandoff.worker.partitioned import partition_path
 from kvhandoff.worker.partitions import assign, partition_of
 from kvhandoff.worker.schema import HandoffState
 from kvhandoff.worker.tier import TierSettings
-from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until, until_async
+from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 from tests.cluster.test_tier import the_log
 from tests.worker.conftest import logged_inputs
 from tests.worker.scripted_engine import ScriptedEngines
@@ -475,24 +473,9 @@ async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledg
     )
 
 
-async def members(js: JetStreamContext) -> dict[int, str]:
-    """The tier's live workers, as they announce themselves: pid -> member instance."""
-    kv = await js.key_value(MEMBERS_BUCKET)
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}
-    found = {}
-    for key in keys:
-        entry = await kv.get(key)
-        assert entry.value is not None
-        member = msgspec.json.decode(entry.value, type=Member)
-        found[member.pid] = member.instance
-    return found
-
-
 async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_killed_owner(
     nats_cluster: NatsCluster,
+    bus: Bus,
     js: JetStreamContext,
     workers: list[TierWorker],
     tmp_path: Path,
@@ -508,10 +491,10 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
     instances: dict[int, str] = {}
 
     async def both_announced() -> bool:
-        instances.update(await members(js))
+        instances.update((m.pid, m.instance) for m in await bus.members())
         return {w1.pid, w2.pid} <= instances.keys()
 
-    await until_async(both_announced, "both workers announce themselves")
+    await until(both_announced, "both workers announce themselves")
     chosen = assign(1, [instances[w1.pid], instances[w2.pid]])[0]
     owner, standby = (w1, w2) if chosen == instances[w1.pid] else (w2, w1)
 
@@ -519,7 +502,7 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
         claims = [e for e in (await the_log(js))[0] if isinstance(e, Claimed)]
         return bool(claims) and claims[-1].instance == instances[worker.pid]
 
-    await until_async(partial(claimed_by, owner), f"{owner.name} claims the partition")
+    await until(partial(claimed_by, owner), f"{owner.name} claims the partition")
     engines = ScriptedEngines(url.split(",")[0])
     await engines.start()
     starts = [start(n) for n in range(HANDOFFS)]
