@@ -24,9 +24,11 @@ Two bare round trips run at the same levels (`level` messages in flight, `--echo
 default 4,000), each against a responder child process that runs the same `Bus` loop as the
 worker (fetch a batch, publish one message per input, ack each): ``bus`` does nothing else;
 ``bus+commit`` also group-commits each batch, one raw row per input, through `EventLog` with
-synchronous=FULL. The sender publishes with JetStream and waits for the ack, as the engines
-here do. So ``bus`` is what NATS alone costs a hop, ``bus+commit`` adds the fsync, and the
-worker's hop minus ``bus+commit`` is the rest of the worker's share. In a closed loop the bench
+synchronous=FULL. The sender publishes with JetStream, as the engines here do: each publish
+asks for the stream's ack, and a refusal ends the run, but the acks are read as they arrive, not
+awaited one by one (`StoredPublisher`), so that this process is not the one the loop waits for.
+So ``bus`` is what NATS alone costs a hop, ``bus+commit`` adds the fsync, and the worker's hop
+minus ``bus+commit`` is the rest of the worker's share. In a closed loop the bench
 process (engines and senders) is itself a busy Python process on the same two cores: a hop is
 timed from the publish, so the time a reply waits for this process to get round to sending it
 is in the loop's throughput but not in the hop.
@@ -67,7 +69,7 @@ from traffic import (
 )
 
 from kvhandoff.events.codec import decode_action, encode
-from kvhandoff.events.messages import ActionOutcome, Input, StartHandoff
+from kvhandoff.events.messages import Action, ActionOutcome, Input, StartHandoff
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.child import Child
 from kvhandoff.worker.clock import now_ms
@@ -77,6 +79,35 @@ from kvhandoff.worker.natsserver import EmbeddedNats
 
 _WAIT_S = 60.0  # the longest any closed-loop step may take before the bench gives up
 _ECHO_PAD = b" " * 120  # echo payloads about the size of an input
+
+
+class StoredPublisher:
+    """JetStream publishes whose acks are read as they come back, not awaited one by one: every
+    publish names one reply inbox, where the stream's ack or refusal (or the server's "no
+    responders") arrives, and a refusal ends the run. The loop is closed by the actions that
+    come back, so nothing needs to wait for an ack; awaiting each one (nats-py's
+    `jetstream().publish`: a request inbox, a future and a timer per message) made this process
+    the closed loop's bottleneck at 256 in flight, not the worker."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._inbox = nc.new_inbox()
+        self._refusal: str | None = None
+
+    async def start(self) -> None:
+        await self._nc.subscribe(self._inbox, cb=self._on_ack)
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        await self._nc.publish(subject, payload, reply=self._inbox)
+
+    def check(self) -> None:
+        if self._refusal is not None:
+            raise SystemExit(f"the stream refused a publish: {self._refusal}")
+
+    async def _on_ack(self, msg: Msg) -> None:
+        status = (msg.headers or {}).get("Status")
+        if (status or b'"error"' in msg.data) and self._refusal is None:
+            self._refusal = f"status {status}" if status else msg.data.decode(errors="replace")
 
 
 class TimedEngines:
@@ -90,11 +121,13 @@ class TimedEngines:
         self.hops: list[tuple[float, float]] = []  # (arrival, latency) of every action
         self.ended: asyncio.Queue[float] = asyncio.Queue()  # arrival of every Complete
         self._answered: set[tuple[uuid.UUID, int]] = set()
-        self._spawner = _Spawner()
         self._nc: Client | None = None
+        self._publisher: StoredPublisher | None = None
 
     async def start(self) -> None:
         self._nc = await nats.connect(self.url)
+        self._publisher = StoredPublisher(self._nc)
+        await self._publisher.start()
         await self._nc.subscribe(f"{SUBJECTS.prefix}.engine.*.actions", cb=self._on_action)
         await self._nc.subscribe(SUBJECTS.all_done, cb=self._on_done)
         await self._nc.flush()
@@ -103,26 +136,30 @@ class TimedEngines:
         if self._nc is not None:
             await self._nc.close()
 
+    def check(self) -> None:
+        assert self._publisher is not None
+        self._publisher.check()
+
     async def send(self, message: Input) -> None:
-        """Publish an input with JetStream and wait for its ack, as an engine does."""
-        assert self._nc is not None
+        """Publish an input to JetStream, as an engine does (its ack is read, not awaited)."""
+        assert self._publisher is not None
         self.sent_at[message.handoff_id] = time.perf_counter()
-        await self._nc.jetstream().publish(SUBJECTS.input(message.handoff_id), encode(message),
-                                           timeout=5.0)  # fmt: skip
+        await self._publisher.publish(SUBJECTS.input(message.handoff_id), encode(message))
 
     async def start_handoff(self, start: StartHandoff) -> None:
-        await self.send(start)
+        """Publish a handoff's start and wait for the stream's ack: nats-py's errors pass
+        through, so a caller can tell a stream that no node answers for yet (`bench/tier.py`
+        on a cluster just made). One input in nine is sent this way."""
+        assert self._nc is not None
+        self.sent_at[start.handoff_id] = time.perf_counter()
+        await self._nc.jetstream().publish(SUBJECTS.input(start.handoff_id), encode(start),
+                                           timeout=5.0)  # fmt: skip
 
     async def _on_action(self, msg: Msg) -> None:
-        # Stamped before the answer is even scheduled, so no reply to this action can move
-        # the handoff's "latest input" first. Engines work on many requests at once; the
-        # replies to one action stay in order.
-        self._stamp(msg.data)
-        self._spawner.spawn(self._answer(msg.data))
-        self._spawner.check()
-
-    async def _answer(self, data: bytes) -> None:
-        action = decode_action(data)
+        # Stamped before any answer is sent, so no reply to this action can move the
+        # handoff's "latest input" first; the replies to one action go out in order.
+        action = decode_action(msg.data)
+        self._stamp(action)
         key = (action.handoff_id, action.action_id)
         replies = success_script(action)
         if key in self._answered:
@@ -132,12 +169,11 @@ class TimedEngines:
             await self.send(reply)
 
     async def _on_done(self, msg: Msg) -> None:
-        self.ended.put_nowait(self._stamp(msg.data))
+        self.ended.put_nowait(self._stamp(decode_action(msg.data)))
 
-    def _stamp(self, data: bytes) -> float:
+    def _stamp(self, action: Action) -> float:
         now = time.perf_counter()
-        handoff_id = decode_action(data).handoff_id
-        self.hops.append((now, now - self.sent_at[handoff_id]))
+        self.hops.append((now, now - self.sent_at[action.handoff_id]))
         return now
 
 
@@ -197,9 +233,11 @@ class _Spawner:
 
 
 async def closed_loop(
-    ended: asyncio.Queue[float], begin: Callable[[int], Awaitable[None]], level: int, total: int
-) -> list[float]:
-    """Keep `level` units in flight until `total` have ended; the arrival time of each end."""
+    ended: asyncio.Queue[float], begin: Callable[[int], Awaitable[None]], level: int, total: int,
+    check: Callable[[], None],
+) -> list[float]:  # fmt: skip
+    """Keep `level` units in flight until `total` have ended; the arrival time of each end.
+    `check` raises if the stream refused a publish."""
     spawner = _Spawner()
     started = min(level, total)
     for i in range(started):
@@ -210,7 +248,9 @@ async def closed_loop(
             ends.append(await asyncio.wait_for(ended.get(), _WAIT_S))
         except TimeoutError:
             spawner.check()
+            check()
             raise SystemExit(f"closed loop stalled after {len(ends)} of {total}") from None
+        check()
         if started < total:
             spawner.spawn(begin(started))
             started += 1
@@ -228,7 +268,7 @@ async def worker_level(engines: TimedEngines, worker: WorkerChild, level: int, t
     before = await asyncio.to_thread(worker.commits)
     pid = worker.pid
     cpu = cpu_seconds(pid), time.process_time(), time.perf_counter()
-    ends = await closed_loop(engines.ended, begin, level, total)
+    ends = await closed_loop(engines.ended, begin, level, total, engines.check)
     worker_cpu, bench_cpu, wall = cpu_seconds(pid), time.process_time(), time.perf_counter()
     after = await asyncio.to_thread(worker.commits)
     commits, inputs, seconds = (a - b for a, b in zip(after, before, strict=True))
@@ -252,9 +292,12 @@ class EchoSender:
         self.hops: list[tuple[float, float]] = []
         self.ended: asyncio.Queue[float] = asyncio.Queue()
         self._nc: Client | None = None
+        self._publisher: StoredPublisher | None = None
 
     async def start(self) -> None:
         self._nc = await nats.connect(self.url)
+        self._publisher = StoredPublisher(self._nc)
+        await self._publisher.start()
         await self._nc.subscribe(f"{self.prefix}.out", cb=self._on_echo)
         await self._nc.flush()
 
@@ -263,11 +306,10 @@ class EchoSender:
             await self._nc.close()
 
     async def send(self, i: int) -> None:
-        assert self._nc is not None
+        assert self._publisher is not None
         key = str(uuid.uuid4()).encode()
         self.sent_at[key] = time.perf_counter()
-        await self._nc.jetstream().publish(f"{self.prefix}.in.{key.decode()}", key + _ECHO_PAD,
-                                           timeout=5.0)  # fmt: skip
+        await self._publisher.publish(f"{self.prefix}.in.{key.decode()}", key + _ECHO_PAD)
 
     async def _on_echo(self, msg: Msg) -> None:
         now = time.perf_counter()
@@ -276,7 +318,8 @@ class EchoSender:
 
     async def level(self, level: int, total: int) -> Level:
         self.hops.clear()
-        ends = await closed_loop(self.ended, self.send, level, total)
+        assert self._publisher is not None
+        ends = await closed_loop(self.ended, self.send, level, total, self._publisher.check)
         return steady_state(ends, self.hops)
 
 

@@ -220,7 +220,7 @@ async def run_config(
                             raise
                         await asyncio.sleep(0.05)  # a bounded poll of the stream's interest
 
-            return await closed_loop(engines.ended, begin, args.in_flight, count)
+            return await closed_loop(engines.ended, begin, args.in_flight, count, engines.check)
 
         await handoffs(_WARM_UP)
         if config.workers:
