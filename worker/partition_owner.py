@@ -74,7 +74,9 @@ Acting on its own between batches (worker.partitioned's timers): `on_release` sa
 must stop, at once, whatever ended the owner.
 
 Memory. The applied inputs it remembers (step 1) are cut, every `forget_every_s` (10 s), to
-those above the consumer's ack floor: only those can be delivered again.
+those above the consumer's ack floor, as it was at the previous cut if it was lower then: only
+those can be delivered again. Not just the floor read now: the consumer's leader may count acks
+that its replicas do not have yet, and a successor would deliver those inputs again.
 
 What it does not do yet: reorder inputs that one owner's own stall (past the ack wait, while still
 pinned) sent back to it out of order, as the single worker does not either (both defer inputs
@@ -162,6 +164,7 @@ class PartitionOwner:
         # Inputs applied by any owner that the consumer may still deliver (see `_forget`).
         self._applied: set[int] = set()
         self._forgot_at = 0.0  # when `_applied` was last cut to the ack floor (monotonic)
+        self._floor = 0  # the ack floor read then, which the next cut goes up to
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
         self._claimed = False  # False: claim before the next batch
         self._claimed_under: str | None = None  # the pin id the claim was made under
@@ -295,7 +298,13 @@ class PartitionOwner:
         """Drop from the applied inputs those at or below the consumer's ack floor, at most
         every `forget_every_s`: it never delivers them again, and the set would otherwise hold
         every input since the claim. What it may deliver again (a dead owner's applied inputs
-        it did not acknowledge, an ack that was lost) stays above the floor."""
+        it did not acknowledge, an ack that was lost) stays above the floor.
+
+        The cut goes up to the lower of the floor read now and the one read at the previous
+        cut: a floor just read may count acks that the consumer's leader has not replicated
+        yet, and if it dies, the next leader's floor is lower and it delivers those inputs
+        again; a floor read an interval ago is one the replicas have. A floor that went down
+        (a new leader) is taken as it is."""
         now = time.monotonic()
         if not self._applied or now - self._forgot_at < self._forget_every_s:
             return
@@ -305,7 +314,8 @@ class PartitionOwner:
         except BusError as exc:
             logger.info("partition %d: %s; forgetting later", self.log.partition, exc)
             return
-        self._applied = {seq for seq in self._applied if seq > floor}
+        cut, self._floor = min(self._floor, floor), floor
+        self._applied = {seq for seq in self._applied if seq > cut}
 
     @property
     def remembered(self) -> int:

@@ -9,6 +9,8 @@ import contextlib
 import uuid
 from collections.abc import Sequence
 
+import pytest
+
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.natsserver import NatsCluster
 from kvhandoff.worker.ownership import PartitionLog
@@ -49,6 +51,59 @@ async def test_an_owner_forgets_the_inputs_below_the_ack_floor(
                 assert not running.done(), running
                 await asyncio.sleep(0.05)  # a bounded poll of the owner's counts
         assert owner.applied == INPUTS and len(set(applied)) == INPUTS
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, WITHIN_S)
+
+
+async def test_an_owner_keeps_what_a_new_consumer_leader_may_deliver_again(
+    nats_cluster: NatsCluster, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ack floor a leader reports may count acks its replicas do not have, and its
+    successor's floor is then lower: the owner cuts only up to the floor of the previous read
+    (or a lower one now), so it still recognises what the successor delivers again. The floor
+    reads are scripted: once every input is applied, the leader's floor is past all of them,
+    then a new leader's is halfway."""
+    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+    await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
+    consumer = await bus.open_partition_consumer(
+        STREAM, PREFIX, "c", 0, ack_wait_s=1.0, max_pending=1024, priority_timeout_s=3.0
+    )
+    log = PartitionLog(bus, LOG_STREAM, PREFIX, 0, "test/owner")
+    owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=1.0, forget_every_s=0.2)
+    applied: list[int] = []
+    reads: list[int] = []  # the floors read once every input was applied
+
+    async def ack_floor(stream: str, consumer: str) -> int:
+        if len(applied) < INPUTS:
+            return 0
+        # The old leader's floor, then its successor's.
+        reads.append(sorted(applied)[-1 if not reads else INPUTS // 2 - 1])
+        return reads[-1]
+
+    monkeypatch.setattr(bus, "ack_floor", ack_floor)
+
+    async def decide(batch: Sequence[Inbound]) -> Decided:
+        return Decided(b"records")
+
+    async def act(batch: Sequence[Inbound]) -> None:
+        applied.extend(inbound.stream_seq for inbound in batch)
+
+    stop = asyncio.Event()
+    running = asyncio.create_task(owner.run(decide, act, stop))
+    try:
+        handoff = next(h for h in iter(uuid.uuid4, None) if partition_of(h, PARTITIONS) == 0)
+        for n in range(INPUTS):
+            await bus.publish_durable(f"{PREFIX}.in.{handoff}", b"%d" % n)
+        async with asyncio.timeout(2 * WITHIN_S):
+            # Until two reads of the successor's floor (the cut after the second is its own),
+            # or until the owner remembers nothing: it would read no floor any more.
+            while len(applied) < INPUTS or (owner.remembered and len(reads) < 3):
+                assert not running.done(), running
+                await asyncio.sleep(0.05)  # a bounded poll of the owner's reads
+        assert owner.applied == INPUTS
+        assert owner.remembered == INPUTS - INPUTS // 2
     finally:
         stop.set()
         with contextlib.suppress(Exception):
