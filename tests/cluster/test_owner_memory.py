@@ -1,13 +1,14 @@
 """A partition owner (worker.partition_owner) does not remember every input it ever applied:
 once the consumer's ack floor has passed them, it forgets them (they are never delivered
-again), so a long-running owner's memory stays flat."""
+again), so a long-running owner's memory stays flat; but not past a floor that a new leader of
+the consumer may report lower, and so deliver again what is above it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -22,9 +23,12 @@ PREFIX, STREAM, LOG_STREAM, PARTITIONS = "kvhandoff", "KVHANDOFF_IN", "KVHANDOFF
 INPUTS = 60
 
 
-async def test_an_owner_forgets_the_inputs_below_the_ack_floor(
-    nats_cluster: NatsCluster, bus: Bus
-) -> None:
+@contextlib.asynccontextmanager
+async def _owner_of(
+    bus: Bus, applied: list[int]
+) -> AsyncIterator[tuple[PartitionOwner, asyncio.Task[None]]]:
+    """An owner of partition 0 that forgets every 0.2 s, and its running task, with INPUTS
+    inputs sent to it; `applied` gets the stream sequence of each input it applies."""
     await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
     await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
     consumer = await bus.open_partition_consumer(
@@ -32,7 +36,6 @@ async def test_an_owner_forgets_the_inputs_below_the_ack_floor(
     )
     log = PartitionLog(bus, LOG_STREAM, PREFIX, 0, "test/owner")
     owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=1.0, forget_every_s=0.2)
-    applied: list[int] = []
 
     async def decide(batch: Sequence[Inbound]) -> Decided:
         return Decided(b"records")
@@ -46,15 +49,22 @@ async def test_an_owner_forgets_the_inputs_below_the_ack_floor(
         handoff = next(h for h in iter(uuid.uuid4, None) if partition_of(h, PARTITIONS) == 0)
         for n in range(INPUTS):
             await bus.publish_durable(f"{PREFIX}.in.{handoff}", b"%d" % n)
-        async with asyncio.timeout(2 * WITHIN_S):
-            while len(applied) < INPUTS or owner.remembered:
-                assert not running.done(), running
-                await asyncio.sleep(0.05)  # a bounded poll of the owner's counts
-        assert owner.applied == INPUTS and len(set(applied)) == INPUTS
+        yield owner, running
     finally:
         stop.set()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(running, WITHIN_S)
+
+
+async def test_an_owner_forgets_the_inputs_below_the_ack_floor(
+    nats_cluster: NatsCluster, bus: Bus
+) -> None:
+    applied: list[int] = []
+    async with _owner_of(bus, applied) as (owner, running), asyncio.timeout(2 * WITHIN_S):
+        while len(applied) < INPUTS or owner.remembered:
+            assert not running.done(), running
+            await asyncio.sleep(0.05)  # a bounded poll of the owner's counts
+    assert owner.applied == INPUTS and len(set(applied)) == INPUTS
 
 
 async def test_an_owner_keeps_what_a_new_consumer_leader_may_deliver_again(
@@ -65,13 +75,6 @@ async def test_an_owner_keeps_what_a_new_consumer_leader_may_deliver_again(
     (or a lower one now), so it still recognises what the successor delivers again. The floor
     reads are scripted: once every input is applied, the leader's floor is past all of them,
     then a new leader's is halfway."""
-    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
-    await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
-    consumer = await bus.open_partition_consumer(
-        STREAM, PREFIX, "c", 0, ack_wait_s=1.0, max_pending=1024, priority_timeout_s=3.0
-    )
-    log = PartitionLog(bus, LOG_STREAM, PREFIX, 0, "test/owner")
-    owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=1.0, forget_every_s=0.2)
     applied: list[int] = []
     reads: list[int] = []  # the floors read once every input was applied
 
@@ -83,28 +86,11 @@ async def test_an_owner_keeps_what_a_new_consumer_leader_may_deliver_again(
         return reads[-1]
 
     monkeypatch.setattr(bus, "ack_floor", ack_floor)
-
-    async def decide(batch: Sequence[Inbound]) -> Decided:
-        return Decided(b"records")
-
-    async def act(batch: Sequence[Inbound]) -> None:
-        applied.extend(inbound.stream_seq for inbound in batch)
-
-    stop = asyncio.Event()
-    running = asyncio.create_task(owner.run(decide, act, stop))
-    try:
-        handoff = next(h for h in iter(uuid.uuid4, None) if partition_of(h, PARTITIONS) == 0)
-        for n in range(INPUTS):
-            await bus.publish_durable(f"{PREFIX}.in.{handoff}", b"%d" % n)
-        async with asyncio.timeout(2 * WITHIN_S):
-            # Until two reads of the successor's floor (the cut after the second is its own),
-            # or until the owner remembers nothing: it would read no floor any more.
-            while len(applied) < INPUTS or (owner.remembered and len(reads) < 3):
-                assert not running.done(), running
-                await asyncio.sleep(0.05)  # a bounded poll of the owner's reads
-        assert owner.applied == INPUTS
-        assert owner.remembered == INPUTS - INPUTS // 2
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(running, WITHIN_S)
+    async with _owner_of(bus, applied) as (owner, running), asyncio.timeout(2 * WITHIN_S):
+        # Until two reads of the successor's floor (the cut after the second is its own), or
+        # until the owner remembers nothing: it would read no floor any more.
+        while len(applied) < INPUTS or (owner.remembered and len(reads) < 3):
+            assert not running.done(), running
+            await asyncio.sleep(0.05)  # a bounded poll of the owner's reads
+    assert owner.applied == INPUTS
+    assert owner.remembered == INPUTS - INPUTS // 2
