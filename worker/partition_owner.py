@@ -164,7 +164,7 @@ class PartitionOwner:
         # Inputs applied by any owner that the consumer may still deliver (see `_forget`).
         self._applied: set[int] = set()
         self._forgot_at = 0.0  # when `_applied` was last cut to the ack floor (monotonic)
-        self._floor = 0  # the ack floor read then, which the next cut goes up to
+        self._floor = 0  # the ack floor read then: the next cut goes no higher (see `_forget`)
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
         self._claimed = False  # False: claim before the next batch
         self._claimed_under: str | None = None  # the pin id the claim was made under
