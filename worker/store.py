@@ -635,8 +635,9 @@ class EventLog:
 
     async def _fetch(self, sql: str, parameters: Iterable[object] = ()) -> list[sqlite3.Row]:
         try:
-            async with self._reader.execute(sql, tuple(parameters)) as cursor:
-                return list(await cursor.fetchall())
+            # One round trip to the reader's thread, where execute, fetchall and close are
+            # three: a batch that names a new handoff waits for this read.
+            return list(await self._reader.execute_fetchall(sql, tuple(parameters)))
         except sqlite3.Error as exc:
             raise StoreError(f"read failed: {exc}") from exc
 
