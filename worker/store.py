@@ -8,6 +8,12 @@ acknowledged is in the log, and whatever was not will be redelivered.
 
 Appends are group-committed: the service gathers everything one fetched batch produced (new
 handoffs, events, rejections, outbox marks) into a `Batch` and commits it in one transaction.
+A caller that must not wait for its commits queues its batches instead (`EventLog.queue`; a
+partition of the tier does, whose replicated log is the authority): whenever the writer's thread
+is free it commits every batch queued so far in one transaction, in queue order, and the writer
+never waits for the event loop between two commits. A queued batch was made on top of those
+queued before it, so once one fails every later one fails unwritten, until the caller has
+repaired the file and calls `EventLog.resume`.
 When a transaction fails, the error is SQLite's own ("database or disk is full"), never that of
 the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
 
@@ -55,6 +61,7 @@ import os
 import socket
 import sqlite3
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -230,6 +237,14 @@ DELETE FROM rejections WHERE at_ms < ? AND NOT EXISTS (
     SELECT 1 FROM handoffs h WHERE h.handoff_id = rejections.handoff_id AND h.state = 'quarantined'
 )
 """
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """The group commit that a queued batch rode in (`EventLog.queue`)."""
+
+    seconds: float  # its transaction, on the writer's thread
+    leads: bool  # this batch came first in it: count the group by this one only
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,6 +508,12 @@ class EventLog:
         self._reader = reader
         self._closed = False
         self.path = path
+        # Batches queued for the next group commit, and whether the writer has been asked for
+        # it; shared with the writer's thread, under the lock.
+        self._lock = threading.Lock()
+        self._queued: list[tuple[Batch, asyncio.Future[Committed]]] = []
+        self._group_asked = False
+        self._halted: StoreError | None = None  # the writer's: why queued batches are refused
 
     @classmethod
     async def open(
@@ -545,10 +566,59 @@ class EventLog:
         """Write the batch in one transaction, or nothing at all."""
         try:
             await self._write(_commit, batch)
-        except sqlite3.IntegrityError as exc:
-            raise StoreConflict(f"append collided with the log: {exc}") from exc
         except sqlite3.Error as exc:
-            raise StoreError(f"commit to event log {self.path} failed: {exc}") from exc
+            raise self._commit_error(exc) from exc
+
+    def queue(self, batch: Batch) -> asyncio.Future[Committed]:
+        """Queue `batch` for the next group commit (module docstring) and return at once; the
+        future is done when its group committed, or failed with the `StoreError` that left it
+        unwritten. Groups commit in queue order, one at a time. After a failure every batch
+        queued before the next `resume` fails too, without being written."""
+        future: asyncio.Future[Committed] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._queued.append((batch, future))
+            if self._group_asked:
+                return future  # it rides in the group the writer has been asked for
+            self._group_asked = True
+        self._writer.submit(self._commit_group, asyncio.get_running_loop())
+        return future
+
+    async def resume(self) -> None:
+        """Commit queued batches again after one failed (see `queue`), once the caller has
+        repaired what they were made on. Batches queued before this call still fail."""
+        await self._write(self._resume)
+
+    def _resume(self, _: sqlite3.Connection) -> None:
+        self._halted = None  # on the writer's thread: in order with the queued groups
+
+    def _commit_group(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the writer's thread: commit every batch queued by now, in one transaction."""
+        with self._lock:
+            group, self._queued = self._queued, []
+            self._group_asked = False
+        outcome: Committed | Exception
+        if self._halted is not None:
+            outcome = StoreError(f"not written, as a batch queued before it failed: {self._halted}")
+        else:
+            began = time.perf_counter()
+            try:
+                with _transaction(self._db):
+                    for batch, _ in group:
+                        _write_batch(self._db, batch)
+            except sqlite3.Error as exc:
+                outcome = self._halted = self._commit_error(exc)
+                outcome.__cause__ = exc
+            except Exception as exc:  # a bug, not the disk: every batch still gets an answer
+                outcome, self._halted = exc, StoreError(f"commit failed: {exc!r}")
+            else:
+                seconds = time.perf_counter() - began
+                outcome = Committed(seconds, leads=True)
+        loop.call_soon_threadsafe(_resolve, [future for _, future in group], outcome)
+
+    def _commit_error(self, exc: sqlite3.Error) -> StoreError:
+        if isinstance(exc, sqlite3.IntegrityError):
+            return StoreConflict(f"append collided with the log: {exc}")
+        return StoreError(f"commit to event log {self.path} failed: {exc}")
 
     async def load(self, handoff_ids: Collection[UUID]) -> dict[UUID, Loaded]:
         """The logs of those handoffs that exist, keyed by id; unreadable ones as corrupt."""
@@ -735,23 +805,40 @@ def _transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         raise
 
 
+def _resolve(futures: list[asyncio.Future[Committed]], outcome: Committed | Exception) -> None:
+    """On the event loop: the outcome of a group commit, for each batch that rode in it."""
+    for future in futures:
+        if future.done():  # cancelled: its carry-out was
+            continue
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+            outcome = Committed(outcome.seconds, leads=False)
+
+
 def _commit(db: sqlite3.Connection, batch: Batch) -> None:
     """`EventLog.commit`, on the writer's thread."""
     with _transaction(db):
-        if batch.handoffs:
-            db.executemany(_UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()])
-        if batch.events:
-            db.executemany(_INSERT_EVENT, batch.events)
-        if batch.published:
-            db.executemany(
-                _MARK_PUBLISHED, [(seq, at, str(h)) for h, (seq, at) in batch.published.items()]
-            )
-        if batch.rejections:
-            db.executemany(_INSERT_REJECTION, batch.rejections)
-        if batch.quarantined:
-            db.executemany(_QUARANTINE, batch.quarantined)
-        if batch.meta:
-            db.executemany(_SET_META, batch.meta.items())
+        _write_batch(db, batch)
+
+
+def _write_batch(db: sqlite3.Connection, batch: Batch) -> None:
+    """A batch's statements, inside the caller's transaction."""
+    if batch.handoffs:
+        db.executemany(_UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()])
+    if batch.events:
+        db.executemany(_INSERT_EVENT, batch.events)
+    if batch.published:
+        db.executemany(
+            _MARK_PUBLISHED, [(seq, at, str(h)) for h, (seq, at) in batch.published.items()]
+        )
+    if batch.rejections:
+        db.executemany(_INSERT_REJECTION, batch.rejections)
+    if batch.quarantined:
+        db.executemany(_QUARANTINE, batch.quarantined)
+    if batch.meta:
+        db.executemany(_SET_META, batch.meta.items())
 
 
 def _compact(db: sqlite3.Connection, before_ms: int) -> Compacted:

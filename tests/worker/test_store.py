@@ -5,6 +5,7 @@ the real coordinator, written the way the service writes them."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -294,6 +295,52 @@ async def test_a_colliding_batch_writes_nothing(log: EventLog, db: Path) -> None
     # The failed transaction was rolled back, so the connection goes on writing.
     await log.commit(batch_of(newcomer, stale))
     assert set(readable(await log.load([newcomer.id]))) == {newcomer.id}
+
+
+async def test_queued_batches_commit_in_groups_in_queue_order(log: EventLog) -> None:
+    """Batches queued without waiting ride in as few group commits as the writer makes; each
+    group leads with the batch queued first in it, and its batches share its time."""
+    handoffs, batches = zip(*(completed(1_000 + i) for i in range(6)), strict=True)
+    queued = [log.queue(batch) for batch in batches]
+
+    committed = [await future for future in queued]
+
+    assert committed[0].leads
+    for before, after in itertools.pairwise(committed):
+        assert after.leads or after.seconds == before.seconds
+    loaded = readable(await log.load([h.id for h in handoffs]))
+    assert {h: loaded[h.id].events for h in handoffs} == {h: h.events for h in handoffs}
+
+
+async def test_a_failed_queued_batch_fails_the_batches_queued_behind_it_until_resumed(
+    log: EventLog, db: Path
+) -> None:
+    """A batch queued behind one that failed was planned on top of it: it must not be written
+    either, whichever group it rode in, until the worker calls `resume`."""
+    first, first_batch = completed(1_000)
+    await log.queue(first_batch)
+    # Planned on a stale copy of `first`: seq 0 is taken, so the batch collides.
+    stale = Batch()
+    stale.append_input(0, InputRecord(2_000, Canceled(first.id)))
+    behind, behind_batch = completed(3_000)
+
+    collided, skipped = log.queue(stale), log.queue(behind_batch)
+
+    with pytest.raises(StoreConflict, match=r"events\.handoff_key, events\.seq"):
+        await collided
+    with pytest.raises(StoreError):
+        await skipped
+    assert table(db, "SELECT * FROM handoffs WHERE handoff_id = ?", str(behind.id)) == []
+    # Still refused until `resume`, then written.
+    with pytest.raises(StoreError, match="a batch queued before it failed"):
+        await log.queue(behind_batch)
+    await log.resume()
+    await log.queue(behind_batch)
+    loaded = readable(await log.load([first.id, behind.id]))
+    assert {h: loaded[h.id].events for h in (first, behind)} == {
+        first: first.events,
+        behind: behind.events,
+    }
 
 
 async def test_every_input_digest_survives_a_reopen(log: EventLog, db: Path) -> None:
