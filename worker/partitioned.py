@@ -11,9 +11,9 @@ tier's `PartitionOwner` drives three steps (see worker.partition_owner):
                empty file), rebuild the planner from the file, publish its backlog;
     decide     decode and plan the batch, loading from the local file the handoffs not in
                memory; return the plan's rows (`LoggedRows`) for the owner to append;
-    act        after the append: arm the plan's timers, commit the same rows locally, then
-               publish the plan's actions and rejections on the subjects and in the encoding
-               of worker.service;
+    act        after the append: arm the plan's timers, queue the same rows for the local
+               file, then publish the plan's actions and rejections on the subjects and in the
+               encoding of worker.service, without waiting for the local commit;
     on release the owner stopped (handed over, fenced, or failed): drop the partition's
                timers and memory.
 
@@ -24,7 +24,18 @@ Invariants.
   catch-up applies the entries after the marked one, in log order, in one transaction. A mark
   that the log no longer holds (its `max_age` dropped it) means every entry left is newer.
 - Nothing is published before its rows are in the replicated log (the owner appends between
-  `decide` and `act`) and in the local file (`act` commits before it publishes).
+  `decide` and `act`). The local commit is queued (`EventLog.queue`) and not waited for: the
+  publishes, the acks and the next batch's `decide` and append go on while the file's writer
+  commits, so a batch's critical path holds one store, the append, as the single worker's holds
+  one, its commit. The file stays a prefix: its commits run in order, one writer, and once one
+  fails every one queued behind it fails unwritten (the next `decide` raises the failure, the
+  owner stops, and its next claim catches the file up). A crash before a local commit loses
+  nothing either: the claim after it catches the file up the same way, and republishes what
+  the file does not mark published.
+- The file is read only for handoffs not in memory. A handoff a queued batch completed has left
+  memory before that batch's local commit, so `decide` waits for the queued commits before it
+  reads one; any other handoff not in memory is in no queued batch, so its read may overtake
+  them. A claim waits for every queued commit before it reads the file's mark.
 - A plan that was decided but not acted on (the append was fenced or in doubt) leaves the
   planner ahead of the file: every claim rebuilds it from the file, after the catch-up.
 - Outbox marks ("published") ride in the rows of the partition's next batch after the server
@@ -50,8 +61,9 @@ is answered by action id like any other, and a second `TimedOut` of a handoff is
 duplicate of the first, dropped by its digest (counted in `kvhandoff_duplicate_inputs_total`).
 
 What differs from the single worker (worker.service), in this first version: a partition's
-batches are not pipelined (decide, append, act, acknowledge, then the next batch), and the single
-worker is not the P = 1 case of this code but a loop of its own.
+batches are pipelined only past their append (decide, append, act, acknowledge, then the next
+batch, while the local commits run behind), and the single worker is not the P = 1 case of this
+code but a loop of its own.
 
 Retention. The replicated log keeps its entries for `--retention` (a week unless given: the
 stream's `max_age`), and the files drop their completed handoffs and rejections older than that,
@@ -70,7 +82,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -92,7 +105,7 @@ from kvhandoff.worker.partition_owner import Decided
 from kvhandoff.worker.planner import Plan, Planner
 from kvhandoff.worker.rows import HandoffRow
 from kvhandoff.worker.service import publish_action
-from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog, WriterLock
+from kvhandoff.worker.store import Batch, Committed, CorruptHandoff, EventLog, WriterLock
 from kvhandoff.worker.tier import Tier, TierSettings
 from kvhandoff.worker.timers import HandoffTimers
 
@@ -191,6 +204,11 @@ class _Partition:
     published: list[_Sent] = field(default_factory=list)
     # Bumped at each claim and release: a lot is published again only in its own tenure.
     tenure: int = 0
+    # Local commits queued and not seen to end, in order, each with the handoffs its plan took
+    # out of memory: those are not to be read from the file before it committed.
+    committing: deque[tuple[asyncio.Future[Committed], frozenset[UUID]]] = field(
+        default_factory=deque
+    )
 
 
 class PartitionedWorker:
@@ -236,6 +254,7 @@ class PartitionedWorker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await part.timers_task
                 with contextlib.suppress(StoreError):
+                    await self._local_commits(part)
                     await self._settle_marks(part)
                 await part.log.close()
                 part.lock.release()
@@ -250,6 +269,11 @@ class PartitionedWorker:
         part = await self._open(partition)
         part.decided = None
         part.tenure += 1
+        # The file's mark must be the last of what it will hold. A local commit that failed
+        # left the file behind the replicated log; the catch-up below repairs that.
+        with contextlib.suppress(StoreError):
+            await self._local_commits(part)
+        await part.log.resume()
         entries = []
         for index, record in enumerate(caught.records):
             try:
@@ -301,6 +325,7 @@ class PartitionedWorker:
         planner = part.planner
         decoded = planner.decode(deliveries)
         missing = planner.missing(decoded)
+        await self._local_commits(part, evicting=missing)  # before anything is planned
         loaded = await part.log.load(missing) if missing else {}
         plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time())
         deferred = {batch[index].stream_seq: delay_s for index, delay_s in plan.naks}
@@ -327,9 +352,9 @@ class PartitionedWorker:
         part.timers.arm(plan)
         rows_batch = Batch()
         rows.add_to(rows_batch)
-        began = time.perf_counter()
-        await part.log.commit(rows_batch)
-        self._metrics.commit_seconds.observe(time.perf_counter() - began)
+        committed = part.log.queue(rows_batch)
+        committed.add_done_callback(self._observe_commit)
+        part.committing.append((committed, frozenset(plan.left_memory)))
         await self._publish(part, plan.publish)
         for _, rejection in plan.terms:
             await self._bus.publish(
@@ -348,6 +373,31 @@ class PartitionedWorker:
         m.open_handoffs.set(sum(len(p.planner.open) for p in self._partitions.values()))
 
     # --- Partitions, their files and their outbox ---------------------------------------
+
+    async def _local_commits(
+        self, part: _Partition, *, evicting: Collection[UUID] | None = None
+    ) -> None:
+        """Forget the partition's queued local commits that ended, raising the `StoreError` of
+        one that failed; wait for every one first, unless `evicting` is given and none of them
+        took one of those handoffs out of memory."""
+        if evicting is not None and not any(
+            not evicted.isdisjoint(evicting) for _, evicted in part.committing
+        ):
+            while part.committing and part.committing[0][0].done():
+                part.committing.popleft()[0].result()
+            return
+        failure: StoreError | None = None
+        while part.committing:
+            try:
+                await part.committing.popleft()[0]
+            except StoreError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def _observe_commit(self, committed: asyncio.Future[Committed]) -> None:
+        if not committed.cancelled() and committed.exception() is None and committed.result().leads:
+            self._metrics.commit_seconds.observe(committed.result().seconds)
 
     async def _open(self, partition: int) -> _Partition:
         """The partition's state, opening its file (under its writer lock) the first time."""

@@ -1,0 +1,126 @@
+"""A partition's steps (worker.partitioned's `decide` and `act`) in process, against a real
+nats-server and real SQLite, with the local file's writer held: `act` does not wait for the
+local commit, and `decide` waits for it only before it reads a handoff that the queued batch
+took out of memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import pytest
+
+from kvhandoff.events.codec import encode
+from kvhandoff.events.messages import EngineType, StartHandoff
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.config import NatsSettings, WorkerConfig
+from kvhandoff.worker.metrics import Metrics
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.ownership import CaughtUp
+from kvhandoff.worker.partitioned import PartitionedWorker
+from kvhandoff.worker.rows import HandoffLog
+from kvhandoff.worker.store import EventLog
+from kvhandoff.worker.tier import TierSettings
+from tests.worker.test_planner import success_inputs
+
+PREFIX = "kvhandoff"
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """What `decide` and `act` read of a delivery (worker.bus.Inbound's fields): an input as
+    the tier's stream stores it, under its partition-qualified subject."""
+
+    data: bytes
+    subject: str
+    stream_seq: int
+    deliveries: int = 1
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    with EmbeddedNats(store_dir=tmp_path) as server:
+        yield server
+
+
+@dataclass
+class Steps:
+    worker: PartitionedWorker
+    metrics: Metrics
+
+
+@pytest.fixture
+async def steps(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Steps]:
+    """A worker of a one-partition tier that has claimed its partition, run step by step."""
+    config = WorkerConfig(
+        NatsSettings(url=nats_server.url), tmp_path / "unused.db", partitions=1,
+        data_dir=tmp_path,
+    )  # fmt: skip
+    bus = await Bus.connect(config.nats, "test-partition-steps")
+    await bus.open_completions(
+        config.done_stream, Subjects(PREFIX).completions, config.completion_ttl_s
+    )
+    metrics = Metrics()
+    worker = PartitionedWorker(config, TierSettings(partitions=1), bus, metrics, label="test")
+    await worker.on_claim(0, CaughtUp(epoch=1, previous_owner=None))
+    try:
+        yield Steps(worker, metrics)
+    finally:
+        worker.on_release(0)
+        stop = asyncio.Event()
+        stop.set()
+        await worker.run(stop)  # stopped at once: closes its files, as at every stop
+        await bus.close()
+
+
+@contextlib.contextmanager
+def held(log: EventLog) -> Iterator[threading.Event]:
+    """Hold the log's writer thread until the event is set, or the block ends: what is queued
+    behind stays queued."""
+    release = threading.Event()
+    log._writer.submit(release.wait)  # the one thread that writes the file
+    try:
+        yield release
+    finally:
+        release.set()
+
+
+async def test_act_does_not_wait_for_the_local_commit_and_a_read_of_what_it_completed_does(
+    steps: Steps,
+) -> None:
+    worker = steps.worker
+    start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+    inputs = success_inputs(start, cancel_at=None)
+    subject = f"{PREFIX}.inp.0.{start.handoff_id}"
+    batch = [Delivered(encode(m), subject, seq) for seq, m in enumerate(inputs, 1)]
+    (log,) = worker.logs()
+    with held(log) as release:
+        decided = await worker.decide(cast(list[Inbound], batch))
+        assert not decided.deferred
+        await worker.act(cast(list[Inbound], batch))  # returns with its local commit queued
+
+        # The last input again: a redelivery of an input the queued batch applied. Its handoff
+        # left memory when it completed, so it must be read from the file, which only holds it
+        # once the queued commit is in.
+        again = [Delivered(batch[-1].data, subject, len(batch) + 1)]
+        deciding = asyncio.create_task(worker.decide(cast(list[Inbound], again)))
+        # Not a wait for something to happen: a bound on how long it must not.
+        done, _ = await asyncio.wait({deciding}, timeout=1.0)
+        assert not done, "decide read the file before the queued commit was in"
+        release.set()
+        redecided = await deciding
+        await worker.act(cast(list[Inbound], again))
+
+    # Recognised as a duplicate of what the file holds, not deferred as an input that came
+    # before its handoff's start.
+    assert not redecided.deferred
+    assert steps.metrics.registry.get_sample_value("kvhandoff_duplicate_inputs_total") == 1
+    logged = (await log.load([start.handoff_id]))[start.handoff_id]
+    assert isinstance(logged, HandoffLog) and len(logged.events) == len(inputs) + 6  # 6 actions
