@@ -115,12 +115,13 @@ async def acted(nats_cluster: NatsCluster) -> AsyncIterator[Acted]:
 
 class TierWorker(WorkerChild):
     """`kvhandoff run --partitions 4` (worker.partitioned, or `partitions`) with its own data
-    directory, and any further arguments of `run`."""
+    directory (`tmp / name`, or `data_dir`), and any further arguments of `run`."""
 
     def __init__(
-        self, url: str, name: str, tmp: Path, *extra: str, partitions: int = PARTITIONS
-    ) -> None:
-        self.data_dir = tmp / name
+        self, url: str, name: str, tmp: Path, *extra: str, partitions: int = PARTITIONS,
+        data_dir: Path | None = None,
+    ) -> None:  # fmt: skip
+        self.data_dir = tmp / name if data_dir is None else data_dir
         self.data_dir.mkdir()
         super().__init__(
             url, tmp / f"{name}.db", "--partitions", str(partitions),
@@ -140,6 +141,11 @@ class TierWorker(WorkerChild):
 
     def whole_log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def logged(self, text: str) -> bool:
+        """Whether its log holds `text`; fails if it died."""
+        assert self.running(), f"{self.name} died: {self.logs()}"
+        return text in self.whole_log()
 
 
 @pytest.fixture

@@ -12,7 +12,9 @@ real three-node cluster, with the scripted engines answering, under the faults o
   other, which completes their handoffs; resumed, its appends are refused (`Fenced`, in its log)
   and it acts on nothing it lost: the replicated log holds no entry of its old tenure after the
   new owner's claim;
-- a worker that joins mid-load takes its share by clean hand-overs, no owner fenced.
+- a worker that joins mid-load takes its share by clean hand-overs, no owner fenced;
+- the partition files' disk fills mid-load: the owners stop until there is room, then catch
+  their files up from the replicated log, and every handoff completes.
 
 The checks are on what happened: every input appended to the replicated log once, every action
 the engines were sent the same each time it was sent, one completion per handoff, and each
@@ -66,6 +68,7 @@ from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 from tests.cluster.test_tier import the_log
 from tests.worker.conftest import logged_inputs
 from tests.worker.scripted_engine import ScriptedEngines
+from tests.worker.tmpfs import fill, small_filesystem
 
 HANDOFFS = 200
 SETTINGS = TierSettings(partitions=PARTITIONS)  # what `kvhandoff run` gives its tier
@@ -471,6 +474,52 @@ async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledg
         f"stream leader {leader.seat.name if leader.seat else leader.url} killed mid-load: "
         f"{HANDOFFS} handoffs completed, the last {all_done_s:.1f}s after"
     )
+
+
+async def test_a_full_disk_stops_a_partitions_owner_until_there_is_room_and_loses_nothing(
+    nats_cluster: NatsCluster, js: JetStreamContext, workers: list[TierWorker], tmp_path: Path
+) -> None:
+    """The partition files' disk fills mid-load. A local commit that fails leaves the file
+    behind the replicated log (the authority), so its owner stops, and every claim after it
+    fails too while there is no room; once there is room, a claim catches the file up, and
+    every handoff completes, every input applied once, the files whole."""
+    url = nats_cluster.url
+    # Room for SQLite's WAL to reach its checkpoint (1,000 pages) once the filler is gone.
+    with small_filesystem(tmp_path, size_kib=16384) as disk:
+        w1 = TierWorker(url, "w1", tmp_path, data_dir=disk / "w1")
+        workers.append(w1)
+        w1.start(timeout_s=2 * WITHIN_S)
+        await until(w1.took_a_share, "w1 takes the partitions")
+        engines = ScriptedEngines(url.split(",")[0])
+        await engines.start()
+        starts = [start(n) for n in range(HANDOFFS)]
+        try:
+            warm = starts[:10]
+            for s in warm:
+                await engines.start_handoff(s)
+            await engines.wait_complete({s.handoff_id for s in warm}, within=2 * WITHIN_S)
+            filler = fill(disk)
+            for s in starts[10:]:
+                await engines.start_handoff(s)
+            await until(partial(w1.logged, "database or disk is full"), "the cause")
+
+            def failed_twice() -> bool:  # an owner, and the next claim of its partition
+                assert w1.running(), w1.logs()
+                failed = re.findall(r"partition (\d+): its owner failed", w1.whole_log())
+                return max(Counter(failed).values(), default=0) >= 2
+
+            await until(failed_twice, "a partition's owner to fail twice")
+            filler.unlink()
+            await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+            assert await asyncio.to_thread(w1.terminate, 2 * WITHIN_S) == 0, w1.logs()
+        finally:
+            await engines.close()
+
+        check_each_completed_once(engines)
+        applied = sum((await applied_inputs(js)).values(), Counter[int]())
+        assert set(engines.stored) <= set(applied), sorted(set(engines.stored) - set(applied))[:10]
+        assert set(applied.values()) == {1}, twice_applied(await the_log(js))
+        await check_last_owners_files(js, owners_by_label(w1), starts)
 
 
 async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_killed_owner(
