@@ -122,6 +122,16 @@ async def applied_inputs(js: JetStreamContext) -> dict[str, Counter[int]]:
     return applied
 
 
+async def check_each_stored_input_applied_once(
+    js: JetStreamContext, engines: ScriptedEngines
+) -> None:
+    """Every input the stream acknowledged is appended to a partition's log, and every input
+    once."""
+    applied = sum((await applied_inputs(js)).values(), Counter[int]())
+    assert set(engines.stored) <= set(applied), sorted(set(engines.stored) - set(applied))[:10]
+    assert set(applied.values()) == {1}, twice_applied(await the_log(js))
+
+
 def check_appends_follow_their_claim(log: dict[int, list[Entry]]) -> None:
     """Every append of a partition's log is by the owner of its latest claim: no owner appended
     after another claimed the partition (the fence)."""
@@ -464,10 +474,7 @@ async def test_killing_the_streams_leader_node_mid_load_loses_nothing_acknowledg
         await engines.close()
 
     check_each_completed_once(engines)
-    applied = sum((await applied_inputs(js)).values(), Counter[int]())
-    # Everything the stream acknowledged is applied, and every input once.
-    assert set(engines.stored) <= set(applied), sorted(set(engines.stored) - set(applied))[:10]
-    assert set(applied.values()) == {1}, twice_applied(await the_log(js))
+    await check_each_stored_input_applied_once(js, engines)
     check_appends_follow_their_claim(await the_log(js))
     await check_last_owners_files(js, owners_by_label(w1, w2), starts)
     print(
@@ -516,9 +523,7 @@ async def test_a_full_disk_stops_a_partitions_owner_until_there_is_room_and_lose
             await engines.close()
 
         check_each_completed_once(engines)
-        applied = sum((await applied_inputs(js)).values(), Counter[int]())
-        assert set(engines.stored) <= set(applied), sorted(set(engines.stored) - set(applied))[:10]
-        assert set(applied.values()) == {1}, twice_applied(await the_log(js))
+        await check_each_stored_input_applied_once(js, engines)
         await check_last_owners_files(js, owners_by_label(w1), starts)
 
 
@@ -688,8 +693,7 @@ async def test_a_paused_worker_is_fenced_and_acts_on_nothing_it_lost(
     check_each_completed_once(engines)
     labels = owners_by_label(w1, w2)
     log = await the_log(js)
-    applied = sum((await applied_inputs(js)).values(), Counter[int]())
-    assert set(engines.stored) <= set(applied) and set(applied.values()) == {1}
+    await check_each_stored_input_applied_once(js, engines)
     check_appends_follow_their_claim(log)
     fenced = {int(p): (int(n), int(m)) for p, n, m in FENCED_LINE.findall(w1.whole_log())}
     for partition, (applied_by_zombie, acked_by_zombie) in fenced.items():
@@ -766,8 +770,7 @@ async def test_a_worker_that_joins_mid_load_takes_its_share_by_clean_hand_overs(
         await engines.close()
 
     check_each_completed_once(engines)
-    applied = sum((await applied_inputs(js)).values(), Counter[int]())
-    assert set(engines.stored) <= set(applied) and set(applied.values()) == {1}
+    await check_each_stored_input_applied_once(js, engines)
     log = await the_log(js)
     check_appends_follow_their_claim(log)
     # Clean: no owner was fenced, and w2 claimed exactly what w1 handed over while running.
