@@ -226,6 +226,7 @@ class PartitionedWorker:
         self._subjects = Subjects(config.nats.subject_prefix)
         self._partitions: dict[int, _Partition] = {}
         self._resends: set[asyncio.Task[None]] = set()  # see `_publish_again`
+        self._last_commit_failure: BaseException | None = None  # counted once per group
         self._inputs_of = f"{config.nats.subject_prefix}.inp."
         self.tier = Tier(
             bus, settings, self.decide, self.act, label,
@@ -396,8 +397,17 @@ class PartitionedWorker:
             raise failure
 
     def _observe_commit(self, committed: asyncio.Future[Committed]) -> None:
-        if not committed.cancelled() and committed.exception() is None and committed.result().leads:
-            self._metrics.commit_seconds.observe(committed.result().seconds)
+        """Count a local commit that ended: its group's time, or its group's failure (each
+        batch of a failed group carries the group's one error)."""
+        if committed.cancelled():
+            return
+        failure = committed.exception()
+        if failure is None:
+            if committed.result().leads:
+                self._metrics.commit_seconds.observe(committed.result().seconds)
+        elif failure is not self._last_commit_failure:
+            self._last_commit_failure = failure
+            self._metrics.commit_failures.inc()
 
     async def _open(self, partition: int) -> _Partition:
         """The partition's state, opening its file (under its writer lock) the first time."""

@@ -516,6 +516,7 @@ async def test_a_full_disk_stops_a_partitions_owner_until_there_is_room_and_lose
                 return max(Counter(failed).values(), default=0) >= 2
 
             await until(failed_twice, "a partition's owner to fail twice")
+            assert w1.metric("kvhandoff_commit_failures_total") >= 1
             filler.unlink()
             await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
             assert await asyncio.to_thread(w1.terminate, 2 * WITHIN_S) == 0, w1.logs()
