@@ -83,7 +83,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -255,7 +255,7 @@ class PartitionedWorker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await part.timers_task
                 with contextlib.suppress(StoreError):
-                    await self._local_commits(part)
+                    await self._all_committed(part)
                     await self._settle_marks(part)
                 await part.log.close()
                 part.lock.release()
@@ -273,7 +273,7 @@ class PartitionedWorker:
         # The file's mark must be the last of what it will hold. A local commit that failed
         # left the file behind the replicated log; the catch-up below repairs that.
         with contextlib.suppress(StoreError):
-            await self._local_commits(part)
+            await self._all_committed(part)
         await part.log.resume()
         entries = []
         for index, record in enumerate(caught.records):
@@ -326,7 +326,12 @@ class PartitionedWorker:
         planner = part.planner
         decoded = planner.decode(deliveries)
         missing = planner.missing(decoded)
-        await self._local_commits(part, evicting=missing)  # before anything is planned
+        # Before anything is planned: a handoff a queued commit took out of memory is read only
+        # once the file holds it (and a failed commit raises here).
+        if any(not evicted.isdisjoint(missing) for _, evicted in part.committing):
+            await self._all_committed(part)
+        else:
+            self._forget_committed(part)
         loaded = await part.log.load(missing) if missing else {}
         plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time())
         deferred = {batch[index].stream_seq: delay_s for index, delay_s in plan.naks}
@@ -375,18 +380,15 @@ class PartitionedWorker:
 
     # --- Partitions, their files and their outbox ---------------------------------------
 
-    async def _local_commits(
-        self, part: _Partition, *, evicting: Collection[UUID] | None = None
-    ) -> None:
-        """Forget the partition's queued local commits that ended, raising the `StoreError` of
-        one that failed; wait for every one first, unless `evicting` is given and none of them
-        took one of those handoffs out of memory."""
-        if evicting is not None and not any(
-            not evicted.isdisjoint(evicting) for _, evicted in part.committing
-        ):
-            while part.committing and part.committing[0][0].done():
-                part.committing.popleft()[0].result()
-            return
+    def _forget_committed(self, part: _Partition) -> None:
+        """Forget the partition's queued local commits that ended; the `StoreError` of one that
+        failed."""
+        while part.committing and part.committing[0][0].done():
+            part.committing.popleft()[0].result()
+
+    async def _all_committed(self, part: _Partition) -> None:
+        """Wait for every queued local commit of the partition; the `StoreError` of the first
+        that failed."""
         failure: StoreError | None = None
         while part.committing:
             try:

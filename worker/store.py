@@ -574,13 +574,14 @@ class EventLog:
         future is done when its group committed, or failed with the `StoreError` that left it
         unwritten. Groups commit in queue order, one at a time. After a failure every batch
         queued before the next `resume` fails too, without being written."""
-        future: asyncio.Future[Committed] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Committed] = loop.create_future()
         with self._lock:
             self._queued.append((batch, future))
             if self._group_asked:
                 return future  # it rides in the group the writer has been asked for
             self._group_asked = True
-        self._writer.submit(self._commit_group, asyncio.get_running_loop())
+        self._writer.submit(self._commit_group, loop)
         return future
 
     async def resume(self) -> None:
@@ -808,7 +809,7 @@ def _transaction(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 def _resolve(futures: list[asyncio.Future[Committed]], outcome: Committed | Exception) -> None:
     """On the event loop: the outcome of a group commit, for each batch that rode in it."""
     for future in futures:
-        if future.done():  # cancelled: its carry-out was
+        if future.done():  # cancelled: nobody waits for its outcome
             continue
         if isinstance(outcome, Exception):
             future.set_exception(outcome)

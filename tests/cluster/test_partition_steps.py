@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -26,7 +26,7 @@ from kvhandoff.worker.natsserver import EmbeddedNats
 from kvhandoff.worker.ownership import CaughtUp
 from kvhandoff.worker.partitioned import PartitionedWorker
 from kvhandoff.worker.rows import HandoffLog
-from kvhandoff.worker.store import EventLog
+from kvhandoff.worker.store import EventLog, Loaded
 from kvhandoff.worker.tier import TierSettings
 from tests.worker.test_planner import success_inputs
 
@@ -93,7 +93,7 @@ def held(log: EventLog) -> Iterator[threading.Event]:
 
 
 async def test_act_does_not_wait_for_the_local_commit_and_a_read_of_what_it_completed_does(
-    steps: Steps,
+    steps: Steps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker = steps.worker
     start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
@@ -101,6 +101,14 @@ async def test_act_does_not_wait_for_the_local_commit_and_a_read_of_what_it_comp
     subject = f"{PREFIX}.inp.0.{start.handoff_id}"
     batch = [Delivered(encode(m), subject, seq) for seq, m in enumerate(inputs, 1)]
     (log,) = worker.logs()
+    read_early: list[bool] = []  # per read of the file: whether the writer was still held
+    load = log.load
+
+    async def watched_load(handoff_ids: Collection[uuid.UUID]) -> dict[uuid.UUID, Loaded]:
+        read_early.append(not release.is_set())
+        return await load(handoff_ids)
+
+    monkeypatch.setattr(log, "load", watched_load)
     with held(log) as release:
         decided = await worker.decide(cast(list[Inbound], batch))
         assert not decided.deferred
@@ -110,12 +118,18 @@ async def test_act_does_not_wait_for_the_local_commit_and_a_read_of_what_it_comp
         # left memory when it completed, so it must be read from the file, which only holds it
         # once the queued commit is in.
         again = [Delivered(batch[-1].data, subject, len(batch) + 1)]
+        # (The first batch read the file for its new handoff at once: no queued commit holds
+        # it, so its read may overtake them.)
+        assert read_early == [True]
+        read_early.clear()
         deciding = asyncio.create_task(worker.decide(cast(list[Inbound], again)))
-        # Not a wait for something to happen: a bound on how long it must not.
-        done, _ = await asyncio.wait({deciding}, timeout=1.0)
-        assert not done, "decide read the file before the queued commit was in"
+        # One step of the task: a decide that does not wait reads the file in it (its read is
+        # the first thing it awaits); one that waits stops at the queued commit.
+        await asyncio.sleep(0)
+        assert not read_early, "decide read the file before the queued commit was in"
         release.set()
         redecided = await deciding
+        assert read_early == [False]  # it read the file once, after the commit
         await worker.act(cast(list[Inbound], again))
 
     # Recognised as a duplicate of what the file holds, not deferred as an input that came
