@@ -190,6 +190,7 @@ from kvhandoff.worker.errors import (
     PartitionsMismatch,
     PinMismatch,
 )
+from kvhandoff.worker.stoppable import unless_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -1081,19 +1082,7 @@ class Bus:
         cls, stop: asyncio.Event, settings: NatsSettings, name: str
     ) -> Bus | None:
         """`connect`, or None if `stop` is set first (a signal while NATS does not answer)."""
-        connecting = asyncio.ensure_future(cls.connect(settings, name))
-        stopping = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-            while not connecting.done():  # `connect` closes what it opened
-                # Python 3.11's wait_for, which nats-py uses, can drop a cancellation.
-                connecting.cancel()
-                await asyncio.wait([connecting], timeout=_CANCEL_AGAIN_S)
-        if connecting.cancelled():
-            return None
-        return connecting.result()  # connected just as the stop came, or BusRefused
+        return await unless_stopped(stop, cls.connect(settings, name))
 
     @property
     def is_connected(self) -> bool:

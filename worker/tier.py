@@ -50,6 +50,7 @@ from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import PartitionLog
 from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, OnRelease, PartitionOwner
 from kvhandoff.worker.partitions import rebalance
+from kvhandoff.worker.stoppable import unless_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,10 @@ class Tier:
         settings = self._settings
         while True:
             try:
-                membership = await self._set_up()
+                # A JetStream that does not answer holds each request for its timeout.
+                membership = await unless_stopped(stop, self._set_up())
+                if membership is None:
+                    return
                 break
             except PartitionsMismatch:
                 raise

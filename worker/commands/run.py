@@ -29,8 +29,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Lease, LeaseHolder
@@ -49,15 +48,13 @@ from kvhandoff.worker.logs import configure_logging
 from kvhandoff.worker.metrics import Metrics, MetricsServer
 from kvhandoff.worker.partitioned import PartitionedWorker
 from kvhandoff.worker.service import Worker
+from kvhandoff.worker.stoppable import unless_stopped
 from kvhandoff.worker.store import EventLog, WriterLock
 from kvhandoff.worker.tier import TierSettings
 
 logger = logging.getLogger("kvhandoff.worker.run")
 
 _COMPACT_EVERY_S = 3600.0
-_CANCEL_AGAIN_S = 0.05
-
-T = TypeVar("T")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -102,12 +99,12 @@ async def serve(config: WorkerConfig) -> int:
 
     log = await EventLog.open(config.db_path, config.synchronous, migrate=True)
     try:
-        bus = await _unless_stopped(stop, Bus.connect(config.nats, name="kvhandoff-worker"))
+        bus = await unless_stopped(stop, Bus.connect(config.nats, name="kvhandoff-worker"))
         if bus is None:
             return 0
         try:
             holder = LeaseHolder.this_process(config.db_path)
-            lease = await _unless_stopped(
+            lease = await unless_stopped(
                 stop, bus.acquire_lease(config.stream, config.consumer, holder)
             )
             if lease is None:
@@ -132,7 +129,7 @@ async def serve_tier(config: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    bus = await _unless_stopped(stop, Bus.connect(config.nats, name="kvhandoff-worker"))
+    bus = await unless_stopped(stop, Bus.connect(config.nats, name="kvhandoff-worker"))
     if bus is None:
         return 0
     try:
@@ -171,7 +168,7 @@ async def _consume(
     try:
         async with beside:
             # Only now, with the stream to ourselves, may the consumer be re-created.
-            await _unless_stopped(
+            await unless_stopped(
                 stop,
                 bus.open_inbox(
                     config.stream,
@@ -181,7 +178,7 @@ async def _consume(
                     max_pending=max(4 * config.batch_size, 1024),
                 ),
             )
-            await _unless_stopped(
+            await unless_stopped(
                 stop,
                 bus.open_completions(
                     config.done_stream,
@@ -224,24 +221,6 @@ async def _beside(
             await retention
         if server is not None:
             server.close()
-
-
-async def _unless_stopped(stop: asyncio.Event, step: Coroutine[Any, Any, T]) -> T | None:
-    """The result of `step`, or None if `stop` is set first: then `step` is cancelled."""
-    task = asyncio.ensure_future(step)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-        while not task.done():
-            # Python 3.11's wait_for (nats-py waits on every request with it) drops a
-            # cancellation that coincides with the answer: cancel until it takes.
-            task.cancel()
-            await asyncio.wait([task], timeout=_CANCEL_AGAIN_S)
-    # A step that finished anyway hands over what it made (a connection, a lease), so that it
-    # is closed or released like any other.
-    return None if task.cancelled() else task.result()
 
 
 async def _retain(
