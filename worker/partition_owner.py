@@ -274,6 +274,10 @@ class PartitionOwner:
             in_hand.update((inbound.stream_seq, inbound) for inbound in self._order.take_held())
         try:
             await pull.close()  # deliveries from now on come back after the ack wait
+            if not self._bus.is_connected:
+                # Each step below would wait out its request timeout, and a stop is to be
+                # prompt: what is in hand comes back after the ack wait, as after a crash.
+                raise BusError("no connection to NATS")
             for seq, inbound in sorted(in_hand.items()):
                 await (inbound.ack() if seq in self._applied else inbound.nak())
             if self._claimed:

@@ -384,26 +384,35 @@ def test_sigterm_while_the_server_does_not_answer_exits_0_promptly(
             assert terminate_within(worker, PROMPTLY_S) == 0
 
 
+@pytest.mark.parametrize("tier", [False, True], ids=["single", "tier"])
 def test_sigterm_while_jetstream_does_not_answer_exits_0_promptly(
-    servers: Callable[[str], EmbeddedNats], launch: Callable[..., Child], tmp_path: Path
-) -> None:
-    # The server drops this user's JetStream requests (the lease, the stream), so each waits
-    # out its timeout; core NATS works.
+    servers: Callable[[str], EmbeddedNats], launch: Callable[..., Child], tmp_path: Path,
+    tier: bool,
+) -> None:  # fmt: skip
+    # The server drops this user's JetStream requests (the lease, the stream; the tier's
+    # set-up), so each waits out its timeout; core NATS works.
     server = servers(
         "authorization { users = [ { user: worker, password: secret,"
         ' permissions: { publish: { deny: "$JS.API.>" } } } ] }'
     )
-    worker = launch(server.url, tmp_path / "kvhandoff.db",
+    as_tier = ["--partitions", "1", "--data-dir", str(tmp_path)] if tier else []
+    worker = launch(server.url, tmp_path / "kvhandoff.db", *as_tier,
                     "--nats-user", "worker", "--nats-password", "secret")  # fmt: skip
     wait_for_log(worker, "(?i)permissions violation")
 
     assert terminate_within(worker, PROMPTLY_S) == 0
+    # Neither consumed its stream nor took a partition.
     assert "consuming" not in full_log(worker)
+    assert "taking" not in full_log(worker)
 
 
+@pytest.mark.parametrize("tier", [False, True], ids=["single", "tier"])
 def test_sigterm_while_reconnecting_exits_0_promptly(
-    nats_server: EmbeddedNats, worker: WorkerProcess
+    nats_server: EmbeddedNats, launch: Callable[..., Child], tmp_path: Path, tier: bool
 ) -> None:
+    as_tier = ["--partitions", "1", "--data-dir", str(tmp_path)] if tier else []
+    worker = launch(nats_server.url, tmp_path / "kvhandoff.db", *as_tier)
+    wait_for_log(worker, "consuming" if not tier else "partition 0: claimed")
     nats_server.stop()
     deadline = time.monotonic() + 20
     while "disconnected from NATS" not in worker.logs():
