@@ -190,7 +190,7 @@ from kvhandoff.worker.errors import (
     PartitionsMismatch,
     PinMismatch,
 )
-from kvhandoff.worker.stoppable import unless_stopped
+from kvhandoff.worker.stoppable import cancel_until_done, unless_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,6 @@ def connect_options(settings: NatsSettings, name: str) -> dict[str, Any]:
 
 _CONNECT_BACKOFF_FIRST_S = 0.25
 _CONNECT_BACKOFF_MAX_S = 5.0
-_CANCEL_AGAIN_S = 0.05
 # What nats-server answers, in nats-py's error text, when it refuses the credentials we sent
 # (or the absence of any); nats-py raises a plain `Error` for it while connecting.
 _AUTH_REFUSALS = ("authorization violation", "authentication expired", "authentication revoked")
@@ -334,12 +333,8 @@ async def _connect_once(
     finally:
         if not connected:
             # Abandoning the attempt (refused, unreachable, or cancelled by our caller).
-            while not connecting.done():
-                # Python 3.11's wait_for, which nats-py uses, drops a cancellation that
-                # coincides with what it waits for (a TCP connect that just succeeded), and
-                # nats-py would then carry on: cancel until it takes.
-                connecting.cancel()
-                await asyncio.wait([connecting], timeout=_CANCEL_AGAIN_S)
+            # nats-py would carry on with a connect that succeeded as it was cancelled.
+            await cancel_until_done(connecting)
             if not connecting.cancelled():
                 connecting.exception()  # retrieved: it is `error`, or the attempt was dropped
             # A failure while closing a client that never connected changes nothing.
@@ -1081,7 +1076,8 @@ class Bus:
     async def connect_unless(
         cls, stop: asyncio.Event, settings: NatsSettings, name: str
     ) -> Bus | None:
-        """`connect`, or None if `stop` is set first (a signal while NATS does not answer)."""
+        """`connect`, or None if `stop` is set first (a signal while NATS does not answer):
+        the client's way to it, which may import only the bus of the worker."""
         return await unless_stopped(stop, cls.connect(settings, name))
 
     @property

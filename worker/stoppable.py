@@ -24,11 +24,16 @@ async def unless_stopped(stop: asyncio.Event, step: Coroutine[Any, Any, T]) -> T
         await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stopped.cancel()
-        while not task.done():
-            # Python 3.11's wait_for (nats-py waits on every request with it) drops a
-            # cancellation that coincides with the answer: cancel until it takes.
-            task.cancel()
-            await asyncio.wait([task], timeout=_CANCEL_AGAIN_S)
+        await cancel_until_done(task)
     # A step that finished anyway hands over what it made (a connection, a lease), so that it
     # is closed or released like any other.
     return None if task.cancelled() else task.result()
+
+
+async def cancel_until_done(task: asyncio.Future[Any]) -> None:
+    """Cancel `task` unless it is done, and wait until it is (cancelled, or finished anyway)."""
+    while not task.done():
+        # Python 3.11's wait_for (nats-py waits on every request and connect with it) drops a
+        # cancellation that coincides with what it waits for: cancel until it takes.
+        task.cancel()
+        await asyncio.wait([task], timeout=_CANCEL_AGAIN_S)
