@@ -1819,4 +1819,9 @@ class Bus:
                 await self.flush()
             except BusError as exc:
                 logger.warning("NATS flush on close failed: %s", exc)
-        await self._nc.close()
+        try:
+            await self._nc.close()
+        except (nats.errors.Error, OSError) as exc:
+            # The socket died while nats-py drained it (e.g. `ConnectionResetError` in a
+            # reconnect): the connection is gone, which is all a close promises.
+            logger.warning("NATS connection lost while closing: %s", _why(exc))
