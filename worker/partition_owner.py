@@ -355,7 +355,6 @@ class PartitionOwner:
             self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
         began = time.perf_counter()
         caught = await self.log.claim()
-        self.claims += 1
         self._applied = caught.applied
         self._claimed, self._claimed_under = True, pin_id
         # Only now, with the old owner fenced, is what it left for good.
@@ -365,6 +364,7 @@ class PartitionOwner:
         self.orphans += len(orphans)
         if self._on_claim is not None:
             await self._on_claim(self.log.partition, caught)
+        self.claims += 1  # counted once the coordinator caught up: it serves the partition now
         if self._metrics is not None:
             self._metrics.claims.labels(self._claimed_after(caught)).inc()
             self._metrics.catch_up_seconds.observe(time.perf_counter() - began)

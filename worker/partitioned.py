@@ -236,8 +236,10 @@ class PartitionedWorker:
 
     @property
     def healthy(self) -> bool:
-        """Connected, and in the tier: its streams are open and it has taken its share."""
-        return self._bus.is_connected and self.tier.rounds > 0
+        """Connected, and in the tier: its streams are open, it has taken its share, and it
+        serves every partition of it (one whose owner failed counts until it is claimed again:
+        a full disk turns the health red, as it does the single worker's)."""
+        return self._bus.is_connected and self.tier.rounds > 0 and not self.tier.failing
 
     def logs(self) -> list[EventLog]:
         """The partition files open now (every partition it owned since it started)."""

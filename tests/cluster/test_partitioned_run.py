@@ -488,8 +488,9 @@ async def test_a_full_disk_stops_a_partitions_owner_until_there_is_room_and_lose
 ) -> None:
     """The partition files' disk fills mid-load. A local commit that fails leaves the file
     behind the replicated log (the authority), so its owner stops, and every claim after it
-    fails too while there is no room; once there is room, a claim catches the file up, and
-    every handoff completes, every input applied once, the files whole."""
+    fails too while there is no room, with the worker's health red; once there is room, a claim
+    catches the file up, the health turns green, and every handoff completes, every input
+    applied once, the files whole."""
     url = nats_cluster.url
     # Room for SQLite's WAL to reach its checkpoint (1,000 pages) once the filler is gone.
     with small_filesystem(tmp_path, size_kib=16384) as disk:
@@ -517,8 +518,11 @@ async def test_a_full_disk_stops_a_partitions_owner_until_there_is_room_and_lose
 
             await until(failed_twice, "a partition's owner to fail twice")
             assert w1.metric("kvhandoff_commit_failures_total") >= 1
+            # Its owner failed a second time: a partition of its share is not served.
+            assert not w1.healthy(), w1.logs()
             filler.unlink()
             await engines.wait_complete({s.handoff_id for s in starts}, within=4 * WITHIN_S)
+            await until(w1.healthy, "the health to turn green again")
             assert await asyncio.to_thread(w1.terminate, 2 * WITHIN_S) == 0, w1.logs()
         finally:
             await engines.close()
