@@ -237,9 +237,9 @@ class PartitionedWorker:
     @property
     def healthy(self) -> bool:
         """Connected, and in the tier: its streams are open, it has taken its share, and it
-        serves every partition of it (one whose owner failed counts until it is claimed again:
-        a full disk turns the health red, as it does the single worker's)."""
-        return self._bus.is_connected and self.tier.rounds > 0 and not self.tier.failing
+        serves every partition of it: claimed, caught up and recovered (an owner that failed,
+        e.g. on a full disk, serves nothing until a claim succeeds again)."""
+        return self._bus.is_connected and self.tier.rounds > 0 and not self.tier.unserved
 
     def logs(self) -> list[EventLog]:
         """The partition files open now (every partition it owned since it started)."""
@@ -379,6 +379,7 @@ class PartitionedWorker:
             m.duplicates.inc(plan.duplicates)
         m.batch_size.observe(len(batch))
         m.open_handoffs.set(sum(len(p.planner.open) for p in self._partitions.values()))
+        self._count_quarantined()  # a handoff whose log would not load is quarantined in a plan
 
     # --- Partitions, their files and their outbox ---------------------------------------
 
@@ -473,6 +474,9 @@ class PartitionedWorker:
         if quarantines:
             await part.log.commit(quarantines)
         await self._publish(part, list(backlog.values()))  # marked with the next batch
+        self._count_quarantined()
+
+    def _count_quarantined(self) -> None:
         self._metrics.quarantined.set(
             sum(len(p.planner.quarantined) for p in self._partitions.values())
         )

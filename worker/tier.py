@@ -28,9 +28,10 @@ the catch-up, and priority_timeout when that is longer. A worker that joins take
 at its first round; the others hand that share over at theirs.
 
 Metrics (`worker.metrics.TierMetrics`, if given): the partitions it runs an owner for, set at
-each round; its owners count their claims, fences and hand-overs there. Health: `failing`
-names the partitions of its share whose owner failed with no claim since (e.g. their file's
-disk is full); the worker's /healthz is red while there is one.
+each round; its owners count their claims, fences and hand-overs there. Health: `unserved`
+names the partitions of its share that no owner of it serves yet (not claimed since this
+worker took it, or since its owner failed, e.g. on a full disk); the worker's /healthz is red
+while there is one, as the single worker's is until it recovered, or while its commits fail.
 
 The coordinator is not here: the `decide`, `act`, `on_claim` and `on_release` it is given run
 it (worker.partitioned: the records to log, the actions to publish, the partitions' SQLite
@@ -113,8 +114,6 @@ class Tier:
         # forth for months runs new owners all along.
         self.owners: deque[tuple[int, PartitionOwner]] = deque(maxlen=_OWNERS_KEPT)
         self.rounds = 0
-        # Partitions of its share whose owner failed, until an owner of them claims again.
-        self._failed: set[int] = set()
 
     @property
     def owned(self) -> set[int]:
@@ -122,10 +121,14 @@ class Tier:
         return set(self._running)
 
     @property
-    def failing(self) -> set[int]:
-        """The partitions of its share that it fails to serve: each one's owner failed (e.g.
-        its file's disk is full), and no owner of it has claimed it since."""
-        return {p for p in self._failed if p in self._running and not self._running[p][0].claims}
+    def unserved(self) -> set[int]:
+        """The partitions it runs an owner for that the owner does not serve: it has not
+        claimed the partition yet (it waits for the pin, or for the partition to be vacant:
+        see worker.partition_owner), or it ended (it failed, e.g. on a full disk: the next
+        round starts another)."""
+        return {
+            p for p, (owner, task, _) in self._running.items() if task.done() or not owner.claims
+        }
 
     async def run(self, stop: asyncio.Event) -> None:
         """Set up (retried while NATS cannot answer; a `PartitionsMismatch` is final), and own
@@ -193,7 +196,6 @@ class Tier:
                 del self._running[partition]
                 if not task.cancelled() and task.exception() is not None:
                     logger.error("partition %d: its owner failed: %s", partition, task.exception())
-                    self._failed.add(partition)
         live = [member.instance for member in await self._bus.members()]
         moves = rebalance(self._settings.partitions, live, self.member.instance, self.owned)
         if moves.take or moves.hand_over:
@@ -205,7 +207,6 @@ class Tier:
         await self._stop_owners(set(moves.hand_over))
         for partition in sorted(moves.take):
             self._start_owner(partition)
-        self._failed = self.failing  # those handed over or claimed again are served
         self._count_owned()
 
     def _count_owned(self) -> None:
