@@ -35,7 +35,6 @@ from kvhandoff.events.subjects import Subjects
 from tests.worker.conftest import WorkerProcess
 
 INPUT_STREAM = "KVHANDOFF_IN"
-CONSUMER = "kvhandoff-worker"
 DONE_STREAM = "KVHANDOFF_DONE"
 SUBJECTS = Subjects()
 
@@ -173,11 +172,21 @@ class BusProbe:
                 await asyncio.sleep(min(0.05 * (attempt + 1), 0.5))  # a bounded retry
         raise AssertionError(f"could not publish to {subject}")
 
+    async def refused(self, subject: str, payload: bytes) -> bool:
+        """Whether JetStream refuses to store a publish to `subject`: no stream takes it."""
+        try:
+            await self.nc.jetstream().publish(subject, payload, timeout=2.0)
+        except nats.js.errors.NoStreamResponseError:
+            return True
+        return False
+
     async def settlement(self) -> Settlement:
         js = self.nc.jetstream()
-        consumer = await js.consumer_info(INPUT_STREAM, CONSUMER)
+        # The single worker's one consumer, or a tier's one per partition.
+        consumers = await js.consumers_info(INPUT_STREAM)
         stream = await js.stream_info(INPUT_STREAM)
-        return Settlement(consumer.num_pending or 0, consumer.num_ack_pending or 0,
+        return Settlement(sum(c.num_pending or 0 for c in consumers),
+                          sum(c.num_ack_pending or 0 for c in consumers),
                           stream.state.messages)  # fmt: skip
 
     async def wait_settled(self, worker: WorkerProcess, within: float = 60.0) -> None:
@@ -222,6 +231,13 @@ class BusProbe:
 
     async def purge_inputs(self) -> None:
         await self.nc.jetstream().purge_stream(INPUT_STREAM)
+
+
+def takes(worker: WorkerProcess, subject: str) -> bool:
+    """Whether the worker's input stream stores `subject`: the single worker's takes every
+    subject under `<prefix>.in.`, a tier's `<prefix>.in.<token>` only, the subjects its
+    transform can partition (JetStream refuses the rest to their publisher)."""
+    return not worker.tier or "." not in subject.removeprefix(f"{SUBJECTS.prefix}.in.")
 
 
 def rejection_subject_matches(rejected: Rejected) -> bool:

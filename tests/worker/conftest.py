@@ -14,20 +14,28 @@ from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.partitioned import partition_path
 from kvhandoff.worker.rows import HandoffLog
 from tests.worker.scripted_engine import ScriptedEngines
 
 
 class WorkerProcess(WorkerChild):
     """`kvhandoff run` in a child process (`worker.child`), restartable on the same database,
-    with retries and redeliveries sped up for tests."""
+    with retries and redeliveries sped up for tests. With `tier`, a tier worker at one
+    partition (`--partitions 1`) whose data directory is `db`'s, and `db` its partition's file:
+    the tests of the single worker that read its file read this one."""
 
     def __init__(
-        self, nats_url: str, db: Path, *extra: str, module: str = "kvhandoff.worker.cli"
-    ) -> None:
+        self, nats_url: str, db: Path, *extra: str, module: str = "kvhandoff.worker.cli",
+        tier: bool = False,
+    ) -> None:  # fmt: skip
+        if tier:
+            extra = ("--partitions", "1", "--data-dir", str(db.parent), *extra)
+            db = partition_path(db.parent, 0)
         super().__init__(
             nats_url, db, "--retry-interval", "1s", "--ack-wait", "2s", *extra, module=module
         )
+        self.tier = tier
 
 
 @pytest.fixture

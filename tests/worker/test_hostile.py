@@ -9,6 +9,11 @@ ends with the worker alive (the same process, /healthz 200) and every input sett
 
 The fuzz test throws arbitrary bytes, arbitrary JSON and well-formed messages with extreme values
 at one real worker, on valid and invalid subjects, with valid handoffs beside them.
+
+Every test runs against the single worker and against a tier worker at one partition
+(`--partitions 1`), which must hold alike. One difference is by design: a tier's input stream
+takes `in.<token>` only, the subjects its transform can partition, so JetStream refuses a
+publish to `in.<id>.more` at its publisher, and the worker never sees it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import asyncio
 import json
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +59,7 @@ from tests.worker.bus_probe import (
     logged_rejections,
     poll,
     rejection_subject_matches,
+    takes,
 )
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import Script, ScriptedEngines
@@ -76,6 +82,21 @@ def holding_back(held: set[UUID]) -> Script:
         return success_script(action)
 
     return script
+
+
+@pytest.fixture(params=["single", "tier"])
+def worker(
+    nats_server: EmbeddedNats, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[WorkerProcess]:
+    """The single worker, and a tier worker at one partition: both hold every input alike."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    process = WorkerProcess(
+        nats_server.url, data_dir / "kvhandoff.db", tier=request.param == "tier"
+    )
+    process.start()
+    yield process
+    process.stop()
 
 
 @pytest.fixture
@@ -287,7 +308,11 @@ async def test_a_poison_input_is_rejected_and_the_worker_carries_on(
     await poll(lambda: bool(engines.actions_of(victims.open_id)), "the open victim", worker)
 
     poison = make_poison(victims)
-    await probe.publish(poison.subject, poison.payload)
+    stored = takes(worker, poison.subject)
+    if stored:
+        await probe.publish(poison.subject, poison.payload)
+    else:  # refused to its publisher: the worker never sees it
+        assert await probe.refused(poison.subject, poison.payload)
     after = [start(EngineType.SGLANG), start(EngineType.TRTLLM)]
     for command in after:
         await engines.start_handoff(command)
@@ -297,6 +322,11 @@ async def test_a_poison_input_is_rejected_and_the_worker_carries_on(
     await completed(engines, worker, [victims.open, victims.done])
 
     await probe.wait_settled(worker, within=30)
+    await probe.nc.flush()
+    if not stored:
+        assert not probe.rejected and not probe.undecodable, probe.rejected or probe.undecodable
+        assert_alive(worker, pid)
+        return
     # Settled means terminated, and the rejection is published before that.
     await probe.wait_rejections(lambda r: True, "the poison's rejection", worker, within=10)
     await probe.nc.flush()
@@ -543,13 +573,16 @@ def materialise(token: object, message: Body, target_ids: list[UUID]) -> tuple[s
     return f"{SUBJECTS.prefix}.in." + ".".join(t or "_" for t in safe.split(".")), payload
 
 
-def test_fuzzed_inputs_never_stop_the_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", [False, True], ids=["single", "tier"])
+def test_fuzzed_inputs_never_stop_the_worker(tmp_path: Path, tier: bool) -> None:
     loop = asyncio.new_event_loop()
     store = tmp_path / "nats"
     store.mkdir()
     server = EmbeddedNats(store_dir=store)
     server.start()
-    worker = WorkerProcess(server.url, tmp_path / "kvhandoff.db")
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    worker = WorkerProcess(server.url, data_dir / "kvhandoff.db", tier=tier)
     engines = ScriptedEngines(server.url)
     observer = BusProbe(server.url)
     try:
@@ -565,7 +598,11 @@ def test_fuzzed_inputs_never_stop_the_worker(tmp_path: Path) -> None:
                 await engines.start_handoff(command)
             target_ids = [t.handoff_id for t in named]
             for token, message in messages:
-                await observer.publish(*materialise(token, message, target_ids))
+                subject, payload = materialise(token, message, target_ids)
+                if takes(worker, subject):
+                    await observer.publish(subject, payload)
+                else:
+                    assert await observer.refused(subject, payload), subject
             # Handoffs that nothing fuzzed names: they must succeed beside the fuzz.
             valid = [start(EngineType.TRTLLM), start(EngineType.SGLANG)]
             for command in valid:
