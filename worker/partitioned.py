@@ -301,8 +301,8 @@ class PartitionedWorker:
         await self._rebuild(part)
         elapsed = time.perf_counter() - began
         logger.info(
-            "partition %d: caught %s up with %d of %d entries (mark %s), %d open handoffs, "
-            "in %.3fs",
+            "partition %d: caught %s up with %d of %d entries (mark %s) and recovered %d open "
+            "handoffs in %.3fs",
             partition, part.log.path, len(missing), len(entries), mark, len(part.planner.open),
             elapsed,
         )  # fmt: skip
@@ -454,7 +454,8 @@ class PartitionedWorker:
         except ReplayDivergence as exc:
             raise LogDiverges(
                 f"partition {part.number}: {exc}; this build's coordinator does not re-derive "
-                f"the log of an open handoff in {part.log.path}"
+                f"the log of an open handoff in {part.log.path}. Run `kvhandoff verify` on the "
+                "data directory, and run the build that wrote it"
             ) from exc
         part.timers.rearm(adopted)  # before the backlog's publishes, which count as attempts
         backlog: dict[tuple[UUID, int], tuple[HandoffRow, int, Action]] = {}

@@ -9,6 +9,10 @@ hand, unpin). An owner that was fenced ends by itself; the tier forgets it, and 
 partition up again at the next round if it is still in its share (its pull then waits while
 another worker holds the pin).
 
+An owner that fails is started again at the next round, unless it failed with `LogDiverges`
+(this build's coordinator does not re-derive an open handoff of the partition's log): that
+stops the worker, which hands the rest of its share over, as it would refuse to start.
+
 Set-up. The streams and the consumers are created if absent (idempotent: every worker does it)
 before the worker announces itself; while the cluster cannot answer (forming, or without a meta
 leader) it keeps trying, so a worker that starts before its cluster is ready joins the tier
@@ -48,7 +52,7 @@ from dataclasses import dataclass
 
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Member, Membership
-from kvhandoff.worker.errors import BusError, ConfigError, PartitionsMismatch
+from kvhandoff.worker.errors import BusError, ConfigError, LogDiverges, PartitionsMismatch
 from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import PartitionLog
 from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, OnRelease, PartitionOwner
@@ -194,8 +198,13 @@ class Tier:
         for partition, (_, task, _) in list(self._running.items()):
             if task.done():  # fenced, or failed: forget it, and take it up again if still ours
                 del self._running[partition]
-                if not task.cancelled() and task.exception() is not None:
-                    logger.error("partition %d: its owner failed: %s", partition, task.exception())
+                failure = None if task.cancelled() else task.exception()
+                if isinstance(failure, LogDiverges):
+                    # This build does not re-derive the partition's log: every claim of it
+                    # would fail alike. Stop, handing the rest over, for a worker that does.
+                    raise failure
+                if failure is not None:
+                    logger.error("partition %d: its owner failed: %s", partition, failure)
         live = [member.instance for member in await self._bus.members()]
         moves = rebalance(self._settings.partitions, live, self.member.instance, self.owned)
         if moves.take or moves.hand_over:

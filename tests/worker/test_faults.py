@@ -185,13 +185,15 @@ async def test_a_crash_after_a_commit_while_the_next_batch_is_planned_loses_noth
         worker.stop()
 
 
+@pytest.mark.parametrize("tier", [False, True], ids=["single", "tier"])
 async def test_an_open_handoff_whose_log_this_build_rederives_differently_stops_the_start(
-    nats_server: EmbeddedNats, tmp_path: Path
+    nats_server: EmbeddedNats, tmp_path: Path, tier: bool
 ) -> None:
     """A coordinator change that no longer matches the log is refused at start, naming the
-    handoff and the step, rather than adopted and acted on differently from the log."""
-    db = tmp_path / "diverging.db"
-    log = await EventLog.open(db)
+    handoff and the step, rather than adopted and acted on differently from the log. A tier
+    worker finds it at its claim of the partition, and stops alike."""
+    worker = WorkerProcess(nats_server.url, tmp_path / "diverging.db", tier=tier)
+    log = await EventLog.open(worker.db)
     start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 600_000)
     batch = Batch()
     batch.append_input(0, InputRecord(1, start))
@@ -204,7 +206,6 @@ async def test_an_open_handoff_whose_log_this_build_rederives_differently_stops_
     await log.commit(batch)
     await log.close()
 
-    worker = WorkerProcess(nats_server.url, db)
     worker.launch()
     assert worker.process is not None
     assert worker.process.wait(timeout=30) == 2, worker.logs()

@@ -13,7 +13,8 @@ hand and exits, because another worker now consumes the stream.
 With `--partitions P --data-dir DIR` it runs as one worker of a partitioned tier instead
 (`worker.partitioned`): no lease and no `--db`; each owned partition's log is
 `DIR/partition-<p>.db` under its own writer lock, and DIR itself is locked (`DIR/worker.lock`):
-exit 2 if another worker uses it, or if the input stream was made with another partition count.
+exit 2 if another worker uses it, or if the input stream was made with another partition count,
+and when a partition it claims holds an open handoff that this build does not re-derive.
 A tier starts with its cluster: its set-up (the streams, the consumers, the membership) keeps
 trying while JetStream cannot answer (worker.tier).
 """
