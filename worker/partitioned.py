@@ -422,7 +422,11 @@ class PartitionedWorker:
         path = partition_path(self._data_dir, partition)
         lock = WriterLock.acquire(path)
         try:
-            log = await EventLog.open(path, self._config.synchronous)
+            # A single worker's file of layout 1, moved here to serve a tier at P = 1, is
+            # migrated like the single worker's own (this worker holds its writer lock). Its
+            # history is in no replicated log: until its open handoffs end, only this
+            # machine's file can rebuild them.
+            log = await EventLog.open(path, self._config.synchronous, migrate=True)
         except BaseException:
             lock.release()
             raise

@@ -1,6 +1,7 @@
 """A layout-1 log under a worker of this build: a copy of the golden layout-1 log is migrated
 when `kvhandoff run` starts on it, and the worker carries on with the handoffs it left open,
-with a real nats-server and the scripted engines."""
+with a real nats-server and the scripted engines; and the same file moved into a data directory
+as the partition file of a tier worker at one partition."""
 
 from __future__ import annotations
 
@@ -39,11 +40,17 @@ def metric(worker: WorkerProcess, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
+@pytest.fixture(params=["single", "tier"])
+def tier(request: pytest.FixtureRequest) -> bool:
+    """A single worker's log, or the same file as the partition file of a tier at P = 1."""
+    return bool(request.param == "tier")
+
+
 @pytest.fixture
-def layout_1(tmp_path: Path) -> Path:
+def layout_1(tmp_path: Path, tier: bool) -> Path:
     """The golden layout-1 log, its open handoffs' deadlines moved to an hour from now: they
     started in 2025, and would otherwise time out the moment the worker recovers them."""
-    db = tmp_path / "kvhandoff.db"
+    db = tmp_path / ("partition-0.db" if tier else "kvhandoff.db")
     shutil.copyfile(V1 / "log.sqlite3", db)
     with closing(sqlite3.connect(db)) as connection, connection:
         connection.execute(
@@ -54,8 +61,9 @@ def layout_1(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def worker(nats_server: EmbeddedNats, layout_1: Path) -> Iterator[WorkerProcess]:
-    process = WorkerProcess(nats_server.url, layout_1)
+def worker(nats_server: EmbeddedNats, layout_1: Path, tier: bool) -> Iterator[WorkerProcess]:
+    process = WorkerProcess(nats_server.url, layout_1, tier=tier)
+    assert process.db == layout_1
     yield process
     process.stop()
 
