@@ -48,9 +48,18 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
     server.close()
 
 
+#: `@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)`: a test of the `worker`
+#: fixture runs against the single worker and against a tier worker at one partition.
+BOTH_MODES = [pytest.param(False, id="single"), pytest.param(True, id="tier")]
+
+
 @pytest.fixture
-def worker(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[WorkerProcess]:
-    process = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db")
+def worker(
+    nats_server: EmbeddedNats, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[WorkerProcess]:
+    """The single worker, started; a tier worker at one partition if parametrized with True."""
+    tier = bool(getattr(request, "param", False))
+    process = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db", tier=tier)
     process.start()
     yield process
     process.stop()

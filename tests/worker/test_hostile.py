@@ -22,7 +22,7 @@ import asyncio
 import json
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ from tests.worker.bus_probe import (
     rejection_subject_matches,
     takes,
 )
-from tests.worker.conftest import WorkerProcess
+from tests.worker.conftest import BOTH_MODES, WorkerProcess
 from tests.worker.scripted_engine import Script, ScriptedEngines
 
 DEADLINE_MS = 120_000
@@ -82,21 +82,6 @@ def holding_back(held: set[UUID]) -> Script:
         return success_script(action)
 
     return script
-
-
-@pytest.fixture(params=["single", "tier"])
-def worker(
-    nats_server: EmbeddedNats, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[WorkerProcess]:
-    """The single worker, and a tier worker at one partition: both hold every input alike."""
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    process = WorkerProcess(
-        nats_server.url, data_dir / "kvhandoff.db", tier=request.param == "tier"
-    )
-    process.start()
-    yield process
-    process.stop()
 
 
 @pytest.fixture
@@ -291,6 +276,7 @@ POISONS = [
 ]
 
 
+@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)
 @pytest.mark.parametrize("make_poison", POISONS)
 async def test_a_poison_input_is_rejected_and_the_worker_carries_on(
     worker: WorkerProcess,
@@ -367,6 +353,7 @@ async def assert_quarantined(
     assert handoff_state(worker.db, handoff_id) == "quarantined"
 
 
+@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)
 async def test_an_input_for_a_completed_handoff_with_a_corrupt_log_quarantines_only_it(
     worker: WorkerProcess, engines: ScriptedEngines, probe: BusProbe
 ) -> None:
@@ -398,6 +385,7 @@ async def test_an_input_for_a_completed_handoff_with_a_corrupt_log_quarantines_o
     assert_alive(worker, pid)
 
 
+@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)
 async def test_an_open_handoff_with_a_corrupt_log_is_quarantined_at_recovery(
     worker: WorkerProcess, engines: ScriptedEngines, probe: BusProbe
 ) -> None:
@@ -580,9 +568,7 @@ def test_fuzzed_inputs_never_stop_the_worker(tmp_path: Path, tier: bool) -> None
     store.mkdir()
     server = EmbeddedNats(store_dir=store)
     server.start()
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    worker = WorkerProcess(server.url, data_dir / "kvhandoff.db", tier=tier)
+    worker = WorkerProcess(server.url, tmp_path / "kvhandoff.db", tier=tier)
     engines = ScriptedEngines(server.url)
     observer = BusProbe(server.url)
     try:
