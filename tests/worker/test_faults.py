@@ -192,7 +192,7 @@ async def test_a_crash_after_a_commit_while_the_next_batch_is_planned_loses_noth
         worker.stop()
 
 
-@pytest.mark.parametrize("tier", [False, True], ids=["single", "tier"])
+@pytest.mark.parametrize("tier", BOTH_MODES)
 async def test_an_open_handoff_whose_log_this_build_rederives_differently_stops_the_start(
     nats_server: EmbeddedNats, tmp_path: Path, tier: bool
 ) -> None:

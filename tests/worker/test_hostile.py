@@ -561,7 +561,7 @@ def materialise(token: object, message: Body, target_ids: list[UUID]) -> tuple[s
     return f"{SUBJECTS.prefix}.in." + ".".join(t or "_" for t in safe.split(".")), payload
 
 
-@pytest.mark.parametrize("tier", [False, True], ids=["single", "tier"])
+@pytest.mark.parametrize("tier", BOTH_MODES)
 def test_fuzzed_inputs_never_stop_the_worker(tmp_path: Path, tier: bool) -> None:
     loop = asyncio.new_event_loop()
     store = tmp_path / "nats"

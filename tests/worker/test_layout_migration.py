@@ -27,7 +27,7 @@ from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.tools.conftest import IDS, V1
 from tests.worker.bus_probe import poll
-from tests.worker.conftest import WorkerProcess, logged, logged_actions
+from tests.worker.conftest import BOTH_MODES, WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 
 OPEN = [UUID(IDS[name]) for name in ("stuck-on-reserve", "stuck-on-transfer", "just-started")]
@@ -40,10 +40,10 @@ def metric(worker: WorkerProcess, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
-@pytest.fixture(params=["single", "tier"])
+@pytest.fixture(params=BOTH_MODES)
 def tier(request: pytest.FixtureRequest) -> bool:
     """A single worker's log, or the same file as the partition file of a tier at P = 1."""
-    return bool(request.param == "tier")
+    return bool(request.param)
 
 
 @pytest.fixture
