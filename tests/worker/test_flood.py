@@ -17,14 +17,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from kvhandoff.events.messages import EngineType, HandoffCompletion, StartHandoff
 from kvhandoff.worker.natsserver import EmbeddedNats
-from tests.worker.bus_probe import BusProbe, assert_alive, rejected_ids
-from tests.worker.conftest import WorkerProcess
+from tests.worker.bus_probe import BusProbe, assert_alive, poll, rejected_ids
+from tests.worker.conftest import BOTH_MODES, WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
 
 LOAD = 300  # valid handoffs per measured run
@@ -129,6 +130,11 @@ class Flooder:
             await self.process.wait()
 
 
+def all_rejected(db: Path, ids: set[uuid.UUID]) -> bool:
+    return ids <= rejected_ids(db)
+
+
+@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)
 async def test_a_flood_of_facts_for_unknown_handoffs_does_not_starve_valid_ones(
     worker: WorkerProcess, engines: ScriptedEngines, probe: BusProbe, tmp_path: Path
 ) -> None:
@@ -170,8 +176,11 @@ async def test_a_flood_of_facts_for_unknown_handoffs_does_not_starve_valid_ones(
 
         # Every fact of the flood ends rejected, and nothing is left in the stream.
         await probe.wait_settled(worker, within=120)
-        unrejected = set(ghosts) - rejected_ids(worker.db)
-        assert not unrejected, f"{len(unrejected)} facts of the flood settled unrejected"
+        # In the log too: a tier worker's file may trail what it settled by its last commits.
+        await poll(
+            partial(all_rejected, worker.db, set(ghosts)),
+            "every fact of the flood rejected in the log", worker, within=30,
+        )  # fmt: skip
         assert_alive(worker, pid)
         if flooded.median_s <= 2 * baseline.median_s:
             return
