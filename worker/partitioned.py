@@ -316,8 +316,10 @@ class PartitionedWorker:
             return  # never claimed
         part.timers.clear()
         part.planner.open.clear()
+        part.planner.quarantined = set()  # read from the file again at the next claim
         part.decided = None
         part.tenure += 1  # what it published and is not confirmed is the next owner's to publish
+        self._count_in_memory()
         logger.info("partition %d: released; its timers are dropped", partition)
 
     async def decide(self, batch: Sequence[Inbound]) -> Decided:
@@ -378,8 +380,7 @@ class PartitionedWorker:
         if plan.duplicates:
             m.duplicates.inc(plan.duplicates)
         m.batch_size.observe(len(batch))
-        m.open_handoffs.set(sum(len(p.planner.open) for p in self._partitions.values()))
-        self._count_quarantined()  # a handoff whose log would not load is quarantined in a plan
+        self._count_in_memory()  # a handoff whose log would not load is quarantined in a plan
 
     # --- Partitions, their files and their outbox ---------------------------------------
 
@@ -451,10 +452,9 @@ class PartitionedWorker:
         planner.deferred.clear()
         planner.quarantined = await part.log.quarantined()
         quarantines = Batch()
+        loaded = await part.log.open_handoffs()
         try:
-            adopted = planner.adopt(
-                (await part.log.open_handoffs()).values(), quarantines, now_ms(), diverging=True
-            )
+            adopted = planner.adopt(loaded.values(), quarantines, now_ms(), diverging=True)
         except ReplayDivergence as exc:
             raise LogDiverges(
                 f"partition {part.number}: {exc}; this build's coordinator does not re-derive "
@@ -479,12 +479,14 @@ class PartitionedWorker:
         if quarantines:
             await part.log.commit(quarantines)
         await self._publish(part, list(backlog.values()))  # marked with the next batch
-        self._count_quarantined()
+        self._metrics.recovered.set(len(loaded))
+        self._count_in_memory()
 
-    def _count_quarantined(self) -> None:
-        self._metrics.quarantined.set(
-            sum(len(p.planner.quarantined) for p in self._partitions.values())
-        )
+    def _count_in_memory(self) -> None:
+        """The gauges of the handoffs in memory, over the partitions it owns now."""
+        parts = self._partitions.values()
+        self._metrics.open_handoffs.set(sum(len(p.planner.open) for p in parts))
+        self._metrics.quarantined.set(sum(len(p.planner.quarantined) for p in parts))
 
     async def _publish(
         self, part: _Partition, actions: list[tuple[HandoffRow, int, Action]]

@@ -403,7 +403,10 @@ async def test_an_open_handoff_with_a_corrupt_log_is_quarantined_at_recovery(
     worker.start()  # must come up, and recover every other open handoff
     assert worker.process is not None
     pid = worker.process.pid
-    assert gauge(worker.metrics(), QUARANTINED_GAUGE) == 1.0, worker.logs()
+    metrics = worker.metrics()
+    assert gauge(metrics, QUARANTINED_GAUGE) == 1.0, worker.logs()
+    assert gauge(metrics, "kvhandoff_recovered_handoffs") == 2.0, metrics  # the corrupt one too
+    assert gauge(metrics, "kvhandoff_open_handoffs") == 1.0, metrics
     await engines.send(SourceHeld(corrupt.handoff_id, TIMING))
     await assert_quarantined(probe, worker, corrupt.handoff_id, engines)
 
