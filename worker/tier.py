@@ -118,6 +118,7 @@ class Tier:
         # forth for months runs new owners all along.
         self.owners: deque[tuple[int, PartitionOwner]] = deque(maxlen=_OWNERS_KEPT)
         self.rounds = 0
+        self._share: set[int] = set()  # the partitions the last round left it owning
 
     @property
     def owned(self) -> set[int]:
@@ -126,13 +127,15 @@ class Tier:
 
     @property
     def unserved(self) -> set[int]:
-        """The partitions it runs an owner for that the owner does not serve: it has not
-        claimed the partition yet (it waits for the pin, or for the partition to be vacant:
-        see worker.partition_owner), or it ended (it failed, e.g. on a full disk: the next
-        round starts another)."""
+        """The partitions of its share that no owner serves: the owner has not claimed the
+        partition yet (it waits for the pin, or for the partition to be vacant: see
+        worker.partition_owner), or it ended (it failed, e.g. on a full disk), until the round
+        that replaced it, or gave the partition to another worker, is over."""
+        running = self._running
         return {
-            p for p, (owner, task, _) in self._running.items() if task.done() or not owner.claims
-        }
+            p for p in self._share
+            if p not in running or running[p][1].done() or not running[p][0].claims
+        }  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> None:
         """Set up (retried while NATS cannot answer; a `PartitionsMismatch` is final), and own
@@ -216,6 +219,8 @@ class Tier:
         await self._stop_owners(set(moves.hand_over))
         for partition in sorted(moves.take):
             self._start_owner(partition)
+        # Only now: an owner forgotten above stays in the share (unserved) until it is replaced.
+        self._share = set(self._running)
         self._count_owned()
 
     def _count_owned(self) -> None:
