@@ -117,7 +117,7 @@ class Tier:
         # The last owners it ran, in order: bounded, as a worker whose partitions move back and
         # forth for months runs new owners all along.
         self.owners: deque[tuple[int, PartitionOwner]] = deque(maxlen=_OWNERS_KEPT)
-        self.rounds = 0
+        self.rounds = 0  # completed
         self._share: set[int] = set()  # the partitions the last round left it owning
 
     @property
@@ -197,7 +197,6 @@ class Tier:
         return await self._bus.announce(self.member)
 
     async def _round(self) -> None:
-        self.rounds += 1
         for partition, (_, task, _) in list(self._running.items()):
             if task.done():  # fenced, or failed: forget it, and take it up again if still ours
                 del self._running[partition]
@@ -221,6 +220,7 @@ class Tier:
             self._start_owner(partition)
         # Only now: an owner forgotten above stays in the share (unserved) until it is replaced.
         self._share = set(self._running)
+        self.rounds += 1  # completed: health reads the share this one left
         self._count_owned()
 
     def _count_owned(self) -> None:
