@@ -1,4 +1,4 @@
-"""Draining a preloaded stream in process: the worker's pipelined loop beside a bare pipeline.
+"""Draining a preloaded stream in process: the worker beside a bare pipeline.
 
 Run from the repository root as `python bench/drain.py [--runs N] [--handoffs N]
 [--batch-size N] [--window N] [--profile]`. It starts its own nats-server (the
@@ -10,13 +10,14 @@ interleave them. Each run preloads (untimed) every input into a fresh input stre
 durable consumer (the worker's stream and consumer settings, `max_ack_pending` as `kvhandoff run`
 sets it) and a fresh completion stream, then drains it into a fresh SQLite file:
 
-- ``worker``: `Worker.run`, the worker's own pipelined loop (while batch k commits, k+1 is
-  fetched and planned; see `worker.service`), over a `Bus` and an `EventLog` opened as
-  `kvhandoff run` opens them, fetching `--batch-size` (default 512) inputs at a time through
-  the lean `worker.bus.Pull`. The bench sets the loop's stop event the moment the last input
-  has been fetched; the loop finishes the batches in hand and returns. Its timers task runs
-  (nothing falls due). Checked afterwards: every handoff `succeeded`, every input and action
-  logged once, no rejection.
+- ``worker``: `Worker.run`, what `kvhandoff run` runs (a tier of one partition, see
+  `worker.service`): each batch of up to `--batch-size` (default 512) inputs is pulled through
+  the lean `worker.bus.Pull`, decided, appended to the partition's replicated log (a JetStream
+  stream), acted on (published, acknowledged) and queued for the SQLite file, whose commits run
+  behind. The bench sets the worker's stop event once the last input was acted on; the worker
+  hands the partition over and commits its file in full before it returns, and the clock stops
+  there. Its timers task runs (nothing falls due). Checked afterwards: every handoff
+  `succeeded`, every input and action logged once, no rejection.
 - ``bare``: the issue's floor, stock nats-py and sqlite3 only: `pull_subscribe_bind` on the
   same consumer settings and `fetch(--batch-size)`; per batch, one WAL synchronous=FULL
   transaction (in a worker thread, as aiosqlite runs the worker's) inserting one row per input
@@ -30,8 +31,8 @@ flushed. After one untimed warm-up of each side, each run pairs one worker run a
 back to back, alternating which goes first; worker/bare is taken per pair, and every figure is
 the median of `--runs` (default 5) runs. Per side: inputs/s, handoffs/s, CPU time of this
 process per input (all threads, SQLite's included; nats-server's not), and for the worker the
-time its loop waited in `fetch` and the time its commits took (they overlap planning, so they
-do not add up to the wall time). The ratio is printed from CPU time too: it moves less with the
+time its local commits took (they run behind the appends, so they do not add up to the wall
+time). The ratio is printed from CPU time too: it moves less with the
 machine's load, but leaves out nats-server, whose share is about the same for both.
 
 `--profile` adds one worker run under cProfile (the event loop's thread only, so not SQLite's
@@ -84,8 +85,8 @@ from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings, WorkerConfig
 from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.service import Worker
-from kvhandoff.worker.store import EventLog
+from kvhandoff.worker.partition_owner import Decided
+from kvhandoff.worker.service import Worker, tier_settings
 
 _ROOT = Path(__file__).resolve().parents[1]
 _FETCH_TIMEOUT_S = 2.0  # a preloaded stream never makes a fetch wait this long
@@ -96,29 +97,29 @@ _RUN_TIMEOUT_S = 600.0
 class Run:
     seconds: float
     cpu_s: float  # this process, every thread (SQLite's included), not nats-server
-    fetch_s: float  # waiting in fetch
+    fetch_s: float | None  # waiting in fetch (the bare pipeline's)
     commit_s: float  # in commits (the worker's overlap its planning)
 
 
-class CountingBus(Bus):
-    """The worker's bus, timing its fetches and setting `stop` once `expected` inputs came."""
+class CountingWorker(Worker):
+    """The worker, its clock started at its first batch, and `stop` set once `expected` inputs
+    were acted on."""
 
     stop: asyncio.Event
     expected = 0
-    seen = 0
-    fetch_s = 0.0
+    acted = 0
     began = 0.0
 
-    async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
-        t = time.perf_counter()
+    async def decide(self, batch: Sequence[Inbound]) -> Decided:
         if not self.began:
-            self.began = t
-        deliveries = await super().fetch(max_messages, timeout_s)
-        self.fetch_s += time.perf_counter() - t
-        self.seen += len(deliveries)
-        if self.seen >= self.expected:
+            self.began = time.perf_counter()
+        return await super().decide(batch)
+
+    async def act(self, batch: Sequence[Inbound]) -> None:
+        await super().act(batch)
+        self.acted += len(batch)
+        if self.acted >= self.expected:
             self.stop.set()
-        return deliveries
 
 
 class Bench:
@@ -161,36 +162,34 @@ class Bench:
             raise SystemExit(f"preloaded {stored} of {len(self.traffic.steps)} inputs")
 
     @contextlib.asynccontextmanager
-    async def _streams(self, config: WorkerConfig) -> AsyncIterator[None]:
+    async def _streams(self, config: WorkerConfig, *more: str) -> AsyncIterator[None]:
         """Delete the run's streams (and its SQLite files) when it ends."""
         assert self._nc is not None
         try:
             yield
         finally:
-            for stream in (config.stream, config.done_stream):
+            for stream in (config.stream, config.done_stream, *more):
                 with contextlib.suppress(nats.js.errors.NotFoundError):
                     await self._nc.jetstream().delete_stream(stream)
             await asyncio.to_thread(_remove_db, config.db_path)
 
     async def worker(self, profile: cProfile.Profile | None = None) -> Run:
         config = self._config()
-        async with self._streams(config):
-            log = await EventLog.open(config.db_path, config.synchronous)
-            bus = await CountingBus.connect(config.nats, name="bench")
-            assert isinstance(bus, CountingBus)
+        settings = tier_settings(config)
+        async with self._streams(config, settings.log_stream):
+            bus = await Bus.connect(config.nats, name="bench")
             try:
-                await bus.open_inbox(config.stream, SUBJECTS.inputs, config.consumer,
-                                     config.ack_wait_s, max_pending(config.batch_size))  # fmt: skip
-                await bus.open_completions(config.done_stream, SUBJECTS.completions, 60.0)
+                # The input stream first, for the preload; the worker makes the rest.
+                await bus.open_partitions(config.stream, SUBJECTS.prefix, config.partitions)
                 await self._preload(config.stream)
-                bus.stop, bus.expected = asyncio.Event(), len(self.traffic.steps)
                 metrics = Metrics()
+                worker = CountingWorker(config, settings, bus, metrics, label="bench")
+                worker.stop, worker.expected = asyncio.Event(), len(self.traffic.steps)
                 gc.collect()
                 cpu = time.process_time()
                 if profile is not None:
                     profile.enable()
-                await asyncio.wait_for(Worker(config, log, bus, metrics).run(bus.stop),
-                                       _RUN_TIMEOUT_S)  # fmt: skip
+                await asyncio.wait_for(worker.run(worker.stop), _RUN_TIMEOUT_S)
                 await bus.flush()
                 if profile is not None:
                     profile.disable()
@@ -199,9 +198,8 @@ class Bench:
                 assert commit_s is not None
             finally:
                 await bus.close()
-                await log.close()
             self._check_worker(config.db_path)
-        return Run(ended - bus.began, cpu_s, bus.fetch_s, commit_s)
+        return Run(ended - worker.began, cpu_s, None, commit_s)
 
     def _check_worker(self, db: Path) -> None:
         with contextlib.closing(sqlite3.connect(db)) as c:
@@ -375,6 +373,11 @@ def _print_entries(rows: list[_Entry], inputs: int, out: IO[str]) -> None:
               f"  {name} ({where})", file=out)  # fmt: skip
 
 
+def _median_or_dash(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{statistics.median(known):.2f}" if known else "-"
+
+
 def report(t: Throughput, traffic: Traffic, batch_size: int, out: IO[str]) -> None:
     n_in, n_h = len(traffic.steps), traffic.handoffs
     print(
@@ -393,7 +396,7 @@ def report(t: Throughput, traffic: Traffic, batch_size: int, out: IO[str]) -> No
         print(
             f"{name:<7} {seconds:>7.2f} {n_in / seconds:>9,.0f} {n_h / seconds:>10,.0f}"
             f" {statistics.median(r.cpu_s for r in runs) / n_in * 1e6:>9.1f}"
-            f" {statistics.median(r.fetch_s for r in runs):>7.2f}"
+            f" {_median_or_dash([r.fetch_s for r in runs]):>7}"
             f" {statistics.median(r.commit_s for r in runs):>8.2f}",
             file=out,
         )

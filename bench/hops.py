@@ -56,6 +56,7 @@ from typing import IO
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 from traffic import (
     ROOT,
     SUBJECTS,
@@ -70,7 +71,7 @@ from traffic import (
 
 from kvhandoff.events.codec import decode_action, encode
 from kvhandoff.events.messages import Action, ActionOutcome, Input, StartHandoff
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus import Bus, Pull
 from kvhandoff.worker.child import Child
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import NatsSettings
@@ -350,15 +351,29 @@ async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     bus = await Bus.connect(NatsSettings(url=url), name=prefix)
-    await bus.open_inbox(prefix.upper(), f"{prefix}.in.>", prefix, 30.0,
-                         max_pending(batch_size))  # fmt: skip
+    stream = prefix.upper()
+    # A plain stream and durable consumer, pulled through the worker's lean `Pull`.
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().add_stream(
+            StreamConfig(name=stream, subjects=[f"{prefix}.in.>"],
+                         retention=RetentionPolicy.WORK_QUEUE)
+        )  # fmt: skip
+        await nc.jetstream().add_consumer(stream, ConsumerConfig(
+            durable_name=prefix, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+            max_ack_pending=max_pending(batch_size), max_deliver=-1,
+        ))  # fmt: skip
+    finally:
+        await nc.close()
+    pull = Pull(bus, stream, prefix, max_ahead=max_pending(batch_size))
+    await pull.start()
     log = None if db is None else RawLog(db)
     out = f"{prefix}.out"
     seq = 0
     await asyncio.to_thread(ready_file.touch)
     try:
         while not stop.is_set():
-            deliveries = await bus.fetch(batch_size, 0.25)
+            deliveries = await pull.fetch(batch_size, 0.25)
             if not deliveries:
                 continue
             if log is not None:
@@ -371,6 +386,7 @@ async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
             for d in deliveries:
                 await d.ack()
     finally:
+        await pull.close()
         await bus.close()
         if log is not None:
             log.close()

@@ -10,8 +10,8 @@ that stream through a fresh durable consumer (explicit acks, `max_ack_pending` a
   message came. nats-py publishes one pull request per `fetch` and waits for the messages of
   that request with a task and a `wait_for` per message.
 - ``lean``: `Pull(bus, ...).fetch(--batch, ...)` until every message came, with the settings
-  the worker uses (`Bus.open_inbox`): two fetches' worth requested ahead, 30 s expiry, 5 s
-  heartbeats. `Inbound.ack` is a core publish of `+ACK` to the message's reply subject.
+  the worker uses: two fetches' worth requested ahead, 30 s expiry, 5 s heartbeats.
+  `Inbound.ack` is a core publish of `+ACK` to the message's reply subject.
 
 The clock runs from the first fetch until the last ack was handed to the client; both sides
 then flush, untimed. Each run pairs one stock and one lean drain on the same server, back to

@@ -1,5 +1,6 @@
 """Handoffs per second through the tier (1, 2 and 3 `kvhandoff run --partitions 16` workers)
-beside the single worker, on a three-node cluster; and what replication and fencing cost.
+beside the default of one partition, on a three-node cluster; and what replication and fencing
+cost.
 
 Run from the repository root as `python bench/tier.py [--handoffs N] [--in-flight N] [--runs N]
 [--partitions P] [--appends N] [--one-node]`. It starts a three-node JetStream cluster on loopback
@@ -7,7 +8,8 @@ Run from the repository root as `python bench/tier.py [--handoffs N] [--in-fligh
 turn, its workers as child processes (`worker.child.WorkerChild`, default flags, their SQLite
 files in a temporary directory):
 
-    single   `kvhandoff run --db FILE`: one worker consumes the whole stream (P = 1), the baseline
+    P=1      `kvhandoff run --db FILE`: the default, one worker of a tier of one partition, the
+             baseline
     tier xK  K workers `kvhandoff run --partitions P --data-dir DIR` (P = 16), K = 1, 2, 3
              up to P (a worker beyond the P-th would only stand by)
 
@@ -18,25 +20,25 @@ in a closed loop (`hops.closed_loop`) for `--handoffs` (default 600) handoffs, a
 warm-up that, for the tier, goes on until the partitions' latest claims in the replicated log
 are spread over all K workers, none with more than its share (ceil(P / K)). Handoffs/s and the
 hop p50 are the steady state's (`hops.steady_state`: between the 10th and the 90th percentile
-completion); inputs per commit are the workers' own (`kvhandoff_commit_batch_size`: a group
-commit for the single worker, one compare-and-set append and commit for a tier owner); CPU is
+completion); inputs per commit are the workers' own (`kvhandoff_commit_batch_size`: one
+compare-and-set append and local commit per batch); CPU is
 the workers' processes' together, in cores. Each of `--runs` (default 3) rounds runs every
 configuration once, in turn; each figure is the median over the rounds, and the ratio is to the
-single worker of the same round. Between configurations every stream and bucket is deleted, so
+P=1 default of the same round. Between configurations every stream and bucket is deleted, so
 each starts fresh.
 
 The cost per input. A tier owner appends each batch to its partition's replicated log by
-compare-and-set (`Bus.append_expecting` on an R3 stream) before it acts; the single worker's
-inputs cost it no store of its own beyond SQLite. On the same cluster and one `Bus`, one call at
-a time as an owner makes them, the kinds interleaved, `--appends` (default 300) of each per
-round: a plain JetStream publish to an R1 stream (`Bus.publish_durable`, the floor), the same to
-an R3 stream (adds replication), and an R3 compare-and-set append (adds the fence's check), with
-a payload the size of the tier's mean log entry in the round; µs per call, medians over the
-rounds. Per input is the append divided by tier x1's mean inputs per append: batches grow with
-the load (and shrink with the partitions it is spread over), and the cost per input with them.
+compare-and-set (`Bus.append_expecting` on an R3 stream) before it acts, at P = 1 too. On the
+same cluster and one `Bus`, one call at a time as an owner makes them, the kinds interleaved,
+`--appends` (default 300) of each per round: a plain JetStream publish to an R1 stream
+(`Bus.publish_durable`, the floor), the same to an R3 stream (adds replication), and an R3
+compare-and-set append (adds the fence's check), with a payload the size of the tier's mean log
+entry in the round; µs per call, medians over the rounds. Per input is the append divided by
+tier x1's mean inputs per append: batches grow with the load (and shrink with the partitions it
+is spread over), and the cost per input with them.
 
 With `--one-node`, the same on one nats-server, as `kvhandoff demo` runs it (every stream R1):
-the setting of the embedded default, which the tier at P = 1 is to become. The cost per call
+the setting of the embedded default. The cost per call
 is then an R1 publish and an R1 compare-and-set append.
 
 What it cannot show here: on two shared cores, three nats-servers, up to three workers and this
@@ -68,7 +70,7 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 from traffic import ROOT, cpu_seconds, load_average, new_start
 
-from kvhandoff.worker.bus import LEASE_BUCKET, MEMBERS_BUCKET, Bus
+from kvhandoff.worker.bus import MEMBERS_BUCKET, Bus
 from kvhandoff.worker.child import WorkerChild, metric_sum
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster, nats_server_binary
@@ -81,14 +83,14 @@ _FALLBACK_ENTRY_BYTES = 2048  # the append payload when no tier ran (never, with
 # What a configuration leaves on the cluster: `kvhandoff run`'s streams and buckets.
 _LEFT_BEHIND = (
     "KVHANDOFF_IN", "KVHANDOFF_DONE", TierSettings(partitions=2).log_stream,
-    f"KV_{MEMBERS_BUCKET}", f"KV_{LEASE_BUCKET}",
+    f"KV_{MEMBERS_BUCKET}",
 )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
     name: str
-    workers: int  # 0: the single worker
+    workers: int  # 0: `kvhandoff run --db FILE`, the default of one partition
     partitions: int
 
 
@@ -315,7 +317,7 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 
 async def bench(args: argparse.Namespace) -> None:
-    configs = [Config("single", 0, 1)] + [
+    configs = [Config("P=1", 0, 1)] + [
         Config(f"tier x{k}", k, args.partitions) for k in (1, 2, 3) if k <= args.partitions
     ]  # a worker beyond the P-th would only stand by
     results: dict[str, list[Result]] = {c.name: [] for c in configs}
@@ -360,7 +362,7 @@ def report(
         f"\nClosed loop, {args.in_flight} in flight, {args.handoffs:,} handoffs per run, "
         f"{args.runs} rounds (configurations in turn), on "
         f"{'one nats-server' if args.one_node else 'a 3-node cluster'} on loopback; "
-        "medians of the rounds, ratio to the single worker of each round"
+        "medians of the rounds, ratio to the P=1 default of each round"
     )
     header = (
         f"{'config':<9} {'handoffs/s':>10} {'ratio':>6} {'per round':<24} {'p50 hop ms':>10}"
@@ -368,7 +370,7 @@ def report(
     )
     print(header)
     print("-" * len(header))
-    single = results["single"]
+    single = results["P=1"]
     for config in configs:
         runs = results[config.name]
         ratios = [r.per_s / s.per_s for r, s in zip(runs, single, strict=True)]

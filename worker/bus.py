@@ -85,18 +85,6 @@ heartbeats reveal. A reconnect forgets every open request (a restarted server ha
 nothing is requested while disconnected: nats-py would buffer the request and send it after the
 reconnect, beside the ones asked for then.
 
-One consumer per stream. Two workers on one consumer would split the stream between two logs,
-and re-creating the consumer at start would pull inputs from under a running worker. So before
-it touches the consumer a worker takes a lease in the JetStream KV bucket `KVHANDOFF_LEASES`:
-one key per stream and consumer, holding who the holder is (`LeaseHolder`). The bucket keeps one
-revision per key and drops it after `LEASE_TTL_S`; the holder refreshes it well within that by
-compare-and-set on the revision it wrote last, so a refresh that finds another revision knows
-it lost the lease (`LeaseHeld`). A starting worker that finds the lease held watches it: a
-refresh proves the holder alive, and the starting worker refuses (`LeaseHeld`); expiry proves
-it gone, and the lease is free. A lease whose holder names this host and this event log belongs
-to a dead predecessor, because a worker holds an exclusive lock on its log while it lives; it
-is taken over at once, by compare-and-set, instead of after the TTL.
-
 Partitions. For a tier of workers the input stream is split into P partitions, P fixed when the
 stream is created and stored in its metadata (`kvhandoff.partitions`). Publishers keep
 publishing to `<prefix>.in.<handoff_id>`; the stream's subject transform `{{partition(P,1)}}`
@@ -105,12 +93,11 @@ input of one handoff lands in one partition, in publish order. The partitioned s
 `<prefix>.in.*` only, so nothing lands outside a partition. A worker opening the stream with
 another P gets `PartitionsMismatch` (it exits 2): re-partitioning would move handoffs between
 partitions, and with them between owners. The metadata also names the kind of worker that
-consumes the stream (`kvhandoff.consumer`): `tier`, or `single` for the single worker, whose
-stream (`open_inbox`) is one partition without a transform (the inputs keep their canonical
-subjects). A tier may run at P = 1 too, and a single worker and a tier must never consume one
-stream, each taking its log for the authority: a worker of the other kind gets
-`PartitionsMismatch` as well. A stream without the metadata (made before it existed) is a
-single worker's at P = 1 and a tier's above. Streams and buckets are R3 when the server we
+consumes the stream (`kvhandoff.consumer`): `tier`. Earlier versions ran a single worker, with
+a lease instead of pins and its local file for the authority, on a stream of one partition
+without a transform, marked `single` (or, before that, without the metadata at all); a tier
+must not take such a stream over, since the single worker's history is in no replicated log,
+so it gets `PartitionsMismatch` too. Streams and buckets are R3 when the server we
 reached is in a cluster (its INFO names one), R1 alone.
 
 Pins. Each partition has one durable pull consumer (`<consumer>-p<p>`, filtering that
@@ -137,13 +124,13 @@ What it guarantees: appends to a subject are totally ordered, and a writer learn
 append that it lost the race. What it does not: anything done before that append (a publish, an
 ack) was not checked, so an owner must act only after its append succeeded.
 
-Membership. Workers announce themselves in the KV bucket `KVHANDOFF_MEMBERS`, shaped like the
-lease bucket: one key per worker instance, one revision kept, dropped after `MEMBER_TTL_S`
+Membership. Workers announce themselves in the KV bucket `KVHANDOFF_MEMBERS`: one key per worker
+instance, `<tier>.<instance>` (the tier named by its input stream, so that tiers of other
+streams on the same account count apart), one revision kept, dropped after `MEMBER_TTL_S`
 without a refresh; `Membership.keep` refreshes it every third of that. `members` lists who is
-live, read from the bucket's leader (no direct gets: a replica may answer from before the
-latest refresh). Membership says who is *probably* alive, to size each worker's share
-(ceil(P / live)); it never decides who owns a partition. A paused worker stays listed until
-its TTL passes.
+live, read from the bucket's leader (no direct gets: a replica may answer from before the latest
+refresh). Membership says who is *probably* alive, to size each worker's share (ceil(P / live));
+it never decides who owns a partition. A paused worker stays listed until its TTL passes.
 """
 
 from __future__ import annotations
@@ -159,8 +146,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -179,14 +165,12 @@ from nats.js.api import (
 )
 from nats.js.kv import KeyValue
 
-from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import (
     BusError,
     BusRefused,
     ConfigError,
     Fenced,
-    LeaseHeld,
     PartitionsMismatch,
     PinMismatch,
 )
@@ -346,131 +330,8 @@ async def _connect_once(
     raise BusError(f"cannot connect to NATS at {settings.url}: {error}") from error
 
 
-LEASE_BUCKET = "KVHANDOFF_LEASES"
-LEASE_TTL_S = 5.0  # a dead worker on another host blocks a successor this long
-_LEASE_POLL_S = 0.2  # while watching another worker's lease at start
-_LEASE_RETRY_S = 0.5  # after a refresh that failed because NATS did not answer
-_LEASE_RELEASE_TIMEOUT_S = 2.0
-
-
-class LeaseHolder(msgspec.Struct, frozen=True):
-    """Who holds a consumer lease: enough for an operator to find that worker, and for a
-    successor to recognise its own event log. The lease's value, as JSON."""
-
-    host: str
-    pid: int
-    db: str  # the event log, absolute
-    instance: str  # unique per start, so a worker recognises its own writes
-    since_ms: int
-
-    @classmethod
-    def this_process(cls, db_path: Path) -> LeaseHolder:
-        return cls(
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            db=str(db_path.resolve()),
-            instance=uuid.uuid4().hex,
-            since_ms=now_ms(),
-        )
-
-    def succeeds(self, other: LeaseHolder) -> bool:
-        """Whether `other` was a predecessor on this event log, and so is dead: a live worker
-        keeps its log locked, and we hold that lock."""
-        return other.host == self.host and other.db == self.db
-
-    def describe(self) -> str:
-        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since_ms / 1000))
-        return f"pid {self.pid} on {self.host} with log {self.db}, since {since}"
-
-
-_LEASE_ENCODER = msgspec.json.Encoder()
-_LEASE_DECODER = msgspec.json.Decoder(LeaseHolder)
-
-
-def _lease_holder(value: bytes | None) -> LeaseHolder | None:
-    """The holder in a lease's value, or None if it is not one (something else wrote it)."""
-    try:
-        return _LEASE_DECODER.decode(value or b"")
-    except msgspec.DecodeError:
-        return None
-
-
-def _describe(holder: LeaseHolder | None, value: bytes | None) -> str:
-    if holder is None:
-        return f"an unreadable lease {(value or b'')[:200]!r}"
-    return holder.describe()
-
-
-class Lease:
-    """The right to consume one stream through one consumer, until it is released or lost."""
-
-    def __init__(
-        self,
-        client: Client,
-        kv: KeyValue,
-        key: str,
-        holder: LeaseHolder,
-        *,
-        revision: int | None,
-        ttl_s: float,
-    ) -> None:
-        self._nc = client
-        self._kv = kv
-        self._key = key
-        self._holder = holder
-        self._value = _LEASE_ENCODER.encode(holder)
-        self._revision = revision
-        self.ttl_s = ttl_s
-
-    async def keep(self) -> None:
-        """Refresh the lease every third of its TTL, until cancelled.
-
-        Raises `LeaseHeld` as soon as a refresh finds that another worker holds it. A refresh
-        that NATS does not answer is retried; if the lease expired meanwhile, and nobody took
-        it, it is created again.
-        """
-        wait = self.ttl_s / 3
-        while True:
-            await asyncio.sleep(wait)
-            try:
-                await self._refresh()
-                wait = self.ttl_s / 3
-            except (TimeoutError, nats.errors.Error) as exc:
-                logger.warning("lease %s: refresh failed, retrying: %s", self._key, exc)
-                wait = _LEASE_RETRY_S
-
-    async def _refresh(self) -> None:
-        with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
-            self._revision = await self._kv.update(self._key, self._value, last=self._revision)
-            return
-        try:
-            entry = await self._kv.get(self._key)
-        except nats.js.errors.KeyNotFoundError:
-            # It expired while NATS was out of our reach, and nobody took it. If somebody
-            # creates it first, this fails and the next refresh finds them.
-            self._revision = await self._kv.create(self._key, self._value)
-            logger.warning("lease %s had expired; took it again", self._key)
-            return
-        current = _lease_holder(entry.value)
-        if current is not None and current.instance == self._holder.instance:
-            self._revision = entry.revision  # our last refresh landed; its answer was lost
-            return
-        raise LeaseHeld(f"lost the lease {self._key} to {_describe(current, entry.value)}")
-
-    async def release(self) -> None:
-        """Give the lease up, if it is still ours, so a successor need not wait for the TTL."""
-        problem = "no connection"  # then waiting for NATS would only delay a stop
-        if self._nc.is_connected:
-            try:
-                await asyncio.wait_for(
-                    self._kv.delete(self._key, last=self._revision), _LEASE_RELEASE_TIMEOUT_S
-                )
-                return
-            except (TimeoutError, nats.errors.Error) as exc:
-                problem = str(exc)
-        logger.warning(
-            "lease %s not released (%s); it expires in %.0fs", self._key, problem, self.ttl_s
-        )
+_KV_RETRY_S = 0.5  # after a refresh of a bucket's key that failed because NATS did not answer
+_KV_DELETE_TIMEOUT_S = 2.0
 
 
 MEMBERS_BUCKET = "KVHANDOFF_MEMBERS"
@@ -479,7 +340,8 @@ MEMBER_TTL_S = 5.0  # a dead worker counts as live this long, in every other wor
 
 class Member(msgspec.Struct, frozen=True):
     """A worker of the tier, as it announces itself in `MEMBERS_BUCKET`: the value, as JSON.
-    `instance` is the key, unique per start."""
+    The key is `<tier>.<instance>` (`member_key`): `instance` is unique per start, and the tier
+    is its input stream's name, so that tiers of several streams share one bucket apart."""
 
     host: str
     pid: int
@@ -496,6 +358,11 @@ class Member(msgspec.Struct, frozen=True):
         )
 
 
+def member_key(tier: str, instance: str) -> str:
+    """A member's key in `MEMBERS_BUCKET`."""
+    return f"{tier}.{instance}"
+
+
 _MEMBER_ENCODER = msgspec.json.Encoder()
 _MEMBER_DECODER = msgspec.json.Decoder(Member)
 
@@ -503,10 +370,13 @@ _MEMBER_DECODER = msgspec.json.Decoder(Member)
 class Membership:
     """This worker's key in `MEMBERS_BUCKET`, refreshed by `keep` until `leave`."""
 
-    def __init__(self, client: Client, kv: KeyValue, member: Member, ttl_s: float) -> None:
+    def __init__(
+        self, client: Client, kv: KeyValue, tier: str, member: Member, ttl_s: float
+    ) -> None:
         self._nc = client
         self._kv = kv
         self.member = member
+        self._key = member_key(tier, member.instance)
         self._value = _MEMBER_ENCODER.encode(member)
         self.ttl_s = ttl_s
 
@@ -518,22 +388,20 @@ class Membership:
         while True:
             await asyncio.sleep(wait)
             try:
-                await self._kv.put(self.member.instance, self._value)
+                await self._kv.put(self._key, self._value)
                 wait = self.ttl_s / 3
             except (TimeoutError, nats.errors.Error) as exc:
                 logger.warning(
                     "membership %s: refresh failed, retrying: %s", self.member.instance, exc
                 )
-                wait = _LEASE_RETRY_S
+                wait = _KV_RETRY_S
 
     async def leave(self) -> None:
         """Withdraw the announcement, so the others need not wait for the TTL."""
         problem = "no connection"
         if self._nc.is_connected:
             try:
-                await asyncio.wait_for(
-                    self._kv.delete(self.member.instance), _LEASE_RELEASE_TIMEOUT_S
-                )
+                await asyncio.wait_for(self._kv.delete(self._key), _KV_DELETE_TIMEOUT_S)
                 return
             except (TimeoutError, nats.errors.Error) as exc:
                 problem = str(exc)
@@ -963,12 +831,10 @@ _INPUT_STREAM: dict[str, Any] = {
 }
 PARTITIONS_METADATA = "kvhandoff.partitions"
 # Which kind of worker consumes the input stream, in its metadata beside the partition count:
-# a single worker (one consumer; its local file is the authority) or a tier (a pinned consumer
-# per partition; the replicated log is the authority). At one partition both are possible, and
-# both applying one stream's inputs would be two authorities for one handoff.
+# a tier (a pinned consumer per partition; the replicated log is the authority), or `single`,
+# the single worker of earlier versions (its local file was the authority), which a tier must
+# not take over.
 CONSUMER_METADATA = "kvhandoff.consumer"
-StreamConsumer = Literal["single", "tier"]
-_CONSUMER_NAMES = {"single": "a single worker", "tier": "a tier"}
 PRIORITY_GROUP = "owner"  # the one priority group of every partition's consumer
 CLUSTER_REPLICAS = 3
 _JS_INFO = "$JS.API.INFO"
@@ -1005,7 +871,6 @@ class Bus:
     def __init__(self, client: Client) -> None:
         self._nc = client
         self._js = client.jetstream()
-        self._inbox_pull: Pull | None = None  # the worker's, made by `open_inbox`
         self._pulls: set[Pull] = set()  # every started Pull, reset on a reconnect
         self._barrier_subject = client.new_inbox()
         self._barriers: dict[bytes, asyncio.Future[None]] = {}
@@ -1248,125 +1113,6 @@ class Bus:
 
     # --- The worker's streams ---------------------------------------------------------------
 
-    async def acquire_lease(self, stream: str, consumer: str, holder: LeaseHolder) -> Lease:
-        """Take the lease on `consumer` of `stream` for `holder`, creating the bucket if absent.
-
-        A lease left by a dead predecessor with this host and this event log is taken over at
-        once. Another holder's lease is watched: if it expires (the holder is gone), it is
-        taken; if it is refreshed, `LeaseHeld` names the holder, which is alive.
-        """
-        key = f"{stream}.{consumer}"
-        value = _LEASE_ENCODER.encode(holder)
-        try:
-            kv = await self._lease_bucket()
-            ttl_s = (await kv.status()).ttl
-            if not ttl_s:
-                raise BusError(
-                    f"lease bucket {LEASE_BUCKET} has no TTL, so a dead worker's lease would "
-                    "never expire; delete the bucket and let the worker create it"
-                )
-            clock = asyncio.get_running_loop().time
-            # A lease that is neither refreshed nor expired after two TTLs is held by no one
-            # we can tell apart from a live worker.
-            give_up = clock() + 2 * ttl_s
-            first_seen: int | None = None
-            held_by = "nobody"
-            # A lease can expire between any two of our requests; nats-py's `create` even makes
-            # two, and then says "key not found". Either way: look again.
-            gone = (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError)
-            while clock() < give_up:
-                with contextlib.suppress(*gone):
-                    revision = await kv.create(key, value)
-                    return Lease(self._nc, kv, key, holder, revision=revision, ttl_s=ttl_s)
-                try:
-                    entry = await kv.get(key)
-                except nats.js.errors.KeyNotFoundError:
-                    continue  # it expired or was released between our two requests
-                current = _lease_holder(entry.value)
-                held_by = _describe(current, entry.value)
-                if current is not None and holder.succeeds(current):
-                    with contextlib.suppress(*gone):
-                        revision = await kv.update(key, value, last=entry.revision)
-                        logger.warning(
-                            "took over the lease on %s / %s from %s, which is gone: this "
-                            "worker holds its event log now",
-                            stream, consumer, held_by,
-                        )  # fmt: skip
-                        return Lease(self._nc, kv, key, holder, revision=revision, ttl_s=ttl_s)
-                elif first_seen is None:
-                    first_seen = entry.revision
-                    logger.info(
-                        "the lease on %s / %s is held by %s; waiting up to %.0fs to see "
-                        "whether it expires (the holder is gone) or is refreshed (it is not)",
-                        stream, consumer, held_by, ttl_s,
-                    )  # fmt: skip
-                elif entry.revision != first_seen:
-                    raise LeaseHeld(
-                        f"stream {stream} / consumer {consumer} is consumed by another worker: "
-                        f"{held_by}, which keeps its lease alive; one worker per stream"
-                    )
-                await asyncio.sleep(_LEASE_POLL_S)
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise BusError(f"cannot take the lease on {stream} / {consumer}: {exc}") from exc
-        raise LeaseHeld(
-            f"stream {stream} / consumer {consumer}: the lease held by {held_by} neither "
-            f"expired nor was refreshed in {2 * ttl_s:.0f}s; is the bucket {LEASE_BUCKET} right?"
-        )
-
-    async def _lease_bucket(self) -> KeyValue:
-        try:
-            return await self._js.key_value(LEASE_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            # Workers racing to create it send the same configuration, which JetStream accepts.
-            return await self._js.create_key_value(
-                KeyValueConfig(
-                    bucket=LEASE_BUCKET,
-                    description="kvhandoff: which worker consumes each input stream",
-                    history=1,
-                    ttl=LEASE_TTL_S,
-                )
-            )
-
-    async def open_inbox(
-        self, stream: str, subjects: str, consumer: str, ack_wait_s: float, max_pending: int
-    ) -> None:
-        """Create the input stream if absent, re-create the durable consumer, and pull from it.
-
-        Re-creating the consumer takes every unacknowledged input from whoever consumes it, so
-        call this only while holding the consumer's lease (`acquire_lease`).
-        """
-        # Single-worker mode is the one-partition case of the input stream (see "Partitions").
-        await self._ensure_input_stream(
-            StreamConfig(name=stream, subjects=[subjects], **_INPUT_STREAM),
-            partitions=1,
-            consumer="single",
-        )
-        try:
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self._js.delete_consumer(stream, consumer)
-            await self._js.add_consumer(
-                stream,
-                ConsumerConfig(
-                    durable_name=consumer,
-                    name=consumer,
-                    filter_subject=subjects,
-                    ack_policy=AckPolicy.EXPLICIT,
-                    deliver_policy=DeliverPolicy.ALL,
-                    ack_wait=ack_wait_s,
-                    max_ack_pending=max_pending,
-                    max_deliver=-1,
-                ),
-            )
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise BusError(
-                f"cannot open stream {stream} / consumer {consumer}: {_why(exc)}"
-            ) from exc
-        if self._inbox_pull is not None:
-            await self._inbox_pull.close()
-        pull = Pull(self, stream, consumer, max_ahead=max_pending)
-        await pull.start()
-        self._inbox_pull = pull
-
     async def open_completions(self, stream: str, subjects: str, max_age_s: float) -> None:
         """Create (or update) the stream that keeps the last completion of every handoff, so a
         frontend that was away when its `Complete` went out can still read it."""
@@ -1434,28 +1180,16 @@ class Bus:
             ),
             **_INPUT_STREAM,
         )
-        await self._ensure_input_stream(config, partitions=partitions, consumer="tier")
-
-    async def _ensure_input_stream(
-        self, config: StreamConfig, *, partitions: int, consumer: StreamConsumer
-    ) -> None:
-        """Create the input stream with `config`, and the partition count and the kind of its
-        consumer in its metadata; or check those of the one there (a stream made before they
-        existed: one partition is a single worker's, more a tier's)."""
-        stream = config.name
-        assert stream is not None
         try:
             try:
                 info = await self._js.stream_info(stream)
             except nats.js.errors.NotFoundError:
                 config.num_replicas = self.replicas
-                config.metadata = {
-                    PARTITIONS_METADATA: str(partitions), CONSUMER_METADATA: consumer
-                }  # fmt: skip
+                config.metadata = {PARTITIONS_METADATA: str(partitions), CONSUMER_METADATA: "tier"}
                 await self._js.add_stream(config)
                 logger.info(
-                    "created stream %s for %s: %d partition(s) for a %s worker, R%d",
-                    stream, config.subjects, partitions, consumer, config.num_replicas,
+                    "created stream %s for %s: %d partition(s), R%d",
+                    stream, config.subjects, partitions, config.num_replicas,
                 )  # fmt: skip
                 return
         except (TimeoutError, nats.errors.Error) as exc:
@@ -1463,18 +1197,17 @@ class Bus:
         metadata = info.config.metadata or {}
         stored = metadata.get(PARTITIONS_METADATA, "1")
         stored_consumer = metadata.get(CONSUMER_METADATA, "single" if stored == "1" else "tier")
-        if (stored, stored_consumer) != (str(partitions), consumer):
-            start = (
-                f"start every worker with --partitions {stored} --data-dir DIR"
-                if stored_consumer == "tier"
-                else "start one worker, without --partitions"
-            )
+        if stored_consumer != "tier":
             raise PartitionsMismatch(
-                f"stream {stream} has {stored} partition(s) for"
-                f" {_CONSUMER_NAMES.get(stored_consumer, repr(stored_consumer))} and this worker"
-                f" was started with {partitions} as {_CONSUMER_NAMES[consumer]};"
-                f" the partitions and the kind of worker are fixed when the stream is created:"
-                f" {start}, or delete the stream"
+                f"stream {stream} was made for {stored_consumer!r}, the single worker of an "
+                "earlier kvhandoff, whose log is its local file and in no replicated log: let "
+                "that version finish its open handoffs, then delete the stream"
+            )
+        if stored != str(partitions):
+            raise PartitionsMismatch(
+                f"stream {stream} has {stored} partition(s) and this worker was started with"
+                f" {partitions}; the partitions are fixed when the stream is created: start"
+                f" every worker with --partitions {stored}, or delete the stream"
             )
 
     async def open_partition_consumer(
@@ -1489,8 +1222,8 @@ class Bus:
         priority_timeout_s: float,
     ) -> str:
         """Create (or keep) the durable pull consumer of one partition, with the priority group
-        `PRIORITY_GROUP` pinned to one client; its name. Unlike `open_inbox`, it never deletes
-        a consumer: other workers pull from it. Pull it with `Pull(..., group=PRIORITY_GROUP)`."""
+        `PRIORITY_GROUP` pinned to one client; its name. It never deletes a consumer: other
+        workers pull from it. Pull it with `Pull(..., group=PRIORITY_GROUP)`."""
         name = f"{consumer}-p{partition}"
         request = {
             "stream_name": stream,
@@ -1732,8 +1465,9 @@ class Bus:
             await asyncio.sleep(backoff_s)
             backoff_s = min(2 * backoff_s, _PUBLISH_BACKOFF_S[1])
 
-    async def announce(self, member: Member) -> Membership:
-        """Announce `member` in `MEMBERS_BUCKET` (created if absent); keep it with `keep`.
+    async def announce(self, member: Member, tier: str) -> Membership:
+        """Announce `member` of `tier` in `MEMBERS_BUCKET` (created if absent); keep it with
+        `keep`.
         Retried for `_ANNOUNCE_GIVE_UP_S` while no stream answers: a bucket that another
         worker just made in a cluster answers on every node only once its interest spread."""
         clock = asyncio.get_running_loop().time
@@ -1747,8 +1481,8 @@ class Bus:
                         f"member bucket {MEMBERS_BUCKET} has no TTL, so a dead worker would "
                         "count as live for ever; delete the bucket and let the worker create it"
                     )
-                await kv.put(member.instance, _MEMBER_ENCODER.encode(member))
-                return Membership(self._nc, kv, member, ttl_s)
+                await kv.put(member_key(tier, member.instance), _MEMBER_ENCODER.encode(member))
+                return Membership(self._nc, kv, tier, member, ttl_s)
             except (*_RETRYABLE, nats.js.errors.ServiceUnavailableError) as exc:
                 if clock() > give_up:
                     raise BusError(
@@ -1760,9 +1494,9 @@ class Bus:
                 ) from exc
             await asyncio.sleep(_JS_READY_POLL_S)
 
-    async def members(self) -> list[Member]:
-        """The workers announced and not expired, oldest first; values that are not a
-        `Member` (written by something else) are skipped with a warning."""
+    async def members(self, tier: str) -> list[Member]:
+        """The workers of `tier` announced and not expired, oldest first; values that are not
+        a `Member` (written by something else) are skipped with a warning."""
         found: list[Member] = []
         try:
             kv = await self._members_bucket()
@@ -1770,7 +1504,9 @@ class Bus:
             # `keys()` lists them through a consumer made for the purpose, which can come up
             # empty when a refresh replaces a key's message just as it is made.
             prefix = f"$KV.{MEMBERS_BUCKET}."
-            info = await self._js.stream_info(f"KV_{MEMBERS_BUCKET}", subjects_filter=f"{prefix}>")
+            info = await self._js.stream_info(
+                f"KV_{MEMBERS_BUCKET}", subjects_filter=f"{prefix}{member_key(tier, '*')}"
+            )
             keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
             for key in keys:
                 try:
@@ -1802,13 +1538,6 @@ class Bus:
                     direct=False,
                 )
             )
-
-    async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
-        """Inputs from the inbox, in stream order: at once whatever is ready, up to
-        `max_messages`; waits up to `timeout_s` only when nothing is (see `Pull.fetch`)."""
-        if self._inbox_pull is None:
-            raise BusError("fetch before open_inbox: there is no consumer to pull from")
-        return await self._inbox_pull.fetch(max_messages, timeout_s)
 
     async def close(self) -> None:
         """Flush what was published (actions, acks), then disconnect."""

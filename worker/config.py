@@ -72,6 +72,11 @@ class NatsSettings:
 TIER_RETENTION_S = 7 * 24 * 3600.0
 
 
+def partition_path(data_dir: Path, partition: int) -> Path:
+    """The local event log of one partition (the offline tools read `partition-*.db`)."""
+    return data_dir / f"partition-{partition}.db"
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     nats: NatsSettings
@@ -79,6 +84,7 @@ class WorkerConfig:
     stream: str = "KVHANDOFF_IN"
     consumer: str = "kvhandoff-worker"
     done_stream: str = "KVHANDOFF_DONE"
+    log_stream: str = "KVHANDOFF_LOG"  # the partitions' replicated logs (worker.service)
     completion_ttl_s: float = 3600.0
     batch_size: int = 512
     retry_interval_s: float = 5.0
@@ -91,8 +97,9 @@ class WorkerConfig:
     metrics_port: int = 9464
     log_format: str = "text"
     log_level: str = "INFO"
-    # The tier (worker.partitioned): None is the single worker of `db_path`.
-    partitions: int | None = None
+    # The tier (worker.service). Without a data directory the worker runs the one partition
+    # whose file is `db_path`: the embedded default, a tier of one partition.
+    partitions: int = 1
     data_dir: Path | None = None
     priority_timeout_s: float = 3.0  # worker.tier.TierSettings'
 
@@ -101,7 +108,7 @@ class WorkerConfig:
         """How long the tier keeps its replicated log's entries, and its files' completed
         handoffs: `--retention`, or a week (the replicated log is on every node: it is bounded
         by default). An open handoff must outlive none of its entries, so a start may ask for at
-        most half of it as its deadline (worker.partitioned)."""
+        most half of it as its deadline (worker.service)."""
         return TIER_RETENTION_S if self.retention_s is None else self.retention_s
 
     def validate(self) -> None:
@@ -117,6 +124,14 @@ class WorkerConfig:
             raise ConfigError(
                 f"--done-stream: {self.done_stream!r} must be letters, digits, '-' or '_', and"
                 " not the input stream"
+            )
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.log_stream) or self.log_stream in {
+            self.stream,
+            self.done_stream,
+        }:
+            raise ConfigError(
+                f"--log-stream: {self.log_stream!r} must be letters, digits, '-' or '_', and"
+                " neither the input nor the completion stream"
             )
         if self.completion_ttl_s <= 0:
             raise ConfigError("--completion-ttl must be positive")
@@ -138,14 +153,22 @@ class WorkerConfig:
         if self.log_level not in logging.getLevelNamesMapping():
             raise ConfigError(f"--log-level: {self.log_level!r} is not a logging level")
 
+    def partition_file(self, partition: int) -> Path:
+        """The local event log of one partition: `DIR/partition-<p>.db`, or `--db` at P = 1
+        without a data directory (the offline tools read either)."""
+        if self.data_dir is None:
+            return self.db_path
+        return partition_path(self.data_dir, partition)
+
     def _validate_tier(self) -> None:
-        if (self.partitions is None) != (self.data_dir is None):
-            raise ConfigError("--partitions and --data-dir go together")
-        if self.partitions is None or self.data_dir is None:
-            return
         if not 1 <= self.partitions <= 1024:
             raise ConfigError(f"--partitions: {self.partitions} is not in 1..1024")
-        if not self.data_dir.is_dir():
+        if self.data_dir is None:
+            if self.partitions > 1:
+                raise ConfigError(
+                    "--partitions above 1 needs --data-dir: one file per partition it owns"
+                )
+        elif not self.data_dir.is_dir():
             raise ConfigError(f"--data-dir: {self.data_dir} is not a directory")
 
 
@@ -227,6 +250,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "(env KVHANDOFF_DONE_STREAM; default %(default)s)",
     )
     group.add_argument(
+        "--log-stream",
+        default=env.get("KVHANDOFF_LOG_STREAM", defaults.log_stream),
+        help="JetStream stream of the partitions' replicated event logs, created if absent "
+        "(env KVHANDOFF_LOG_STREAM; default %(default)s)",
+    )
+    group.add_argument(
         "--completion-ttl",
         type=duration_arg,
         metavar="DURATION",
@@ -282,20 +311,23 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-format", choices=["text", "json"],
                        default=env.get("KVHANDOFF_LOG_FORMAT", "text"))  # fmt: skip
     group.add_argument("--log-level", default=env.get("KVHANDOFF_LOG_LEVEL", "INFO"))
-    tier = parser.add_argument_group("tier", "Run as one worker of a partitioned tier.")
+    tier = parser.add_argument_group(
+        "tier", "Every worker is one of a tier; by default the only one, of one partition."
+    )
     tier.add_argument(
         "--partitions",
         type=int,
-        default=env.get("KVHANDOFF_PARTITIONS"),
+        default=env.get("KVHANDOFF_PARTITIONS", str(defaults.partitions)),
         help="partitions of the input stream, fixed when it is created; every worker of the "
-        "tier gives the same (env KVHANDOFF_PARTITIONS); needs --data-dir",
+        "tier gives the same (env KVHANDOFF_PARTITIONS; default %(default)s); above 1 it needs "
+        "--data-dir",
     )
     tier.add_argument(
         "--data-dir",
         type=Path,
         default=env.get("KVHANDOFF_DATA_DIR"),
         help="directory of the owned partitions' event logs, partition-<p>.db "
-        "(env KVHANDOFF_DATA_DIR); replaces --db",
+        "(env KVHANDOFF_DATA_DIR); replaces --db, which is the one partition's file without it",
     )
     tier.add_argument(
         "--priority-timeout",
@@ -316,6 +348,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         stream=args.stream,
         consumer=args.consumer,
         done_stream=args.done_stream,
+        log_stream=args.log_stream,
         completion_ttl_s=args.completion_ttl,
         batch_size=args.batch_size,
         retry_interval_s=args.retry_interval,

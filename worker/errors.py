@@ -11,19 +11,20 @@ into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's 
     │   └── StoreLocked    another worker holds the log's writer lock
     ├── BusError           NATS / JetStream failed
     │   ├── BusRefused     NATS refused our credentials or TLS: retrying cannot help
-    │   ├── LeaseHeld      another worker holds the lease on the stream's consumer
     │   ├── PinMismatch    another client holds the pin of a consumer's priority group
     │   ├── Fenced         a compare-and-set append found that another writer appended first
-    │   └── PartitionsMismatch  the input stream was made for other partitions or workers
+    │   └── PartitionsMismatch  the input stream was made for other partitions, or a worker
+    │                           of an earlier version
     ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
     ├── ChildError         a process we started (`worker.child`) did not come up
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.testing)
 
 Who handles what apart: `kvhandoff run` exits 2 on `ConfigError`, `StoreLocked`, `BusRefused`,
-`LeaseHeld` and `LogDiverges` (retrying cannot help), 1 on any other `StoreError` or `BusError`
-at start. Once running, the worker retries a failed commit after rebuilding its handoffs from
-the log, `StoreConflict` included (the log then holds the other writer's events); a handoff
+`PartitionsMismatch` and `LogDiverges` (retrying cannot help), 1 on any other `StoreError` or
+`BusError` it cannot serve through. Once running, a partition whose commit or append failed is
+handed back and claimed again at the next round (worker.tier), its handoffs rebuilt from the
+log; a handoff
 whose row or record is `StoreCorrupt` or `LogCorrupt` is quarantined, not the whole load. The
 offline commands print any `WorkerError` or `events.errors.HandoffError` as one line, exit 2.
 """
@@ -66,11 +67,6 @@ class BusError(WorkerError):
 class BusRefused(BusError):
     """NATS refused the connection for good (authentication or TLS); the message says which
     setting to check."""
-
-
-class LeaseHeld(BusError):
-    """Another worker holds the lease on the input stream's consumer, at start or since a
-    refresh found it taken; the message names that worker."""
 
 
 class LogDiverges(WorkerError):

@@ -4,7 +4,7 @@
     /healthz   200 once the worker has recovered and is connected to NATS, else 503
 
 Each worker owns its registry, so several workers (in tests) never collide. A worker of the
-tier (worker.partitioned) adds `TierMetrics` to it: what its tier and partition owners did,
+tier (worker.service) adds `TierMetrics` to it: what its tier and partition owners did,
 counted where it happens (worker.tier, worker.partition_owner).
 """
 

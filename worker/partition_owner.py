@@ -22,7 +22,7 @@ time limit), it may have landed or not: the owner leaves the batch unacknowledge
 anew before the next one, which reads the log and so learns which inputs were applied. If
 `act` raises `BusError` after the append landed, the inputs are applied all the same: the owner
 claims anew (a warning says so), and acting again is `on_claim`'s job, as for an owner that died
-between steps 3 and 4 (see "Left to others"). worker.partitioned's `act` does not raise for
+between steps 3 and 4 (see "Left to others"). worker.service's `act` does not raise for
 publishes that NATS lost: it publishes them again itself, since an idle partition may see no
 next batch, and so no claim, for a long time.
 
@@ -65,12 +65,12 @@ previous owner, and how long it took to be ready, the catch-up included; each fe
 hand-over.
 
 Left to others: running one owner per partition of a worker's share (worker.tier), and
-catching a local SQLite log up from the claimed records (worker.partitioned, which `run`'s
+catching a local SQLite log up from the claimed records (worker.service, which `run`'s
 `on_claim` tells what the log held, before the next batch is decided). Acting again on what
 the previous owner appended: it may have died between step 3 and step 4, and step 1 here drops
-those inputs as applied, so only `on_claim` can act on them (worker.partitioned republishes
+those inputs as applied, so only `on_claim` can act on them (worker.service republishes
 what its file does not mark published; tests/cluster/tier_process.py, the last record).
-Acting on its own between batches (worker.partitioned's timers): `on_release` says when that
+Acting on its own between batches (worker.service's timers): `on_release` says when that
 must stop, at once, whatever ended the owner.
 
 Memory. The applied inputs it remembers (step 1) are cut, every `forget_every_s` (10 s), to
@@ -79,8 +79,7 @@ those can be delivered again. Not just the floor read now: the consumer's leader
 that its replicas do not have yet, and a successor would deliver those inputs again.
 
 What it does not do yet: reorder inputs that one owner's own stall (past the ack wait, while still
-pinned) sent back to it out of order, as the single worker does not either (both defer inputs
-that come early, through `decide`).
+pinned) sent back to it out of order; it defers inputs that come early, through `decide`.
 """
 
 from __future__ import annotations

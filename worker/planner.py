@@ -156,7 +156,7 @@ class Planner:
         self.defer_budget = defer_budget
         self.ack_wait_s = ack_wait_s
         # A start with a longer deadline is rejected: its log would not be kept while it is
-        # open (the tier's replicated log keeps entries for a bounded time; worker.partitioned).
+        # open (the tier's replicated log keeps entries for a bounded time; worker.service).
         self.longest_deadline_ms = longest_deadline_ms
         self.open: dict[UUID, OpenHandoff] = {}
         self.quarantined: set[UUID] = set()

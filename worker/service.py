@@ -1,68 +1,86 @@
-"""The worker: JetStream inputs in, the SQLite event log, actions out.
+"""The worker: `kvhandoff run`, one worker of a tier, with the real coordinator.
 
-The loop
---------
-The input stream is handled in batches, in stream order, as a pipeline of three stages:
+Every worker is one of a tier (worker.tier), and a tier of one partition is the embedded default:
+`kvhandoff run --db FILE` is the only worker of partition 0, whose local file is FILE (under the
+writer lock that `run` takes first). With `--partitions P --data-dir DIR` each partition it owns
+has its file at `DIR/partition-<p>.db` (the offline tools read `DIR/partition-*.db`), held
+under its own `WriterLock` from first claim until the worker stops. One code path serves both.
 
-    fetch  ->  plan (decode; load handoffs not in memory; apply to coordinators)
-           ->  carry out (commit one transaction; publish the actions; ack, term or nak)
+Theory of operation. A `Worker` runs a `worker.tier.Tier` with the real coordinator in place of
+its stand-ins. Each partition this worker owns has a `worker.planner.Planner` (the handoffs in
+memory) and an `EventLog`, its local file. The tier's `PartitionOwner` drives three steps (see
+worker.partition_owner):
 
-`worker.planner` decides everything a batch does without IO; this module carries it out. While
-batch k is carried out (the event loop waits on the log's writer thread and the fsync), batch
-k+1 is fetched and planned. When k's carry-out returns, k+1 is topped up with what arrived in the
-meantime, planned into the same commit: an input that arrives during a commit goes out with the
-next one, not the one after. What may overlap, and why it is safe:
+    on claim   the partition's replicated log was read (`CaughtUp`): commit to the local file
+               the `Appended` entries it lacks (a new owner on another machine starts from an
+               empty file), rebuild the planner from the file, publish its backlog;
+    decide     decode and plan the batch, loading from the local file the handoffs not in
+               memory; return the plan's rows (`LoggedRows`) for the owner to append;
+    act        after the append: arm the plan's timers, queue the same rows for the local
+               file, then publish the plan's actions and rejections on the subjects and in the
+               encoding of worker.service, without waiting for the local commit;
+    on release the owner stopped (handed over, fenced, or failed): drop the partition's
+               timers and memory.
 
-- Planning k+1 mutates the handoffs in memory on top of k's effects before k has committed. That
-  is only ever visible inside this process: nothing of k+1 is written, published or settled until
-  k's carry-out returned and k+1's own commit did. (A batch's rows are copies taken when it was
-  planned, so k's commit writes k's state of a handoff, not k+1's.)
-- Planning reads the log only for handoffs not in memory. A handoff that k completed has left
-  memory before k committed, so a read of one waits for k's carry-out first; any other handoff
-  not in memory is not in k either, so its read may overtake k's commit. A top-up is planned
-  after k's carry-out, but before k+1's commit: a top-up input that needs a handoff k+1 took out
-  of memory is held back, to be planned with k+2.
-- Commits stay in order and one at a time (one writer): k+1's carry-out starts after k's ended.
-- An action is published only after the commit that recorded it, and an input acknowledged only
-  after its commit: each within its own batch's carry-out.
-- If k's carry-out fails, memory is ahead of the log by k and k+1: k+1 is returned to JetStream
-  unapplied, and the handoffs are rebuilt from the log before anything else is planned.
+Invariants.
+- The replicated log is the authority; the local file is a prefix of it. Each local commit of
+  an entry carries, in the file's meta table and in the same transaction, the entry's mark (the
+  stream sequence of its first input: an input is applied once, so it names one entry). A
+  catch-up applies the entries after the marked one, in log order, in one transaction. A mark
+  that the log no longer holds (its `max_age` dropped it) means every entry left is newer.
+- Nothing is published before its rows are in the replicated log (the owner appends between
+  `decide` and `act`). The local commit is queued (`EventLog.queue`) and not waited for: the
+  publishes, the acks and the next batch's `decide` and append go on while the file's writer
+  commits, so a batch's critical path holds one store, the append. The file stays a prefix: its
+  commits run in order, one writer, and once one fails every one queued behind it fails
+  unwritten (the next `decide` raises the failure, the owner stops, and its next claim catches
+  the file up). A crash before a local commit loses nothing either: the claim after it catches
+  the file up the same way, and republishes what the file does not mark published.
+- The file is read only for handoffs not in memory. A handoff a queued batch completed has left
+  memory before that batch's local commit, so `decide` waits for the queued commits before it
+  reads one; any other handoff not in memory is in no queued batch, so its read may overtake
+  them. A claim waits for every queued commit before it reads the file's mark.
+- A plan that was decided but not acted on (the append was fenced or in doubt) leaves the
+  planner ahead of the file: every claim rebuilds it from the file, after the catch-up.
+- Outbox marks ("published") ride in the rows of the partition's next batch after the server
+  confirmed them, in publication order, so they are in the replicated log too. Actions whose
+  barrier failed (NATS lost the connection they were written to) are published again, with a
+  growing pause, until a barrier confirms them or the partition is released; the marks behind
+  them wait, since a mark says that every earlier action of its handoff was published. Without
+  this, an action that no timer retries (`Complete`: nothing answers it) would wait for the
+  partition's next claim. A claim publishes what the file does
+  not mark published (at most the last batches' actions of the previous owner, which may have
+  died between its append and its publishes, or handed over before its marks rode on a
+  batch), and every action still outstanding: at least once, with the same action ids.
 
-A crash anywhere loses nothing acknowledged:
+Timers. Each owned partition has its own `worker.timers.HandoffTimers` over its planner: a
+deadline publishes `TimedOut` to the handoff's input subject
+(so it is appended and logged like any other input), an action without an outcome is published
+again with the same action id after a growing backoff. They are armed from a plan only in `act`
+(what was not appended does not count), rearmed from the file at each claim (so the new owner
+of a dead worker's partition times out its handoffs, a partition with no input included: see
+"Vacant partitions" in worker.partition_owner), and dropped at release. What a worker that
+was fenced published before it learnt so (at its next append) is harmless: a republished action
+is answered by action id like any other, and a second `TimedOut` of a handoff is an exact
+duplicate of the first, dropped by its digest (counted in `kvhandoff_duplicate_inputs_total`).
 
-- before a commit: nothing of the batch was logged or acknowledged; JetStream redelivers it.
-- after the commit, before publishing: the actions are in the log unmarked; recovery publishes
-  them (the log is the outbox).
-- after publishing, before the acks: the inputs are redelivered and dropped as exact
-  duplicates, which the log recognises by digest.
+The pipeline, per partition: decide, append, act, acknowledge, then the next batch, while the
+local commits run behind. What overlaps, and why it is safe: the local commits of batches
+k, k+1, ... run while later batches are decided and appended, because the file is only a
+cache of the replicated log (see the invariants); the append of batch k+1 never overtakes k's,
+since an owner appends one batch at a time, by compare-and-set on the previous one's sequence.
+Batches of different partitions are independent throughout: one owner per partition, one
+event loop.
 
-Every action is marked published only after the server confirmed it: each carry-out starts a
-barrier (`Bus.flush`) behind its publishes and does not wait for it; the marks of the batches
-whose barrier has returned ride on a commit at most every `_MARK_INTERVAL_S` (and on the commit
-of an idle or stopping worker), so no commit waits for a round trip to NATS, and most write no
-marks at all. A mark is the outbox's bookmark, not a durability rule: it costs an UPDATE per
-handoff (a quarter of a small batch's commit), and all that a later one costs is that a crash
-republishes the actions of the last interval, which engines answer by action id as they answer
-any republished action.
-`Complete` goes to JetStream's completion stream as well, so a frontend that was disconnected
-can read its handoff's last completion afterwards.
-
-Faults
-------
-No input and no handoff can stop the worker (see `worker.planner`: rejections, quarantine, the
-budget of early inputs). A failed commit (a full disk) changes nothing: the batch's inputs are
-returned with a growing delay, the handoffs in memory are rebuilt from the log, nothing is
-republished, commits back off, and health is red until one succeeds again. A failed publish
-rebuilds from the log and republishes exactly what it does not mark published.
-
-Coordinators of open handoffs live in memory; a completed handoff leaves memory, and an input
-for a handoff not in memory loads its log and replays it (one query per batch). A second task
-runs the timers (`worker.timers.HandoffTimers`): a handoff's deadline publishes a `TimedOut`
-input to the handoff's own input subject, so it is logged and replayed like any other input; an
-action with no outcome after the retry interval is published again with the same action id, and
-again after twice as long, up to `RETRY_BACKOFF_CAP` intervals, so a slow engine is not buried
-under its own backlog. They are armed when a batch is planned, and rearmed whenever memory is
-rebuilt from the log.
+Retention. The replicated log keeps its entries for `--retention` (a week unless given: the
+stream's `max_age`), and the files drop their completed handoffs and rejections older than that,
+hourly. What bounds the log must not cut into an open handoff:
+its entries must stay while it is open, for a new owner on another machine to rebuild it, so a
+start whose deadline is longer than half the retention is rejected (reason `deadline`); every
+handoff ends by its deadline, and the other half is the margin for a tier that is down. A file
+compacted this way still catches up from its mark: the entries after it never need a handoff
+that was completed before them. Without an owner for longer than the retention, a partition's
+open handoffs lose their log (a file that holds them still has them).
 """
 
 from __future__ import annotations
@@ -71,10 +89,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from uuid import UUID
+
+import msgspec
 
 from kvhandoff.events.codec import encode
 from kvhandoff.events.errors import ReplayDivergence
@@ -83,363 +105,31 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import WorkerConfig
-from kvhandoff.worker.errors import BusError, LogDiverges, StoreConflict, StoreError
-from kvhandoff.worker.metrics import Metrics
-from kvhandoff.worker.planner import Decoded, Plan, Planner
+from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
+from kvhandoff.worker.metrics import Metrics, TierMetrics
+from kvhandoff.worker.ownership import CaughtUp
+from kvhandoff.worker.partition_owner import Decided
+from kvhandoff.worker.planner import Plan, Planner
 from kvhandoff.worker.rows import HandoffRow
-from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog
+from kvhandoff.worker.store import Batch, Committed, CorruptHandoff, EventLog, WriterLock
+from kvhandoff.worker.tier import Tier, TierSettings
 from kvhandoff.worker.timers import HandoffTimers
 
 logger = logging.getLogger(__name__)
 
-_FETCH_TIMEOUT_S = 0.25  # how long an idle worker waits before noticing a stop request
-_COMMIT_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed commit
-_MARK_INTERVAL_S = 0.2  # the longest time confirmed outbox marks wait for a commit to ride on
+# First and longest pause before publishing again what a failed barrier covered.
+_RESEND_PAUSE_S = (0.1, 2.0)
 
-
-class Worker:
-    def __init__(self, config: WorkerConfig, log: EventLog, bus: Bus, metrics: Metrics) -> None:
-        self._config = config
-        self._log = log
-        self._bus = bus
-        self._metrics = metrics
-        self._subjects = Subjects(config.nats.subject_prefix)
-        # Early inputs may hold at most a batch's worth of the consumer's unacknowledged slots.
-        self._planner = Planner(self._subjects, config.batch_size, config.ack_wait_s)
-        self._timers = HandoffTimers(
-            self._planner, bus, self._subjects, metrics,
-            retry_interval_s=config.retry_interval_s, republish=self._publish_action,
-        )  # fmt: skip
-        # Outbox marks of published actions, each batch's with the barrier that confirms them;
-        # they ride on the first commit after their barrier returned.
-        self._published: deque[tuple[asyncio.Future[None], list[tuple[UUID, int, int]]]] = deque()
-        self._commit_failure: str | None = None
-        self._commit_backoff_s = _COMMIT_BACKOFF_S[0]
-        self._marks_due = 0.0  # when confirmed marks ride on the next commit (monotonic)
-        self.recovered = False
-
-    @property
-    def healthy(self) -> bool:
-        return self.recovered and self._bus.is_connected and self._commit_failure is None
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Recover, then process inputs until `stop` is set; the batch in hand is finished."""
-        await self._recover_when_possible(stop, first_wait_s=0.0)
-        timers = asyncio.create_task(self._timers.run(), name="kvhandoff-timers")
-        carrying: asyncio.Task[None] | None = None  # the previous batch's carry-out
-        evicted: set[UUID] = set()  # handoffs that batch completed and took out of memory
-        held: list[Inbound] = []  # fetched for a top-up, but to be planned with the next batch
-        try:
-            while not stop.is_set():
-                deliveries = await self._fetch(held)
-                held = []
-                parts: list[tuple[Plan, list[Inbound]]] = []
-                if deliveries:
-                    decoded = self._planner.decode(deliveries)
-                    missing = self._planner.missing(decoded)
-                    if carrying is not None and not evicted.isdisjoint(missing):
-                        # A handoff the previous batch completed has left memory, but that
-                        # batch may not have committed yet: let it finish before reading.
-                        failure = await _failure_of(carrying)
-                        carrying = None
-                        if failure is not None:
-                            await self._give_back(deliveries, self._commit_backoff_s)
-                            await self._failed(failure, stop)
-                            continue
-                    try:
-                        parts.append((await self._plan(deliveries, decoded, missing), deliveries))
-                    except StoreError as exc:  # the read failed before anything was applied
-                        logger.error("cannot read the log (%s); inputs will be redelivered", exc)
-                        await self._give_back(deliveries, self._commit_backoff_s)
-                if carrying is not None:
-                    failure = await _failure_of(carrying)
-                    carrying = None
-                    if failure is not None:
-                        for _, planned in parts:  # planned on top of the batch that failed
-                            await self._give_back(planned, self._commit_backoff_s)
-                        await self._failed(failure, stop)
-                        continue
-                    if parts:
-                        held = await self._top_up(parts)
-                if parts:
-                    carrying = asyncio.create_task(self._carry_out(parts))
-                    evicted = {h for plan, _ in parts for h in plan.left_memory}
-                elif self._published:  # idle: write the marks still waiting for a commit
-                    carrying = asyncio.create_task(self._carry_out([], every_mark=True))
-        finally:
-            if carrying is not None:
-                await _failure_of(carrying)
-            timers.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await timers
-            if self._published:
-                with contextlib.suppress(StoreError, BusError):
-                    await self._commit(Batch(), every_mark=True)
-        logger.info("stopped with %d open handoffs", len(self._planner.open))
-
-    async def _fetch(self, held: list[Inbound]) -> list[Inbound]:
-        """The held deliveries and what else is ready, or else the next to arrive in a while."""
-        try:
-            if held:
-                return held + await self._bus.fetch(self._config.batch_size - len(held), 0.0)
-            return await self._bus.fetch(self._config.batch_size, _FETCH_TIMEOUT_S)
-        except BusError as exc:
-            logger.warning("fetch failed, retrying: %s", exc)
-            await asyncio.sleep(_FETCH_TIMEOUT_S)  # NATS is reconnecting; back off
-            return held
-
-    async def _top_up(self, parts: list[tuple[Plan, list[Inbound]]]) -> list[Inbound]:
-        """Plan what arrived while the previous batch was carried out into the batch about to
-        be carried out, so that it commits now rather than after that batch. Returns the
-        deliveries to hold for the next batch instead: those that need a handoff this batch
-        took out of memory (not committed yet, so not to be read)."""
-        plan, deliveries = parts[0]
-        room = self._config.batch_size - len(deliveries)
-        if room <= 0:
-            return []
-        try:
-            more = await self._bus.fetch(room, 0.0)
-        except BusError:
-            return []  # the next fetch reports it
-        if not more:
-            return []
-        decoded = self._planner.decode(more)
-        missing = self._planner.missing(decoded)
-        if not set(plan.left_memory).isdisjoint(missing):
-            return more
-        try:
-            parts.append((await self._plan(more, decoded, missing, into=plan.batch), more))
-        except StoreError as exc:
-            logger.error("cannot read the log (%s); inputs will be redelivered", exc)
-            await self._give_back(more, self._commit_backoff_s)
-        return []
-
-    async def _failed(self, failure: BusError | StoreError, stop: asyncio.Event) -> None:
-        if isinstance(failure, BusError):
-            # Committed actions may not have reached NATS. The log knows which were
-            # published, so rebuilding from it republishes exactly what is missing.
-            logger.warning("publishing failed (%s); recovering from the log", failure)
-            await self._recover_when_possible(stop)
-        else:
-            await self._commit_failed(failure, stop)
-
-    async def _recover_when_possible(self, stop: asyncio.Event, first_wait_s: float = 0.25) -> None:
-        wait_s = first_wait_s
-        while not stop.is_set():
-            await asyncio.sleep(wait_s)  # give NATS a moment to come back
-            wait_s = _FETCH_TIMEOUT_S
-            try:
-                await self.recover()
-                return
-            except BusError as exc:
-                logger.warning("recovery must wait for NATS: %s", exc)
-
-    async def _commit_failed(self, exc: StoreError, stop: asyncio.Event) -> None:
-        """A commit failed, so nothing of its batch happened (its inputs were given back): the
-        handoffs in memory are rebuilt from the log, and nothing is republished. A conflict
-        (the log changed under us: an event where this worker meant to append one) is not a
-        failing disk: once memory is rebuilt from the log, the next commit can succeed, so it
-        is retried without growing the backoff."""
-        delay_s = self._commit_backoff_s
-        self._commit_failure = str(exc)
-        self._metrics.commit_failures.inc()
-        if isinstance(exc, StoreConflict):
-            logger.error("the log changed under this worker; rebuilding from it: %s", exc)
-        else:
-            self._commit_backoff_s = min(delay_s * 2, _COMMIT_BACKOFF_S[1])
-            logger.error("commit failed, retrying in %.1fs: %s", delay_s, exc)
-        try:
-            await self._rebuild_memory()
-        except StoreError as read_exc:
-            logger.error("cannot read the log either: %s", read_exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay_s)
-
-    def _drop_marks(self) -> None:
-        """Forget the marks not yet committed: their actions count as never published."""
-        for barrier, _ in self._published:
-            if barrier.done() and not barrier.cancelled():
-                barrier.exception()  # retrieved: a failure that nobody waits for any more
-            barrier.cancel()
-        self._published.clear()
-
-    async def _give_back(self, deliveries: Sequence[Inbound], delay_s: float) -> None:
-        """Return inputs to JetStream unapplied, to be delivered again after `delay_s`."""
-        try:
-            for delivery in deliveries:
-                await delivery.nak(delay_s)
-        except BusError as exc:
-            logger.warning("could not give back a batch (%s); JetStream redelivers it", exc)
-
-    # --- Recovery -----------------------------------------------------------------------
-
-    async def recover(self) -> None:
-        """Rebuild every open handoff from the log, rearm its timers, and publish the actions
-        that were never published or still await an outcome."""
-        began = time.perf_counter()
-        self._drop_marks()  # re-derived below from the log's own marks
-        marks = Batch()
-        now = now_ms()
-        loaded = await self._rebuild_memory(marks)
-        # The backlog may include a closed handoff's last actions (e.g. its Complete); its
-        # row is all that routing needs.
-        republish: dict[tuple[UUID, int], tuple[HandoffRow, Action]] = {}
-        for unpublished in await self._log.unpublished_actions():
-            if isinstance(unpublished, CorruptHandoff):
-                self._planner.quarantine(marks, now, unpublished.handoff_id, unpublished.reason)
-                continue
-            action = unpublished.record.action
-            republish[(action.handoff_id, action.action_id)] = (unpublished.row, action)
-            marks.mark_published(action.handoff_id, unpublished.seq, now)
-        for handoff in self._planner.open.values():
-            for action in handoff.coordinator.outstanding():
-                republish.setdefault((action.handoff_id, action.action_id), (handoff.row, action))
-        for row, action in republish.values():
-            await self._publish_action(row, action)
-        # Marked published only once the server has them: a restart during an outage must
-        # publish them again rather than trust a write buffer that died with the process.
-        await self._bus.flush()
-        await self._log.commit(marks)
-        elapsed = time.perf_counter() - began
-        self._metrics.recovery_seconds.set(elapsed)
-        self._metrics.recovered.set(loaded)
-        self._metrics.quarantined.set(len(self._planner.quarantined))
-        logger.info(
-            "recovered %d open handoffs and published %d actions in %.3fs",
-            loaded, len(republish), elapsed,
-        )  # fmt: skip
-        self.recovered = True
-
-    async def _rebuild_memory(self, batch: Batch | None = None) -> int:
-        """Replace what is in memory with the open handoffs of the log and their timers; an
-        action still outstanding is due for a retry one interval from now. Returns how many
-        handoffs were loaded; those that cannot be rebuilt are quarantined in `batch`."""
-        loaded = await self._log.open_handoffs()
-        quarantined = await self._log.quarantined()
-        planner = self._planner
-        planner.open.clear()
-        planner.quarantined = quarantined
-        planner.deferred.clear()
-        # Not `batch or Batch()`: a Batch is falsy until it holds rows.
-        into = Batch() if batch is None else batch
-        try:
-            adopted = planner.adopt(loaded.values(), into, now_ms(), diverging=True)
-        except ReplayDivergence as exc:
-            raise LogDiverges(
-                f"{exc}; this build's coordinator does not re-derive the log of an open handoff."
-                " Run `kvhandoff verify` on the log, and run the build that wrote it"
-            ) from exc
-        self._timers.rearm(adopted)
-        self._metrics.open_handoffs.set(len(planner.open))
-        self._metrics.quarantined.set(len(planner.quarantined))
-        return len(loaded)
-
-    # --- A batch ------------------------------------------------------------------------
-
-    async def _plan(
-        self, deliveries: list[Inbound], decoded: Decoded, missing: list[UUID],
-        into: Batch | None = None,
-    ) -> Plan:  # fmt: skip
-        """Load the handoffs the batch names that are not in memory, and apply the batch."""
-        planner = self._planner
-        loaded = await self._log.load(missing) if missing else {}
-        plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time(), into=into)
-        self._timers.arm(plan)
-        return plan
-
-    async def _carry_out(
-        self, parts: Sequence[tuple[Plan, Sequence[Inbound]]], *, every_mark: bool = False
-    ) -> None:
-        """Commit the batch that the plans share, then publish their actions and settle their
-        inputs, plan by plan."""
-        try:
-            await self._commit(parts[0][0].batch if parts else Batch(), every_mark=every_mark)
-        except StoreError:
-            for _, deliveries in parts:
-                await self._give_back(deliveries, self._commit_backoff_s)
-            raise
-        for plan, deliveries in parts:
-            await self._settle(plan, deliveries)
-
-    async def _settle(self, plan: Plan, deliveries: Sequence[Inbound]) -> None:
-        """Publish a committed plan's actions and rejections, and settle its inputs."""
-        now = now_ms()
-        completions: Counter[str] = Counter()
-        marks = []
-        for row, seq, action in plan.publish:
-            await self._publish_action(row, action)
-            marks.append((action.handoff_id, seq, now))
-            if isinstance(action, Complete):
-                completions[action.completion.value] += 1
-        if marks:
-            # Not awaited here: the next batch goes on while the server confirms these.
-            self._published.append((asyncio.ensure_future(self._bus.flush()), marks))
-        for _, rejection in plan.terms:
-            await self._bus.publish(
-                self._subjects.rejected(rejection.handoff_id), encode(rejection)
-            )
-        for index in plan.acks:
-            await deliveries[index].ack()
-        for index, _ in plan.terms:
-            await deliveries[index].term()
-        for index, delay_s in plan.naks:
-            await deliveries[index].nak(delay_s)
-
-        m = self._metrics
-        Metrics.count(m.inputs, plan.inputs.items())
-        Metrics.count(m.actions, plan.issued.items())
-        Metrics.count(m.rejections, plan.reasons.items())
-        Metrics.count(m.completed, completions.items())
-        if plan.duplicates:
-            m.duplicates.inc(plan.duplicates)
-        if plan.naks:
-            m.deferred.inc(len(plan.naks))
-        if deliveries:
-            m.batch_size.observe(len(deliveries))
-        m.open_handoffs.set(len(self._planner.open))
-        m.quarantined.set(len(self._planner.quarantined))
-
-    async def _commit(self, batch: Batch, *, every_mark: bool = False) -> None:
-        """Commit `batch`, with the outbox marks whose barrier has returned, in publication
-        order, if they are due (module docstring); with `every_mark`, first wait for every
-        barrier. A barrier that failed raises its `BusError` before anything is written."""
-        # "Published" must mean the server has it, not that it sits in our write buffer.
-        confirmed = 0
-        due = every_mark or time.monotonic() >= self._marks_due
-        for barrier, marks in self._published if due else ():
-            if every_mark:
-                await barrier
-            elif not barrier.done():
-                break
-            barrier.result()
-            for handoff_id, seq, at_ms in marks:
-                batch.mark_published(handoff_id, seq, at_ms)
-            confirmed += 1
-        began = time.perf_counter()
-        await self._log.commit(batch)
-        self._metrics.commit_seconds.observe(time.perf_counter() - began)
-        for _ in range(confirmed):
-            self._published.popleft()
-        if confirmed:
-            self._marks_due = time.monotonic() + _MARK_INTERVAL_S
-        if self._commit_failure is not None:
-            logger.info("commits succeed again")
-            self._commit_failure = None
-            self._commit_backoff_s = _COMMIT_BACKOFF_S[0]
-
-    # --- Actions ------------------------------------------------------------------------
-
-    async def _publish_action(self, row: HandoffRow, action: Action) -> None:
-        await publish_action(self._bus, self._subjects, row, action)
-        self._timers.sent(action)
+# The meta key of a partition file's mark: the first input of the last entry it holds.
+MARK_KEY = "partition_log_mark"
 
 
 async def publish_action(
     bus: Bus, subjects: Subjects, row: HandoffRow, action: Action
 ) -> asyncio.Future[Any] | None:
-    """Publish an action to its engine's subject (worker.partitioned's too). A `Complete` is
-    also stored by the completion stream (and still seen by core subscribers), so a frontend
-    that was reconnecting can read it afterwards: its ack is returned (see `Bus.confirm`)."""
+    """Publish an action to its engine's subject. A `Complete` is also stored by the completion
+    stream (and still seen by core subscribers), so a frontend that was reconnecting can read it
+    afterwards: its ack is returned (see `Bus.confirm`)."""
     subject = subjects.action(action, row.source, row.destination)
     if isinstance(action, Complete):
         return await bus.publish_stored(subject, encode(action))
@@ -447,10 +137,492 @@ async def publish_action(
     return None
 
 
-async def _failure_of(task: asyncio.Task[None]) -> BusError | StoreError | None:
-    """Wait for a carry-out; the bus or log failure that ended it, if one did."""
-    try:
-        await task
-    except (BusError, StoreError) as exc:
-        return exc
-    return None
+def tier_settings(config: WorkerConfig) -> TierSettings:
+    """The tier's settings as `kvhandoff run` gives them from its configuration."""
+    return TierSettings(
+        partitions=config.partitions, prefix=config.nats.subject_prefix,
+        stream=config.stream, consumer=config.consumer,
+        log_stream=config.log_stream, log_max_age_s=config.tier_retention_s,
+        done_stream=config.done_stream,
+        completion_ttl_s=config.completion_ttl_s, priority_timeout_s=config.priority_timeout_s,
+    )  # fmt: skip
+
+
+class LoggedRows(msgspec.Struct, frozen=True, tag="rows", tag_field="kind"):
+    """One batch's rows, as appended to the partition's replicated log (`Appended.records`)
+    and committed to its local file: a `worker.store.Batch`, whose outbox marks are those the
+    server confirmed since the previous batch (so that a new owner republishes only the
+    actions of the last batches, not the partition's history)."""
+
+    inputs: list[int]  # the input stream sequences applied: the first is the entry's mark
+    events: list[tuple[str, int, int, int, bytes]]  # (handoff id, seq, type, at_ms, record)
+    handoffs: list[HandoffRow]
+    rejections: list[tuple[int, str | None, str, bytes]]  # (at_ms, handoff id, reason, payload)
+    quarantined: list[tuple[int, str]]  # (at_ms, handoff id)
+    published: list[tuple[str, int, int]]  # (handoff id, seq, at_ms): outbox marks
+
+    @classmethod
+    def of(
+        cls, inputs: list[int], batch: Batch, published: list[tuple[str, int, int]]
+    ) -> LoggedRows:
+        return cls(
+            inputs, batch.events, list(batch.handoffs.values()), batch.rejections,
+            batch.quarantined, published,
+        )  # fmt: skip
+
+    def add_to(self, batch: Batch) -> None:
+        """Add these rows to `batch`, after those it holds (a later row of a handoff wins)."""
+        batch.events.extend(self.events)
+        batch.handoffs.update((row.handoff_id, row) for row in self.handoffs)
+        batch.rejections.extend(self.rejections)
+        batch.quarantined.extend(self.quarantined)
+        for handoff_id, seq, at_ms in self.published:
+            batch.mark_published(UUID(handoff_id), seq, at_ms)
+        if self.inputs:
+            batch.meta[MARK_KEY] = str(self.inputs[0])
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(LoggedRows)
+
+
+@dataclass(frozen=True, slots=True)
+class _Canonical:
+    """A delivery as the planner reads it: under its handoff's input subject, not the
+    partition-qualified one the stream's transform stored it under."""
+
+    data: bytes
+    subject: str
+    stream_seq: int
+    deliveries: int
+
+
+@dataclass
+class _Sent:
+    """Actions published together, the barrier that confirms them, and when they were
+    published (both replaced when the barrier failed and they were published again). A seq of
+    -1 is an action the file already marks."""
+
+    actions: list[tuple[HandoffRow, int, Action]]
+    barrier: asyncio.Future[None]
+    at_ms: int
+
+    def marks(self) -> list[tuple[str, int, int]]:
+        return [
+            (str(action.handoff_id), seq, self.at_ms) for _, seq, action in self.actions if seq >= 0
+        ]
+
+
+@dataclass
+class _Partition:
+    """One owned partition's coordinator state."""
+
+    number: int
+    log: EventLog
+    lock: WriterLock | None  # None: the caller holds it
+    planner: Planner
+    timers: HandoffTimers  # armed only while this worker owns the partition
+    timers_task: asyncio.Task[None]
+    # A plan and its rows, awaiting their append and `act`, with the inputs they apply.
+    decided: tuple[list[int], Plan, LoggedRows] | None = None
+    # Actions published, in order, each lot with the barrier that confirms it.
+    published: list[_Sent] = field(default_factory=list)
+    # Bumped at each claim and release: a lot is published again only in its own tenure.
+    tenure: int = 0
+    # Local commits queued and not seen to end, in order, each with the handoffs its plan took
+    # out of memory: those are not to be read from the file before it committed.
+    committing: deque[tuple[asyncio.Future[Committed], frozenset[UUID]]] = field(
+        default_factory=deque
+    )
+
+
+class Worker:
+    """The tier's worker with the real coordinator; `run` it until stopped."""
+
+    def __init__(
+        self, config: WorkerConfig, settings: TierSettings, bus: Bus, metrics: Metrics,
+        *, label: str,
+    ) -> None:  # fmt: skip
+        self._config = config
+        self._bus = bus
+        self._metrics = metrics
+        self._subjects = Subjects(config.nats.subject_prefix)
+        self._partitions: dict[int, _Partition] = {}
+        self._resends: set[asyncio.Task[None]] = set()  # see `_publish_again`
+        self._last_commit_failure: BaseException | None = None  # counted once per group
+        self._inputs_of = f"{config.nats.subject_prefix}.inp."
+        self.tier = Tier(
+            bus, settings, self.decide, self.act, label,
+            on_claim=self.on_claim, on_release=self.on_release,
+            metrics=TierMetrics(metrics.registry),
+        )  # fmt: skip
+
+    @property
+    def healthy(self) -> bool:
+        """Connected, and in the tier: its streams are open, it has taken its share, and it
+        serves every partition of it: claimed, caught up and recovered (an owner that failed,
+        e.g. on a full disk, serves nothing until a claim succeeds again)."""
+        return self._bus.is_connected and self.tier.rounds > 0 and not self.tier.unserved
+
+    def logs(self) -> list[EventLog]:
+        """The partition files open now (every partition it owned since it started)."""
+        return [part.log for part in self._partitions.values()]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Own this worker's share until `stop` is set, then close every partition file."""
+        try:
+            await self.tier.run(stop)
+        finally:
+            for resend in self._resends:
+                resend.cancel()
+            for part in self._partitions.values():
+                part.timers_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await part.timers_task
+                with contextlib.suppress(StoreError):
+                    await self._all_committed(part)
+                    await self._settle_marks(part)
+                await part.log.close()
+                if part.lock is not None:
+                    part.lock.release()
+            self._partitions.clear()
+
+    # --- The owner's three steps --------------------------------------------------------
+
+    async def on_claim(self, partition: int, caught: CaughtUp) -> None:
+        """Catch the local file up from the replicated log, rebuild the planner from it, and
+        publish what the file does not mark published, and every outstanding action."""
+        began = time.perf_counter()
+        part = await self._open(partition)
+        part.decided = None
+        part.tenure += 1
+        # The file's mark must be the last of what it will hold. A local commit that failed
+        # left the file behind the replicated log; the catch-up below repairs that.
+        with contextlib.suppress(StoreError):
+            await self._all_committed(part)
+        await part.log.resume()
+        entries = []
+        for index, record in enumerate(caught.records):
+            try:
+                entries.append(_DECODER.decode(record))
+            except msgspec.DecodeError as exc:
+                raise StoreCorrupt(
+                    f"partition {partition}: entry {index} of its replicated log is not a batch "
+                    f"of rows ({exc}); refusing to catch {part.log.path} up from it"
+                ) from exc
+        mark = await part.log.meta(MARK_KEY)
+        marked = [i for i, entry in enumerate(entries) if entry.inputs[:1] == [_int(mark)]]
+        missing = entries[marked[-1] + 1 :] if marked else entries
+        catch_up = Batch()
+        for entry in missing:
+            entry.add_to(catch_up)
+        # Marks of this worker's earlier tenure; those not confirmed yet are republished.
+        for handoff_id, seq, at_ms in self._confirmed(part):
+            catch_up.mark_published(UUID(handoff_id), seq, at_ms)
+        part.published.clear()
+        if catch_up:
+            try:
+                await part.log.commit(catch_up)
+            except StoreError:
+                self._metrics.commit_failures.inc()  # e.g. a full disk, at each claim
+                raise
+        await self._rebuild(part)
+        elapsed = time.perf_counter() - began
+        logger.info(
+            "partition %d: caught %s up with %d of %d entries (mark %s) and recovered %d open "
+            "handoffs in %.3fs",
+            partition, part.log.path, len(missing), len(entries), mark, len(part.planner.open),
+            elapsed,
+        )  # fmt: skip
+
+    def on_release(self, partition: int) -> None:
+        """The partition's owner stopped (handed over, fenced or failed): this worker times
+        out and republishes nothing of it any more. Its memory is stale from now on (another
+        worker may apply its inputs), so it is dropped too; the next claim rebuilds it."""
+        part = self._partitions.get(partition)
+        if part is None:
+            return  # never claimed
+        part.timers.clear()
+        part.planner.open.clear()
+        part.planner.quarantined = set()  # read from the file again at the next claim
+        part.decided = None
+        part.tenure += 1  # what it published and is not confirmed is the next owner's to publish
+        self._count_in_memory()
+        logger.info("partition %d: released; its timers are dropped", partition)
+
+    async def decide(self, batch: Sequence[Inbound]) -> Decided:
+        """Plan the batch against the partition's handoffs: the rows to append, and the early
+        inputs deferred."""
+        part = self._partitions[self._partition_of(batch[0])]
+        deliveries = [self._canonical(inbound) for inbound in batch]
+        planner = part.planner
+        decoded = planner.decode(deliveries)
+        missing = planner.missing(decoded)
+        # Before anything is planned: a handoff a queued commit took out of memory is read only
+        # once the file holds it (and a failed commit raises here).
+        if any(not evicted.isdisjoint(missing) for _, evicted in part.committing):
+            await self._all_committed(part)
+        else:
+            self._forget_committed(part)
+        loaded = await part.log.load(missing) if missing else {}
+        plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time())
+        deferred = {batch[index].stream_seq: delay_s for index, delay_s in plan.naks}
+        if deferred:
+            self._metrics.deferred.inc(len(deferred))
+        inputs = [inbound.stream_seq for inbound in batch if inbound.stream_seq not in deferred]
+        # A batch of early inputs only is appended by nobody: its marks wait for the next one.
+        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part) if inputs else [])
+        part.decided = (inputs, plan, rows)
+        return Decided(_ENCODER.encode(rows), deferred)
+
+    async def act(self, batch: Sequence[Inbound]) -> None:
+        """Commit the appended rows locally, then publish what they say."""
+        part = self._partitions[self._partition_of(batch[0])]
+        inputs = [inbound.stream_seq for inbound in batch]
+        if part.decided is None or part.decided[0] != inputs:
+            raise StoreError(
+                f"partition {part.number}: asked to act on inputs {inputs[:3]}... that were "
+                "not the last decided; the next claim catches the file up"
+            )
+        _, plan, rows = part.decided
+        part.decided = None
+        # Only now, with the plan in the replicated log, are its timers this partition's.
+        part.timers.arm(plan)
+        rows_batch = Batch()
+        rows.add_to(rows_batch)
+        committed = part.log.queue(rows_batch)
+        committed.add_done_callback(self._observe_commit)
+        part.committing.append((committed, frozenset(plan.left_memory)))
+        await self._publish(part, plan.publish)
+        for _, rejection in plan.terms:
+            await self._bus.publish(
+                self._subjects.rejected(rejection.handoff_id), encode(rejection)
+            )
+        m = self._metrics
+        Metrics.count(m.inputs, plan.inputs.items())
+        Metrics.count(m.actions, plan.issued.items())
+        Metrics.count(m.rejections, plan.reasons.items())
+        for _, _, action in plan.publish:
+            if isinstance(action, Complete):
+                m.completed.labels(action.completion.value).inc()
+        if plan.duplicates:
+            m.duplicates.inc(plan.duplicates)
+        m.batch_size.observe(len(batch))
+        self._count_in_memory()  # a handoff whose log would not load is quarantined in a plan
+
+    # --- Partitions, their files and their outbox ---------------------------------------
+
+    def _forget_committed(self, part: _Partition) -> None:
+        """Forget the partition's queued local commits that ended; the `StoreError` of one that
+        failed."""
+        while part.committing and part.committing[0][0].done():
+            part.committing.popleft()[0].result()
+
+    async def _all_committed(self, part: _Partition) -> None:
+        """Wait for every queued local commit of the partition; the `StoreError` of the first
+        that failed."""
+        failure: StoreError | None = None
+        while part.committing:
+            try:
+                await part.committing.popleft()[0]
+            except StoreError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def _observe_commit(self, committed: asyncio.Future[Committed]) -> None:
+        """Count a local commit that ended: its group's time, or its group's failure (each
+        batch of a failed group carries the group's one error)."""
+        if committed.cancelled():
+            return
+        failure = committed.exception()
+        if failure is None:
+            if committed.result().leads:
+                self._metrics.commit_seconds.observe(committed.result().seconds)
+        elif failure is not self._last_commit_failure:
+            self._last_commit_failure = failure
+            self._metrics.commit_failures.inc()
+
+    async def _open(self, partition: int) -> _Partition:
+        """The partition's state, opening its file (under its writer lock) the first time."""
+        part = self._partitions.get(partition)
+        if part is not None:
+            return part
+        path = self._config.partition_file(partition)
+        # `--db`'s lock is run's, taken before anything else (worker.commands.run).
+        lock = None if self._config.data_dir is None else WriterLock.acquire(path)
+        try:
+            # A file of layout 1 (an earlier version's single worker's log) is migrated: this
+            # worker holds its writer lock. Its history is in no replicated log: until its
+            # open handoffs end, only this machine's file can rebuild them.
+            log = await EventLog.open(path, self._config.synchronous, migrate=True)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        planner = Planner(
+            self._subjects, self._config.batch_size, self._config.ack_wait_s,
+            longest_deadline_ms=int(self._config.tier_retention_s * 1000 / 2),
+        )  # fmt: skip
+        timers = HandoffTimers(
+            planner, self._bus, self._subjects, self._metrics,
+            retry_interval_s=self._config.retry_interval_s,
+            republish=partial(self._republish, partition),
+        )  # fmt: skip
+        task = asyncio.create_task(timers.run(), name=f"kvhandoff-timers-{partition}")
+        part = self._partitions[partition] = _Partition(partition, log, lock, planner, timers, task)
+        return part
+
+    async def _rebuild(self, part: _Partition) -> None:
+        """Replace the planner's memory with the file's open handoffs and their timers;
+        publish the backlog."""
+        planner = part.planner
+        planner.open.clear()
+        planner.deferred.clear()
+        planner.quarantined = await part.log.quarantined()
+        quarantines = Batch()
+        loaded = await part.log.open_handoffs()
+        try:
+            adopted = planner.adopt(loaded.values(), quarantines, now_ms(), diverging=True)
+        except ReplayDivergence as exc:
+            raise LogDiverges(
+                f"partition {part.number}: {exc}; this build's coordinator does not re-derive "
+                f"the log of an open handoff in {part.log.path}. Run `kvhandoff verify` on the "
+                "data directory, and run the build that wrote it"
+            ) from exc
+        part.timers.rearm(adopted)  # before the backlog's publishes, which count as attempts
+        backlog: dict[tuple[UUID, int], tuple[HandoffRow, int, Action]] = {}
+        for unpublished in await part.log.unpublished_actions():
+            if isinstance(unpublished, CorruptHandoff):
+                planner.quarantine(
+                    quarantines, now_ms(), unpublished.handoff_id, unpublished.reason
+                )
+                continue
+            action = unpublished.record.action
+            key = (action.handoff_id, action.action_id)
+            backlog[key] = (unpublished.row, unpublished.seq, action)
+        for handoff in planner.open.values():
+            for action in handoff.coordinator.outstanding():
+                key = (action.handoff_id, action.action_id)
+                backlog.setdefault(key, (handoff.row, -1, action))
+        if quarantines:
+            await part.log.commit(quarantines)
+        await self._publish(part, list(backlog.values()))  # marked with the next batch
+        self._metrics.recovered.set(len(loaded))
+        self._count_in_memory()
+
+    def _count_in_memory(self) -> None:
+        """The gauges of the handoffs in memory, over the partitions it owns now."""
+        parts = self._partitions.values()
+        self._metrics.open_handoffs.set(sum(len(p.planner.open) for p in parts))
+        self._metrics.quarantined.set(sum(len(p.planner.quarantined) for p in parts))
+
+    async def _publish(
+        self, part: _Partition, actions: list[tuple[HandoffRow, int, Action]]
+    ) -> None:
+        """Publish actions as worker.service does; their marks wait for the server's barrier,
+        and they are published again if it fails, or if publishing fails (`_publish_again`).
+        A seq of -1 is an action the file already marks (republished, not marked again)."""
+        if not actions:
+            return
+        barrier: asyncio.Future[None]
+        try:
+            barrier = await self._send(part, actions)
+        except BusError as exc:  # NATS is out of reach: as good as a failed barrier
+            barrier = asyncio.get_running_loop().create_future()
+            barrier.set_exception(exc)
+        sent = _Sent(actions, barrier, now_ms())
+        part.published.append(sent)
+        barrier.add_done_callback(partial(self._barrier_done, part, part.tenure, sent))
+
+    async def _send(
+        self, part: _Partition, actions: list[tuple[HandoffRow, int, Action]]
+    ) -> asyncio.Future[None]:
+        """Publish the actions; the barrier that confirms them, whatever the other partitions
+        publish and flush meanwhile on the same bus (see "The barrier" in worker.bus)."""
+        connection = self._bus.connection
+        stored = []
+        for row, _, action in actions:
+            ack = await publish_action(self._bus, self._subjects, row, action)
+            if ack is not None:
+                stored.append(ack)
+            part.timers.sent(action)
+        return asyncio.ensure_future(self._bus.confirm(connection, stored))
+
+    def _barrier_done(
+        self, part: _Partition, tenure: int, sent: _Sent, barrier: asyncio.Future[None]
+    ) -> None:
+        if not barrier.cancelled() and barrier.exception() is None:
+            return
+        if part.tenure != tenure or sent.barrier is not barrier:
+            return  # released since (the next claim publishes them), or published again
+        resend = asyncio.create_task(self._publish_again(part, tenure, sent))
+        self._resends.add(resend)
+        resend.add_done_callback(self._resends.discard)
+
+    async def _publish_again(self, part: _Partition, tenure: int, sent: _Sent) -> None:
+        """The barrier behind `sent` failed: the server may never have read its actions. Publish
+        them again (at least once, with the same action ids), pausing longer after each
+        failure, until a new barrier confirms them or the partition is released."""
+        error = "" if sent.barrier.cancelled() else f" ({sent.barrier.exception()})"
+        logger.warning(
+            "partition %d: %d actions were published on a connection that NATS lost%s; "
+            "publishing them again",
+            part.number, len(sent.actions), error,
+        )  # fmt: skip
+        pause_s = _RESEND_PAUSE_S[0]
+        while part.tenure == tenure:
+            await asyncio.sleep(pause_s)  # let the connection come back first
+            if part.tenure != tenure:
+                return
+            try:
+                barrier = await self._send(part, sent.actions)
+            except BusError as exc:
+                logger.warning("partition %d: publishing again failed: %s", part.number, exc)
+                pause_s = min(2 * pause_s, _RESEND_PAUSE_S[1])
+                continue
+            sent.at_ms = now_ms()
+            sent.barrier = barrier
+            sent.barrier.add_done_callback(partial(self._barrier_done, part, tenure, sent))
+            return
+
+    async def _republish(self, partition: int, row: HandoffRow, action: Action) -> None:
+        """A retry: publish the action again (its first publication carries its mark)."""
+        await self._publish(self._partitions[partition], [(row, -1, action)])
+
+    def _confirmed(self, part: _Partition) -> list[tuple[str, int, int]]:
+        """Take the outbox marks the server has confirmed, in publication order, up to the
+        first lot not confirmed: one whose barrier failed is being published again
+        (`_publish_again`), and a later mark of its handoff would say it was published."""
+        confirmed: list[tuple[str, int, int]] = []
+        while part.published and part.published[0].barrier.done():
+            barrier = part.published[0].barrier
+            if barrier.cancelled() or barrier.exception() is not None:
+                break
+            confirmed.extend(part.published.pop(0).marks())
+        return confirmed
+
+    async def _settle_marks(self, part: _Partition) -> None:
+        """Stopping: wait for the barriers, and commit what they confirm to the local file
+        (the next owner republishes those actions: the replicated log does not mark them)."""
+        for sent in part.published:
+            with contextlib.suppress(BusError, asyncio.CancelledError):
+                await sent.barrier
+        batch = Batch()
+        for handoff_id, seq, at_ms in self._confirmed(part):
+            batch.mark_published(UUID(handoff_id), seq, at_ms)
+        if batch:
+            await part.log.commit(batch)
+
+    def _partition_of(self, inbound: Inbound) -> int:
+        return int(inbound.subject.removeprefix(self._inputs_of).partition(".")[0])
+
+    def _canonical(self, inbound: Inbound) -> _Canonical:
+        """`<prefix>.inp.<p>.<id>` read as `<prefix>.in.<id>`."""
+        handoff = inbound.subject.removeprefix(self._inputs_of).partition(".")[2]
+        subject = f"{self._config.nats.subject_prefix}.in.{handoff}"
+        return _Canonical(inbound.data, subject, inbound.stream_seq, inbound.deliveries)
+
+
+def _int(mark: str | None) -> int | None:
+    return None if mark is None else int(mark)

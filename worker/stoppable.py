@@ -25,7 +25,7 @@ async def unless_stopped(stop: asyncio.Event, step: Coroutine[Any, Any, T]) -> T
     finally:
         stopped.cancel()
         await cancel_until_done(task)
-    # A step that finished anyway hands over what it made (a connection, a lease), so that it
+    # A step that finished anyway hands over what it made (a connection, a subscription), so that it
     # is closed or released like any other.
     return None if task.cancelled() else task.result()
 

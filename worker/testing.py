@@ -42,7 +42,7 @@ Example, a test module of a downstream project (a frontend) that starts one hand
     def test_a_handoff_completes() -> None:
         with (
             NatsContainer() as bus,  # on a network of its own
-            KvhandoffWorkerContainer(bus) as worker,  # healthy: recovered, connected
+            KvhandoffWorkerContainer(bus) as worker,  # healthy: connected, serving its share
             MockEnginesContainer(bus, "--speedup", "10"),  # vllm-prefill-0, ...
         ):
             start = StartHandoff(
@@ -294,7 +294,7 @@ class NatsContainer(_KvhandoffContainer):
 class KvhandoffWorkerContainer(_KvhandoffContainer):
     """`kvhandoff run` on the network of `nats`, with its event log in a host directory
     (see the module docstring for `data_dir` and ownership). Ready once /healthz answers 200:
-    the worker has recovered its log and is connected to NATS.
+    the worker is connected to NATS and serves its share of the tier (`healthy`).
 
     `args` are added to the `run` command line (for example `--retry-interval 1s`). `user`
     ("uid:gid") overrides who the worker runs as, and then `data_dir` is left as it is.
@@ -349,7 +349,9 @@ class KvhandoffWorkerContainer(_KvhandoffContainer):
         return self._mapped_url("http", METRICS_PORT)
 
     def healthy(self) -> bool:
-        """Whether /healthz answers 200 now (recovered and connected to NATS)."""
+        """Whether /healthz answers 200 now: connected to NATS, and serving every partition of
+        its share (claimed and recovered; a worker started beside a dead one's unexpired
+        membership has an empty share until it expires)."""
         return answers_ok(f"{self.metrics_url}/healthz")
 
     def metrics(self) -> str:

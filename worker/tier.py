@@ -35,10 +35,10 @@ Metrics (`worker.metrics.TierMetrics`, if given): the partitions it runs an owne
 each round; its owners count their claims, fences and hand-overs there. Health: `unserved`
 names the partitions of its share that no owner of it serves yet (not claimed since this
 worker took it, or since its owner failed, e.g. on a full disk); the worker's /healthz is red
-while there is one, as the single worker's is until it recovered, or while its commits fail.
+while there is one.
 
 The coordinator is not here: the `decide`, `act`, `on_claim` and `on_release` it is given run
-it (worker.partitioned: the records to log, the actions to publish, the partitions' SQLite
+it (worker.service: the records to log, the actions to publish, the partitions' SQLite
 files, the timers).
 """
 
@@ -194,7 +194,7 @@ class Tier:
                 ack_wait_s=settings.ack_wait_s, max_pending=settings.max_pending,
                 priority_timeout_s=settings.priority_timeout_s,
             )  # fmt: skip
-        return await self._bus.announce(self.member)
+        return await self._bus.announce(self.member, self._settings.stream)
 
     async def _round(self) -> None:
         for partition, (_, task, _) in list(self._running.items()):
@@ -207,7 +207,7 @@ class Tier:
                     raise failure
                 if failure is not None:
                     logger.error("partition %d: its owner failed: %s", partition, failure)
-        live = [member.instance for member in await self._bus.members()]
+        live = [member.instance for member in await self._bus.members(self._settings.stream)]
         moves = rebalance(self._settings.partitions, live, self.member.instance, self.owned)
         if moves.take or moves.hand_over:
             logger.info(

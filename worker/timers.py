@@ -4,16 +4,15 @@
 Scheduling a key again replaces its deadline, cancelling forgets it, and stale heap entries
 are skipped when they surface. It reads no clock and knows no asyncio.
 
-`HandoffTimers` runs two of them for one set of handoffs in memory (a `worker.planner.Planner`:
-the single worker's, or one owned partition's) in a task of its own, until cancelled. Its owner
-tells it what changed, and it does the rest:
+`HandoffTimers` runs two of them for one set of handoffs in memory (one owned partition's
+`worker.planner.Planner`) in a task of its own, until cancelled. Its owner tells it what
+changed, and it does the rest:
 
     rearm(adopted)   memory was rebuilt from the log: forget every timer; each adopted
                      handoff's deadline is its row's, and each of its outstanding actions is
                      due for a retry one interval from now (as if published once);
-    arm(plan)        a plan counts (the single worker: once planned; a partition: once
-                     appended): deadlines of new handoffs, retries an outcome answered,
-                     deadlines of handoffs that left memory;
+    arm(plan)        a plan counts (once appended): deadlines of new handoffs, retries
+                     an outcome answered, deadlines of handoffs that left memory;
     sent(action)     an action was published (first, republished or recovered): count the
                      attempt and schedule the next one;
     clear()          these handoffs are no longer this worker's to time out or retry.

@@ -7,7 +7,8 @@ The demo runs as a real process against this test's nats-server, and a subscribe
 kvhandoff subject captures what crosses the bus, by subject: inputs on `<prefix>.in.*`, actions
 on `<prefix>.engine.*.actions`, completions on `<prefix>.done.*`, rejections on
 `<prefix>.rejected.*`. (The engines' report requests on `<prefix>.engines.report` carry an empty
-body and no message of the vocabulary.)
+body and no message of the vocabulary, and the worker's appends to its own replicated log on
+`<prefix>.log.<p>` are its records, read by no other party.)
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def validator(schema: dict[str, Any], definition: str) -> Draft202012Validator:
 
 
 def kind_of(subject: str) -> str | None:
-    """Which definition a subject's messages must match, or None for the report requests."""
+    """Which definition a subject's messages must match, or None for the report requests and
+    the worker's log."""
     parts = subject.split(".")
     match parts[1:]:
         case ["in", _]:
@@ -54,6 +56,8 @@ def kind_of(subject: str) -> str | None:
             return "Rejection"
         case ["engines", "report"]:
             return None
+        case ["log", _]:
+            return None  # the worker's own replicated log: not a message between parties
     raise AssertionError(f"a message on an unexpected subject: {subject}")
 
 

@@ -114,7 +114,7 @@ async def acted(nats_cluster: NatsCluster) -> AsyncIterator[Acted]:
 
 
 class TierWorker(WorkerChild):
-    """`kvhandoff run --partitions 4` (worker.partitioned, or `partitions`) with its own data
+    """`kvhandoff run --partitions 4` (worker.service, or `partitions`) with its own data
     directory (`tmp / name`, or `data_dir`), and any further arguments of `run`."""
 
     def __init__(

@@ -5,7 +5,7 @@ Run as `python -m tests.cluster.owner_process URL NAME PARTITION STATUS_FILE`. I
 partitioned input stream, the log stream and the partition's consumer (as every worker of the
 tier does, idempotently), then owns the partition: its records are the inputs' payloads, and it
 acts by publishing, after each append, the stream sequence of every input it applied to
-`kvhandoff.acted.<NAME>`. As worker.partitioned does with its outbox, it counts an act done only
+`kvhandoff.acted.<NAME>`. As worker.service does with its outbox, it counts an act done only
 once `Bus.flush` confirmed its publishes, and each claim publishes again the acts of its own
 appended inputs that were not confirmed (a flush that failed as NATS lost a node): at least once,
 so a lost act shows up again. At the end it writes what it did to STATUS_FILE, as JSON (its

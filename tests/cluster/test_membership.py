@@ -18,9 +18,11 @@ from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S
 
+TIER = "KVHANDOFF_IN"  # the tier's input stream
+
 
 async def listed(bus: Bus) -> set[str]:
-    return {member.instance for member in await bus.members()}
+    return {member.instance for member in await bus.members(TIER)}
 
 
 def in_a_row(holds: Callable[[set[str]], bool], times: int = 5) -> Callable[[set[str]], bool]:
@@ -47,15 +49,25 @@ async def until(bus: Bus, holds: Callable[[set[str]], bool], what: str) -> float
 async def test_members_are_listed_oldest_first_and_one_that_leaves_goes_at_once(
     bus: Bus, js: JetStreamContext
 ) -> None:
-    assert await bus.members() == []
+    assert await bus.members(TIER) == []
     first, second = Member.this_process(), Member.this_process()
-    one = await bus.announce(first)
-    two = await bus.announce(second)
+    one = await bus.announce(first, TIER)
+    two = await bus.announce(second, TIER)
     await until(bus, in_a_row(lambda now: now == {first.instance, second.instance}), "both")
-    assert await bus.members() == sorted([first, second], key=lambda m: (m.since_ms, m.instance))
+    assert await bus.members(TIER) == sorted(
+        [first, second], key=lambda m: (m.since_ms, m.instance)
+    )
     status = await js.find_stream_name_by_subject(f"$KV.{MEMBERS_BUCKET}.x")
     info = await js.stream_info(status)
     assert info.config.num_replicas == 3 and info.config.max_age == MEMBER_TTL_S
+
+    # Another tier's worker in the same bucket is not one of this tier's.
+    elsewhere = await bus.announce(Member.this_process(), "OTHER_IN")
+    assert {m.instance for m in await bus.members("OTHER_IN")} == {elsewhere.member.instance}
+    assert await bus.members(TIER) == sorted(
+        [first, second], key=lambda m: (m.since_ms, m.instance)
+    )
+    await elsewhere.leave()
 
     await one.leave()
     await until(bus, in_a_row(lambda now: now == {second.instance}), "one left")
@@ -66,10 +78,10 @@ async def test_members_are_listed_oldest_first_and_one_that_leaves_goes_at_once(
 async def test_a_kept_member_outlives_the_ttl_and_a_silent_one_expires(
     nats_cluster: NatsCluster, bus: Bus
 ) -> None:
-    kept = await bus.announce(Member.this_process())
+    kept = await bus.announce(Member.this_process(), TIER)
     keeper = asyncio.create_task(kept.keep())
     other = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-silent")
-    silent = await other.announce(Member.this_process())
+    silent = await other.announce(Member.this_process(), TIER)
     await other.close()  # dead without leaving: nobody refreshes its key
     try:
         both = {kept.member.instance, silent.member.instance}

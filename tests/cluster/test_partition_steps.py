@@ -1,4 +1,4 @@
-"""A partition's steps (worker.partitioned's `decide` and `act`) in process, against a real
+"""A partition's steps (worker.service's `decide` and `act`) in process, against a real
 nats-server and real SQLite, with the local file's writer held: `act` does not wait for the
 local commit, and `decide` waits for it only before it reads a handoff that the queued batch
 took out of memory."""
@@ -24,8 +24,8 @@ from kvhandoff.worker.config import NatsSettings, WorkerConfig
 from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.natsserver import EmbeddedNats
 from kvhandoff.worker.ownership import CaughtUp
-from kvhandoff.worker.partitioned import PartitionedWorker
 from kvhandoff.worker.rows import HandoffLog
+from kvhandoff.worker.service import Worker
 from kvhandoff.worker.store import EventLog, Loaded
 from kvhandoff.worker.tier import TierSettings
 from tests.worker.test_planner import success_inputs
@@ -52,7 +52,7 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 
 @dataclass
 class Steps:
-    worker: PartitionedWorker
+    worker: Worker
     metrics: Metrics
 
 
@@ -68,7 +68,7 @@ async def steps(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Step
         config.done_stream, Subjects(PREFIX).completions, config.completion_ttl_s
     )
     metrics = Metrics()
-    worker = PartitionedWorker(config, TierSettings(partitions=1), bus, metrics, label="test")
+    worker = Worker(config, TierSettings(partitions=1), bus, metrics, label="test")
     await worker.on_claim(0, CaughtUp(epoch=1, previous_owner=None))
     try:
         yield Steps(worker, metrics)

@@ -1,4 +1,4 @@
-"""`kvhandoff run --partitions 4 --data-dir DIR` (worker.partitioned) as real processes on the
+"""`kvhandoff run --partitions 4 --data-dir DIR` (worker.service) as real processes on the
 real three-node cluster, with the scripted engines answering, under the faults of issue 11:
 
 - two workers share the load; one is killed with SIGKILL mid-load, and still every handoff
@@ -56,11 +56,11 @@ from kvhandoff.events.messages import (
     SubmitPrefill,
 )
 from kvhandoff.worker.bus import MEMBER_TTL_S, Bus
+from kvhandoff.worker.config import partition_path
 from kvhandoff.worker.healthy import success_script
 from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
 from kvhandoff.worker.ownership import Appended, Claimed, Entry
-from kvhandoff.worker.partitioned import partition_path
 from kvhandoff.worker.partitions import assign, partition_of
 from kvhandoff.worker.schema import HandoffState
 from kvhandoff.worker.tier import TierSettings
@@ -550,7 +550,7 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
     instances: dict[int, str] = {}
 
     async def both_announced() -> bool:
-        instances.update((m.pid, m.instance) for m in await bus.members())
+        instances.update((m.pid, m.instance) for m in await bus.members(INPUT_STREAM))
         return {w1.pid, w2.pid} <= instances.keys()
 
     await until(both_announced, "both workers announce themselves")
@@ -592,7 +592,7 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
     )
 
 
-RESENT_LINE = "published on a connection that NATS lost"  # worker.partitioned's warning
+RESENT_LINE = "published on a connection that NATS lost"  # worker.service's warning
 
 
 async def test_actions_written_to_a_connection_that_dies_are_published_again(

@@ -74,7 +74,7 @@ async def test_the_stream_is_replicated_and_keeps_its_partition_count(
     with pytest.raises(PartitionsMismatch, match=rf"{STREAM} has 4 partition\(s\).* with 8"):
         await bus.open_partitions(STREAM, PREFIX, 8)
     with pytest.raises(PartitionsMismatch, match=r"has 4 partition.* started with 1"):
-        await bus.open_inbox(STREAM, f"{PREFIX}.in.>", "w", ack_wait_s=30, max_pending=64)
+        await bus.open_partitions(STREAM, PREFIX, 1)
     with pytest.raises(ConfigError, match="0 partitions; at least one"):
         await bus.open_partitions("OTHER", PREFIX, 0)
 
@@ -89,7 +89,7 @@ async def test_an_input_outside_the_partitioned_subjects_is_not_stored(
         await js.publish(f"{PREFIX}.in.{uuid.uuid4()}.extra", b"x", timeout=5)
 
 
-async def test_alone_the_stream_is_r1_and_one_partition_is_the_single_worker_stream(
+async def test_alone_the_stream_is_r1_and_a_single_worker_stream_of_old_is_refused(
     tmp_path: Path,
 ) -> None:
     with EmbeddedNats(store_dir=tmp_path) as server:
@@ -101,34 +101,21 @@ async def test_alone_the_stream_is_r1_and_one_partition_is_the_single_worker_str
             try:
                 info = await nc.jetstream().stream_info(STREAM)
                 assert info.config.num_replicas == 1
-                # The single-worker stream, as open_inbox makes it: P = 1 in its metadata.
-                await bus.open_inbox("SINGLE", "single.in.>", "w", ack_wait_s=30, max_pending=64)
-                single = await nc.jetstream().stream_info("SINGLE")
-                metadata = single.config.metadata or {}
-                assert (metadata[PARTITIONS_METADATA], metadata[CONSUMER_METADATA]) == (
-                    "1", "single"
-                )  # fmt: skip
-                assert single.config.subject_transform is None
-                # A tier at one partition is not the single worker: neither takes the other's.
-                with pytest.raises(
-                    PartitionsMismatch,
-                    match=r"SINGLE has 1 partition\(s\) for a single worker and this worker was "
-                    r"started with 1 as a tier.*start one worker, without --partitions",
-                ):
-                    await bus.open_partitions("SINGLE", "single", 1)
-                await bus.open_partitions("TIER1", "tier1", 1)
-                with pytest.raises(
-                    PartitionsMismatch,
-                    match=r"TIER1 has 1 partition\(s\) for a tier and this worker was started "
-                    r"with 1 as a single worker.*--partitions 1 --data-dir DIR",
-                ):
-                    await bus.open_inbox("TIER1", "tier1.in.>", "w", ack_wait_s=30, max_pending=64)
-                # A stream made before the metadata existed: one partition, a single worker's.
-                await nc.jetstream().add_stream(StreamConfig(name="OLD", subjects=["old.in.>"]))
-                await bus.open_inbox("OLD", "old.in.>", "w", ack_wait_s=30, max_pending=64)
-                for partitions in (1, 2):
-                    with pytest.raises(PartitionsMismatch, match="OLD has 1 partition"):
-                        await bus.open_partitions("OLD", "old", partitions)
+                # Streams that earlier versions made for their single worker: marked, and from
+                # before the mark existed. Its history is in its file, in no replicated log.
+                for name, metadata in [("SINGLE", {PARTITIONS_METADATA: "1",
+                                                   CONSUMER_METADATA: "single"}),
+                                       ("OLD", None)]:  # fmt: skip
+                    config = StreamConfig(name=name, subjects=[f"{name.lower()}.in.>"])
+                    config.metadata = metadata
+                    await nc.jetstream().add_stream(config)
+                    for partitions in (1, 2):
+                        with pytest.raises(
+                            PartitionsMismatch,
+                            match=rf"{name} was made for 'single', the single worker of an "
+                            r"earlier kvhandoff.*then delete the stream",
+                        ):
+                            await bus.open_partitions(name, name.lower(), partitions)
             finally:
                 await nc.close()
         finally:
@@ -138,24 +125,29 @@ async def test_alone_the_stream_is_r1_and_one_partition_is_the_single_worker_str
 @pytest.mark.parametrize(
     ("made_by", "started_as", "refusal"),
     [
-        (4, None, "has 4 partition(s) for a tier and this worker was started with 1 as a single"),
-        (1, None, "has 1 partition(s) for a tier and this worker was started with 1 as a single"),
-        (None, 1, "has 1 partition(s) for a single worker and this worker was started with 1 as"),
+        (4, None, "has 4 partition(s) and this worker was started with 1"),
+        (1, 2, "has 1 partition(s) and this worker was started with 2"),
+        (None, None, "was made for 'single', the single worker of an earlier kvhandoff"),
     ],
-    ids=["tier-4-then-single", "tier-1-then-single", "single-then-tier-1"],
+    ids=["4-then-default", "1-then-2", "old-single-then-default"],
 )
 def test_a_worker_started_on_a_stream_of_another_count_or_kind_exits_2(
     tmp_path: Path, made_by: int | None, started_as: int | None, refusal: str
 ) -> None:
-    """`made_by`/`started_as`: the tier's partition count, or None for the single worker."""
+    """`made_by`: the tier's partition count, or None for an earlier version's single worker;
+    `started_as`: the worker's `--partitions`, or None for the default."""
 
     async def make() -> None:
+        if made_by is None:
+            nc = await nats.connect(server.url)
+            try:
+                await nc.jetstream().add_stream(name=STREAM, subjects=[f"{PREFIX}.in.>"])
+            finally:
+                await nc.close()
+            return
         bus = await Bus.connect(NatsSettings(url=server.url), "test-partition")
         try:
-            if made_by is None:
-                await bus.open_inbox(STREAM, f"{PREFIX}.in.>", "w", ack_wait_s=30, max_pending=64)
-            else:
-                await bus.open_partitions(STREAM, PREFIX, made_by)
+            await bus.open_partitions(STREAM, PREFIX, made_by)
         finally:
             await bus.close()
 

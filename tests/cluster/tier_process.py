@@ -7,7 +7,7 @@ publishing, after each append, the stream sequence of every input it applied to
 each of its partition owners did to STATUS_FILE, as JSON, and exits 0.
 
 At a claim it publishes the partition's last record again, as the real coordinator republishes
-its outbox at a claim (worker.partitioned): an owner acts on a batch only after appending it,
+its outbox at a claim (worker.service): an owner acts on a batch only after appending it,
 and appends the next only after acting, so the previous owner may have died (SIGKILL) between
 its last append and its publishes. The new owner skips those inputs, which the log says were
 applied, so without this they would never be acted on. Acting is at least once; the log says

@@ -248,9 +248,14 @@ def completed_handoffs(worker: KvhandoffWorkerContainer) -> int:
 
 
 def recovered_open_handoffs(worker: KvhandoffWorkerContainer) -> int:
-    """How many open handoffs the worker rebuilt from its log when it started."""
-    found = re.search(r"recovered (\d+) open handoffs", worker.logs())
-    assert found is not None, f"the worker never logged its recovery:\n{worker.logs()}"
+    """How many open handoffs the worker rebuilt from its log when it claimed the partition.
+    A worker started beside a dead one's membership is healthy before it claims (its share is
+    empty until that membership expires), so its claim is waited for."""
+    pattern = re.compile(r"recovered (\d+) open handoffs")
+    wait_until(lambda: pattern.search(worker.logs()) is not None, "the worker's claim",
+               context=worker.logs)  # fmt: skip
+    found = pattern.search(worker.logs())
+    assert found is not None
     return int(found.group(1))
 
 

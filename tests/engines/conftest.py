@@ -81,6 +81,7 @@ def worker(nats_server: EmbeddedNats, subjects: Subjects, tmp_path: Path) -> Ite
     child = WorkerChild(
         nats_server.url, tmp_path / "kvhandoff.db",
         "--subject-prefix", prefix, "--stream", f"IN_{prefix}", "--consumer", f"W_{prefix}",
+        "--done-stream", f"DONE_{prefix}", "--log-stream", f"LOG_{prefix}",
         "--retry-interval", "0.25s",
         log_path=log,
     )  # fmt: skip

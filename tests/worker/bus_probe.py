@@ -182,7 +182,7 @@ class BusProbe:
 
     async def settlement(self) -> Settlement:
         js = self.nc.jetstream()
-        # The single worker's one consumer, or a tier's one per partition.
+        # One per partition.
         consumers = await js.consumers_info(INPUT_STREAM)
         stream = await js.stream_info(INPUT_STREAM)
         return Settlement(sum(c.num_pending or 0 for c in consumers),
@@ -233,11 +233,10 @@ class BusProbe:
         await self.nc.jetstream().purge_stream(INPUT_STREAM)
 
 
-def takes(worker: WorkerProcess, subject: str) -> bool:
-    """Whether the worker's input stream stores `subject`: the single worker's takes every
-    subject under `<prefix>.in.`, a tier's `<prefix>.in.<token>` only, the subjects its
-    transform can partition (JetStream refuses the rest to their publisher)."""
-    return not worker.tier or "." not in subject.removeprefix(f"{SUBJECTS.prefix}.in.")
+def takes(subject: str) -> bool:
+    """Whether the worker's input stream stores `subject`: `<prefix>.in.<token>` only, the
+    subjects its transform can partition (JetStream refuses the rest to their publisher)."""
+    return "." not in subject.removeprefix(f"{SUBJECTS.prefix}.in.")
 
 
 def rejection_subject_matches(rejected: Rejected) -> bool:

@@ -14,28 +14,21 @@ from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.partitioned import partition_path
 from kvhandoff.worker.rows import HandoffLog
 from tests.worker.scripted_engine import ScriptedEngines
 
 
 class WorkerProcess(WorkerChild):
     """`kvhandoff run` in a child process (`worker.child`), restartable on the same database,
-    with retries and redeliveries sped up for tests. With `tier`, a tier worker at one
-    partition (`--partitions 1`) whose data directory is `db`'s, and `db` its partition's file:
-    the tests of the single worker that read its file read this one."""
+    with retries and redeliveries sped up for tests: the embedded default, a tier of one
+    partition whose log is `db`."""
 
     def __init__(
-        self, nats_url: str, db: Path, *extra: str, module: str = "kvhandoff.worker.cli",
-        tier: bool = False,
-    ) -> None:  # fmt: skip
-        if tier:
-            extra = ("--partitions", "1", "--data-dir", str(db.parent), *extra)
-            db = partition_path(db.parent, 0)
+        self, nats_url: str, db: Path, *extra: str, module: str = "kvhandoff.worker.cli"
+    ) -> None:
         super().__init__(
             nats_url, db, "--retry-interval", "1s", "--ack-wait", "2s", *extra, module=module
         )
-        self.tier = tier
 
 
 @pytest.fixture
@@ -48,18 +41,10 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
     server.close()
 
 
-#: `@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)`: a test of the `worker`
-#: fixture runs against the single worker and against a tier worker at one partition.
-BOTH_MODES = [pytest.param(False, id="single"), pytest.param(True, id="tier")]
-
-
 @pytest.fixture
-def worker(
-    nats_server: EmbeddedNats, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[WorkerProcess]:
-    """The single worker, started; a tier worker at one partition if parametrized with True."""
-    tier = bool(getattr(request, "param", False))
-    process = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db", tier=tier)
+def worker(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[WorkerProcess]:
+    """The worker, started."""
+    process = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db")
     process.start()
     yield process
     process.stop()

@@ -63,16 +63,18 @@ def test_defaults() -> None:
     )
 
 
-def test_the_tier_keeps_its_log_a_week_unless_told_and_the_single_worker_keeps_all(
+def test_the_log_is_kept_a_week_unless_told_and_the_default_is_one_partition_in_db(
     tmp_path: Path,
 ) -> None:
     tier = ["--partitions", "4", "--data-dir", str(tmp_path)]
     assert worker_config(parse(*tier)).tier_retention_s == 7 * 86_400
     told = worker_config(parse(*tier, "--retention", "1h"))
     assert (told.retention_s, told.tier_retention_s) == (3600, 3600)
-    assert worker_config(parse()).retention_s is None
-    # One partition is a tier too (of one owner at a time), not the single worker.
-    assert worker_config(parse("--partitions", "1", "--data-dir", str(tmp_path))).partitions == 1
+    default = worker_config(parse("--db", str(tmp_path / "k.db")))
+    assert (default.partitions, default.tier_retention_s) == (1, 7 * 86_400)
+    assert default.partition_file(0) == tmp_path / "k.db"
+    one = worker_config(parse("--partitions", "1", "--data-dir", str(tmp_path)))
+    assert one.partition_file(0) == tmp_path / "partition-0.db"
 
 
 def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,9 +190,8 @@ INVALID = [
     ),
     Invalid([], "--log-format: 'xml' is not text or json", env={"KVHANDOFF_LOG_FORMAT": "xml"}),
     Invalid(["--log-level", "verbose"], "--log-level: 'VERBOSE' is not a logging level"),
-    Invalid(["--partitions", "4"], "--partitions and --data-dir go together"),
-    Invalid(["--data-dir", "."], "--partitions and --data-dir go together"),
-    Invalid([], "--partitions and --data-dir go together", env={"KVHANDOFF_PARTITIONS": "4"}),
+    Invalid(["--partitions", "4"], "--partitions above 1 needs --data-dir"),
+    Invalid([], "--partitions above 1 needs --data-dir", env={"KVHANDOFF_PARTITIONS": "4"}),
     Invalid(["--partitions", "0", "--data-dir", "."], "--partitions: 0 is not in 1..1024"),
     Invalid(["--partitions", "1025", "--data-dir", "."], "--partitions: 1025 is not in 1..1024"),
     Invalid(["--partitions", "4", "--data-dir", "missing"], "--data-dir: missing is not a dir"),

@@ -25,7 +25,7 @@ import pytest
 from kvhandoff.events.messages import EngineType, HandoffCompletion, StartHandoff
 from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.worker.bus_probe import BusProbe, assert_alive, poll, rejected_ids
-from tests.worker.conftest import BOTH_MODES, WorkerProcess
+from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
 
 LOAD = 300  # valid handoffs per measured run
@@ -134,7 +134,6 @@ def all_rejected(db: Path, ids: set[uuid.UUID]) -> bool:
     return ids <= rejected_ids(db)
 
 
-@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)
 async def test_a_flood_of_facts_for_unknown_handoffs_does_not_starve_valid_ones(
     worker: WorkerProcess, engines: ScriptedEngines, probe: BusProbe, tmp_path: Path
 ) -> None:

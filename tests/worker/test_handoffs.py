@@ -36,6 +36,8 @@ from kvhandoff.events.messages import (
     TransferCompleted,
 )
 from kvhandoff.worker.healthy import TIMING, success_script
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.schema import HandoffState
 from tests.worker.conftest import WorkerProcess, logged_actions, logged_inputs
 from tests.worker.scripted_engine import ScriptedEngines
 
@@ -68,7 +70,10 @@ async def test_both_orders_complete_with_success(
     assert kinds(seen) == [*expected, *tail]
     assert [a.action_id for a in seen] == list(range(6))
     assert engines.completions[command.handoff_id][0].completion is HandoffCompletion.SUCCESS
-    # The log holds exactly what was published, and every input that led to it.
+    # The log holds exactly what was published, and every input that led to it. (Stopped
+    # first: the file may trail what was published, its log being the replicated one; a
+    # drained stop commits it all.)
+    assert worker.terminate() == 0
     assert logged_actions(worker.db, command.handoff_id) == seen
     assert isinstance(logged_inputs(worker.db, command.handoff_id)[0], StartHandoff)
 
@@ -257,12 +262,13 @@ async def test_malformed_and_invalid_inputs_are_rejected_while_valid_handoffs_co
     assert not any(r.handoff_id == victim.handoff_id for r in rejections)
     for command in [*valid, victim]:
         assert engines.completions[command.handoff_id][0].completion is HandoffCompletion.SUCCESS
+    assert worker.process is not None and worker.process.poll() is None
+    assert 'kvhandoff_rejections_total{reason="undecodable"} 4.0' in worker.metrics()
+    assert worker.terminate() == 0  # the file committed in full
     assert logged_inputs(worker.db, victim.handoff_id)[-2:] == late
     with sqlite3.connect(worker.db) as db:
         (count,) = db.execute("SELECT count(*) FROM rejections WHERE reason != ''").fetchone()
     assert count == len(rejections)
-    assert worker.process is not None and worker.process.poll() is None
-    assert 'kvhandoff_rejections_total{reason="undecodable"} 4.0' in worker.metrics()
 
 
 async def test_invalid_outcome_for_open_handoff_is_rejected_and_changes_nothing(
@@ -284,6 +290,7 @@ async def test_invalid_outcome_for_open_handoff_is_rejected_and_changes_nothing(
     await engines.send(ActionOutcome(h, 0, SUBMITTED))
     await engines.send(SourceHeld(h, TIMING))
     await engines.wait_for_action(h, ReserveDestination)
+    assert worker.terminate() == 0  # the file committed in full
     assert logged_inputs(worker.db, h) == [
         command, ActionOutcome(h, 0, SUBMITTED), SourceHeld(h, TIMING),
     ]  # fmt: skip
@@ -316,7 +323,9 @@ async def test_sigterm_drains_and_exits_zero(
         await engines.start_handoff(command)
     await engines.wait_complete({c.handoff_id for c in commands})
     assert worker.terminate() == 0
-    assert "stopped with 0 open handoffs" in worker.logs()
+    with open_log(worker.db) as log:
+        states = [row.state for row in log.handoffs()]
+    assert states == [HandoffState.SUCCEEDED] * len(commands)
 
 
 def test_rejection_message_is_part_of_the_wire_vocabulary() -> None:

@@ -10,10 +10,8 @@ ends with the worker alive (the same process, /healthz 200) and every input sett
 The fuzz test throws arbitrary bytes, arbitrary JSON and well-formed messages with extreme values
 at one real worker, on valid and invalid subjects, with valid handoffs beside them.
 
-Every test runs against the single worker and against a tier worker at one partition
-(`--partitions 1`), which must hold alike. One difference is by design: a tier's input stream
-takes `in.<token>` only, the subjects its transform can partition, so JetStream refuses a
-publish to `in.<id>.more` at its publisher, and the worker never sees it.
+The input stream takes `in.<token>` only, the subjects its transform can partition, so
+JetStream refuses a publish to `in.<id>.more` at its publisher, and the worker never sees it.
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ from tests.worker.bus_probe import (
     rejection_subject_matches,
     takes,
 )
-from tests.worker.conftest import BOTH_MODES, WorkerProcess
+from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import Script, ScriptedEngines
 
 DEADLINE_MS = 120_000
@@ -276,7 +274,6 @@ POISONS = [
 ]
 
 
-@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)
 @pytest.mark.parametrize("make_poison", POISONS)
 async def test_a_poison_input_is_rejected_and_the_worker_carries_on(
     worker: WorkerProcess,
@@ -294,7 +291,7 @@ async def test_a_poison_input_is_rejected_and_the_worker_carries_on(
     await poll(lambda: bool(engines.actions_of(victims.open_id)), "the open victim", worker)
 
     poison = make_poison(victims)
-    stored = takes(worker, poison.subject)
+    stored = takes(poison.subject)
     if stored:
         await probe.publish(poison.subject, poison.payload)
     else:  # refused to its publisher: the worker never sees it
@@ -353,7 +350,6 @@ async def assert_quarantined(
     assert handoff_state(worker.db, handoff_id) == "quarantined"
 
 
-@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)
 async def test_an_input_for_a_completed_handoff_with_a_corrupt_log_quarantines_only_it(
     worker: WorkerProcess, engines: ScriptedEngines, probe: BusProbe
 ) -> None:
@@ -385,7 +381,6 @@ async def test_an_input_for_a_completed_handoff_with_a_corrupt_log_quarantines_o
     assert_alive(worker, pid)
 
 
-@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)
 async def test_an_open_handoff_with_a_corrupt_log_is_quarantined_at_recovery(
     worker: WorkerProcess, engines: ScriptedEngines, probe: BusProbe
 ) -> None:
@@ -564,14 +559,13 @@ def materialise(token: object, message: Body, target_ids: list[UUID]) -> tuple[s
     return f"{SUBJECTS.prefix}.in." + ".".join(t or "_" for t in safe.split(".")), payload
 
 
-@pytest.mark.parametrize("tier", BOTH_MODES)
-def test_fuzzed_inputs_never_stop_the_worker(tmp_path: Path, tier: bool) -> None:
+def test_fuzzed_inputs_never_stop_the_worker(tmp_path: Path) -> None:
     loop = asyncio.new_event_loop()
     store = tmp_path / "nats"
     store.mkdir()
     server = EmbeddedNats(store_dir=store)
     server.start()
-    worker = WorkerProcess(server.url, tmp_path / "kvhandoff.db", tier=tier)
+    worker = WorkerProcess(server.url, tmp_path / "kvhandoff.db")
     engines = ScriptedEngines(server.url)
     observer = BusProbe(server.url)
     try:
@@ -588,7 +582,7 @@ def test_fuzzed_inputs_never_stop_the_worker(tmp_path: Path, tier: bool) -> None
             target_ids = [t.handoff_id for t in named]
             for token, message in messages:
                 subject, payload = materialise(token, message, target_ids)
-                if takes(worker, subject):
+                if takes(subject):
                     await observer.publish(subject, payload)
                 else:
                     assert await observer.refused(subject, payload), subject

@@ -1,7 +1,6 @@
 """A layout-1 log under a worker of this build: a copy of the golden layout-1 log is migrated
 when `kvhandoff run` starts on it, and the worker carries on with the handoffs it left open,
-with a real nats-server and the scripted engines; and the same file moved into a data directory
-as the partition file of a tier worker at one partition."""
+with a real nats-server and the scripted engines."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.tools.conftest import IDS, V1
 from tests.worker.bus_probe import poll
-from tests.worker.conftest import BOTH_MODES, WorkerProcess, logged, logged_actions
+from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 
 OPEN = [UUID(IDS[name]) for name in ("stuck-on-reserve", "stuck-on-transfer", "just-started")]
@@ -40,17 +39,11 @@ def metric(worker: WorkerProcess, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
-@pytest.fixture(params=BOTH_MODES)
-def tier(request: pytest.FixtureRequest) -> bool:
-    """A single worker's log, or the same file as the partition file of a tier at P = 1."""
-    return bool(request.param)
-
-
 @pytest.fixture
-def layout_1(tmp_path: Path, tier: bool) -> Path:
+def layout_1(tmp_path: Path) -> Path:
     """The golden layout-1 log, its open handoffs' deadlines moved to an hour from now: they
     started in 2025, and would otherwise time out the moment the worker recovers them."""
-    db = tmp_path / ("partition-0.db" if tier else "kvhandoff.db")
+    db = tmp_path / "kvhandoff.db"
     shutil.copyfile(V1 / "log.sqlite3", db)
     with closing(sqlite3.connect(db)) as connection, connection:
         connection.execute(
@@ -61,8 +54,8 @@ def layout_1(tmp_path: Path, tier: bool) -> Path:
 
 
 @pytest.fixture
-def worker(nats_server: EmbeddedNats, layout_1: Path, tier: bool) -> Iterator[WorkerProcess]:
-    process = WorkerProcess(nats_server.url, layout_1, tier=tier)
+def worker(nats_server: EmbeddedNats, layout_1: Path) -> Iterator[WorkerProcess]:
+    process = WorkerProcess(nats_server.url, layout_1)
     assert process.db == layout_1
     yield process
     process.stop()

@@ -29,7 +29,7 @@ from kvhandoff.events.replay import find_divergence
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.worker.bus_probe import DONE_STREAM, BusProbe, assert_running, poll
-from tests.worker.conftest import BOTH_MODES, WorkerProcess, logged, logged_actions
+from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 
 HANDOFFS = 1000
@@ -88,7 +88,6 @@ async def stored_completions(
         await asyncio.sleep(0.2)  # a bounded poll of the server's stream
 
 
-@pytest.mark.parametrize("worker", BOTH_MODES, indirect=True)
 async def test_frontends_learn_every_completion_after_nats_and_the_worker_die(
     nats_server: EmbeddedNats, worker: WorkerProcess, engines: ScriptedEngines, probe: BusProbe
 ) -> None:

@@ -227,7 +227,7 @@ def test_the_generated_traffic_exercises_every_kind_of_settlement() -> None:
 
 
 def test_a_start_with_a_deadline_past_the_bound_is_rejected_and_one_within_it_opens() -> None:
-    """The tier keeps a handoff's replicated log for a bounded time (worker.partitioned): a
+    """The tier keeps a handoff's replicated log for a bounded time (worker.service): a
     start whose deadline would outlive it is refused, and nothing of it is logged."""
     planner = Planner(SUBJECTS, defer_budget=4, ack_wait_s=30.0, longest_deadline_ms=60_000)
     within = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)

@@ -206,27 +206,28 @@ async def until_delivered(pull: Pull, stream_seq: int) -> Inbound:
         await batch[0].ack()
 
 
-async def test_bus_fetch_returns_what_is_ready_at_once_and_waits_only_when_nothing_is(
-    bus: Bus,
+async def test_fetch_returns_what_is_ready_at_once_and_waits_only_when_nothing_is(
+    bus: Bus, js: JetStreamContext
 ) -> None:
-    with pytest.raises(BusError, match="fetch before open_inbox"):
-        await bus.fetch(4, timeout_s=0)
-    await bus.open_inbox("INPUTS", "inputs.>", "worker", ack_wait_s=30, max_pending=1024)
-    for i in range(10):
-        await bus.publish_durable(f"inputs.{i}", b"%d" % i)
+    pull = Pull(bus, STREAM, CONSUMER, max_ahead=1024)
+    with pytest.raises(BusError, match="fetch before start"):
+        await pull.fetch(4, timeout_s=0)
+    await pull.start()
+    await publish(js, range(10))
 
     began = time.monotonic()
     got: list[Inbound] = []
     while len(got) < 10:
-        batch = await bus.fetch(4, timeout_s=60)
+        batch = await pull.fetch(4, timeout_s=60)
         assert 1 <= len(batch) <= 4
         got += batch
     assert time.monotonic() - began < WITHIN_S  # not one 60 s wait
     assert [m.data for m in got] == [b"%d" % i for i in range(10)]
 
     began = time.monotonic()
-    assert await bus.fetch(4, timeout_s=0.3) == []
+    assert await pull.fetch(4, timeout_s=0.3) == []
     assert time.monotonic() - began >= 0.3
+    await pull.close()
 
 
 def test_a_heartbeat_longer_than_half_the_expiry_is_refused_before_the_server_does(

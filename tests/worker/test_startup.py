@@ -5,12 +5,9 @@
 - NATS that is not up yet is retried with backoff, and SIGTERM ends the worker promptly with
   exit 0 wherever start-up is: between retries, while the server does not answer, while
   JetStream does not answer, while reconnecting.
-- One worker per stream and consumer: a second one exits 2 naming the first and leaves the
-  consumer alone; a worker restarted on its own log after SIGKILL takes its lease over at once;
-  another log may take it once it expired; a worker that lost it stops and exits 1.
-
-Tests that wait for a lease to expire create the lease bucket themselves with a short TTL; the
-worker uses whatever TTL the bucket has.
+- A second worker on the stream, with its own log, is a member of a tier of one partition: it
+  stands by, healthy, and takes the partition over when the first stops; a paused owner that
+  wakes after the other took over serves nothing more of it and stays up.
 """
 
 from __future__ import annotations
@@ -27,23 +24,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-import nats
-import nats.js.errors
 import pytest
 
 from kvhandoff.events.messages import EngineType, StartHandoff
-from kvhandoff.worker.bus import LEASE_BUCKET, LEASE_TTL_S, LeaseHolder, _refusal
+from kvhandoff.worker.bus import _refusal
 from kvhandoff.worker.child import Child
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.health import answers_ok, worker_healthz
+from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats, free_port
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
 
-LEASE_KEY = "KVHANDOFF_IN.kvhandoff-worker"
+# What a worker logs once it serves the partition (worker.service).
+CLAIMED = "partition 0: caught"
 PROMPTLY_S = 3.0  # well under nats-py's 5 s connect and JetStream request timeouts
-SHORT_TTL_S = 2.0
 
 
 # --- Helpers ------------------------------------------------------------------------------
@@ -69,14 +64,6 @@ def run_to_exit(nats_url: str, db: Path, *extra: str) -> subprocess.CompletedPro
 
 def error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if " ERROR " in line]
-
-
-def worker_mode(tier: bool, data_dir: Path) -> tuple[list[str], str]:
-    """The flags of a single worker, or of a tier worker at one partition, and what its log
-    says once it works."""
-    if tier:
-        return ["--partitions", "1", "--data-dir", str(data_dir)], "partition 0: claimed"
-    return [], "consuming"
 
 
 def full_log(child: Child) -> str:
@@ -199,48 +186,18 @@ USER_PASSWORD = "authorization { user: worker, password: secret }"
 TOKEN = "authorization { token: s3cret }"
 
 
-async def lease_holder(nats_url: str) -> LeaseHolder | None:
-    """Who holds the default stream's consumer lease, as NATS has it, or None."""
-    nc = await nats.connect(nats_url)
-    try:
-        kv = await nc.jetstream().key_value(LEASE_BUCKET)
-        try:
-            entry = await kv.get(LEASE_KEY)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return msgspec.json.decode(entry.value or b"", type=LeaseHolder)
-    finally:
-        await nc.close()
-
-
-async def assert_lease_held_by(url: str, pid: int) -> None:
-    holder = await lease_holder(url)
-    assert holder is not None, "nobody holds the lease"
-    assert holder.pid == pid
-
-
-async def create_lease_bucket(nats_url: str, ttl_s: float | None) -> None:
-    nc = await nats.connect(nats_url)
-    try:
-        await nc.jetstream().create_key_value(bucket=LEASE_BUCKET, history=1, ttl=ttl_s)
-    finally:
-        await nc.close()
-
-
-async def consumer_created(nats_url: str) -> object:
-    nc = await nats.connect(nats_url)
-    try:
-        info = await nc.jetstream().consumer_info("KVHANDOFF_IN", "kvhandoff-worker")
-        return info.created
-    finally:
-        await nc.close()
-
-
-async def handled(engines: ScriptedEngines) -> None:
-    """A handoff goes all the way through whichever worker consumes the stream."""
+async def handled(engines: ScriptedEngines) -> uuid.UUID:
+    """A handoff goes all the way through whichever worker serves the stream; its id."""
     start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
     await engines.start_handoff(start)
     await engines.wait_complete({start.handoff_id}, within=30)
+    return start.handoff_id
+
+
+def logged_ids(db: Path) -> set[uuid.UUID]:
+    """The handoffs a worker's file holds, read beside it."""
+    with open_log(db) as log:
+        return {row.handoff_id for row in log.handoffs()}
 
 
 # --- Refused at start ---------------------------------------------------------------------
@@ -392,33 +349,28 @@ def test_sigterm_while_the_server_does_not_answer_exits_0_promptly(
             assert terminate_within(worker, PROMPTLY_S) == 0
 
 
-@pytest.mark.parametrize("tier", [False, True], ids=["single", "tier"])
 def test_sigterm_while_jetstream_does_not_answer_exits_0_promptly(
-    servers: Callable[[str], EmbeddedNats], launch: Callable[..., Child], tmp_path: Path,
-    tier: bool,
-) -> None:  # fmt: skip
-    # The server drops this user's JetStream requests (the lease, the stream; the tier's
-    # set-up), so each waits out its timeout; core NATS works.
+    servers: Callable[[str], EmbeddedNats], launch: Callable[..., Child], tmp_path: Path
+) -> None:
+    # The server drops this user's JetStream requests (the tier's set-up), so each waits out
+    # its timeout; core NATS works.
     server = servers(
         "authorization { users = [ { user: worker, password: secret,"
         ' permissions: { publish: { deny: "$JS.API.>" } } } ] }'
     )
-    flags, working = worker_mode(tier, tmp_path)
-    worker = launch(server.url, tmp_path / "kvhandoff.db", *flags,
+    worker = launch(server.url, tmp_path / "kvhandoff.db",
                     "--nats-user", "worker", "--nats-password", "secret")  # fmt: skip
     wait_for_log(worker, "(?i)permissions violation")
 
     assert terminate_within(worker, PROMPTLY_S) == 0
-    assert working not in full_log(worker)
+    assert CLAIMED not in full_log(worker)
 
 
-@pytest.mark.parametrize("tier", [False, True], ids=["single", "tier"])
 def test_sigterm_while_reconnecting_exits_0_promptly(
-    nats_server: EmbeddedNats, launch: Callable[..., Child], tmp_path: Path, tier: bool
+    nats_server: EmbeddedNats, launch: Callable[..., Child], tmp_path: Path
 ) -> None:
-    flags, working = worker_mode(tier, tmp_path)
-    worker = launch(nats_server.url, tmp_path / "kvhandoff.db", *flags)
-    wait_for_log(worker, working)
+    worker = launch(nats_server.url, tmp_path / "kvhandoff.db")
+    wait_for_log(worker, CLAIMED)
     nats_server.stop()
     deadline = time.monotonic() + 20
     while "disconnected from NATS" not in worker.logs():
@@ -428,160 +380,59 @@ def test_sigterm_while_reconnecting_exits_0_promptly(
     assert terminate_within(worker, PROMPTLY_S) == 0
 
 
-# --- One worker per stream and consumer -----------------------------------------------------
+# --- A second worker on the stream ---------------------------------------------------------
 
 
-async def test_a_second_worker_exits_2_naming_the_first_and_leaves_its_consumer_alone(
+async def test_a_second_worker_on_another_log_shares_the_tier_and_takes_over_when_one_stops(
     nats_server: EmbeddedNats, worker: WorkerProcess, engines: ScriptedEngines, tmp_path: Path
 ) -> None:
-    created = await consumer_created(nats_server.url)
-    assert worker.process is not None
-
-    second = await asyncio.to_thread(run_to_exit, nats_server.url, tmp_path / "second.db")
-
-    assert second.returncode == 2, second.stderr
-    [line] = error_lines(second.stderr)
-    assert "cannot start: stream KVHANDOFF_IN / consumer kvhandoff-worker is consumed by" in line
-    assert f"pid {worker.process.pid} on {socket.gethostname()}" in line
-    assert f"with log {worker.db.resolve()}" in line
-    # The first worker keeps its consumer, and keeps consuming.
-    assert await consumer_created(nats_server.url) == created
-    await handled(engines)
-    await assert_lease_held_by(nats_server.url, worker.process.pid)
-    # A worker that creates the bucket gives it the default TTL.
-    nc = await nats.connect(nats_server.url)
+    """Two workers on one stream are a tier of one partition: one serves it (the balance rule
+    picks which), the other is a healthy member with nothing to serve; when the first stops,
+    the other serves, its file caught up from the replicated log."""
+    other = WorkerProcess(nats_server.url, tmp_path / "other.db")
     try:
-        status = await (await nc.jetstream().key_value(LEASE_BUCKET)).status()
-        assert status.ttl == LEASE_TTL_S
+        await asyncio.to_thread(other.start)
+        first = await handled(engines)
+
+        assert await asyncio.to_thread(worker.terminate) == 0
+
+        await asyncio.to_thread(wait_for_log, other, CLAIMED)
+        second = await handled(engines)
+        assert await asyncio.to_thread(other.terminate) == 0
+        assert logged_ids(other.db) == {first, second}
+        assert logged_ids(worker.db) <= {first}
     finally:
-        await nc.close()
+        other.stop()
 
 
-async def test_a_worker_restarted_after_sigkill_takes_its_lease_over_at_once(
+async def test_a_paused_owner_is_replaced_and_the_tier_carries_on_when_it_wakes(
     nats_server: EmbeddedNats, tmp_path: Path, engines: ScriptedEngines
 ) -> None:
-    # A TTL far longer than the test: only a takeover lets the restarted worker start.
-    await create_lease_bucket(nats_server.url, ttl_s=300)
-    worker = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db")
-    try:
-        await asyncio.to_thread(worker.start)
-        assert worker.process is not None
-        first_pid = worker.process.pid
-        worker.kill()
-
-        await asyncio.to_thread(worker.start)
-
-        assert worker.process.pid != first_pid
-        assert f"took over the lease on KVHANDOFF_IN / kvhandoff-worker from pid {first_pid}" in (
-            worker.logs()
-        )
-        await assert_lease_held_by(nats_server.url, worker.process.pid)
-        await handled(engines)
-    finally:
-        worker.stop()
-
-
-async def test_a_worker_on_another_log_takes_the_lease_once_the_dead_holders_expired(
-    nats_server: EmbeddedNats, tmp_path: Path, engines: ScriptedEngines
-) -> None:
-    await create_lease_bucket(nats_server.url, ttl_s=SHORT_TTL_S)
-    first = WorkerProcess(nats_server.url, tmp_path / "first.db")
-    second = WorkerProcess(nats_server.url, tmp_path / "second.db")
-    try:
-        await asyncio.to_thread(first.start)
-        assert first.process is not None
-        first.kill()
-        await assert_lease_held_by(
-            nats_server.url, first.process.pid
-        )  # dead, but its lease lives on for the TTL
-
-        await asyncio.to_thread(second.start)  # as a new container would, on another host
-
-        assert second.process is not None
-        assert (
-            f"the lease on KVHANDOFF_IN / kvhandoff-worker is held by pid {first.process.pid}"
-            in (second.logs())
-        )
-        await assert_lease_held_by(nats_server.url, second.process.pid)
-        await handled(engines)
-    finally:
-        second.stop()
-
-
-async def test_a_worker_that_lost_its_lease_stops_and_exits_1(
-    nats_server: EmbeddedNats, tmp_path: Path, engines: ScriptedEngines
-) -> None:
-    await create_lease_bucket(nats_server.url, ttl_s=SHORT_TTL_S)
-    zombie = WorkerProcess(nats_server.url, tmp_path / "zombie.db")
+    """SIGSTOP the owner past its pin's priority timeout and its membership's TTL: the other
+    worker takes the partition over and serves it; the woken one rejoins the tier as a member
+    (which of the two serves is then the balance rule's choice), and every handoff ends."""
+    paused = WorkerProcess(nats_server.url, tmp_path / "paused.db")
     successor = WorkerProcess(nats_server.url, tmp_path / "successor.db")
     try:
-        await asyncio.to_thread(zombie.start)
-        assert zombie.process is not None
-        zombie.process.send_signal(signal.SIGSTOP)
-        await asyncio.to_thread(successor.start)  # once the zombie's lease expired
-        assert successor.process is not None
+        await asyncio.to_thread(paused.start)
+        assert paused.process is not None
+        before = await handled(engines)
+        paused.process.send_signal(signal.SIGSTOP)
+        await asyncio.to_thread(successor.start)
+        await asyncio.to_thread(wait_for_log, successor, CLAIMED, 1, 60.0)
+        during = await handled(engines)
 
-        zombie.process.send_signal(signal.SIGCONT)
+        paused.process.send_signal(signal.SIGCONT)
+        after = [await handled(engines) for _ in range(3)]
 
-        try:
-            # It stops at its first refresh; on a loaded machine its connection, stale after
-            # the pause, may have to be made again first.
-            code = await asyncio.to_thread(zombie.process.wait, 60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the zombie still runs 60 s after SIGCONT: {full_log(zombie)}")
-        assert code == 1, zombie.logs()
-        [line] = error_lines(zombie.logs())
-        assert "stopped consuming KVHANDOFF_IN: lost the lease" in line
-        assert f"pid {successor.process.pid}" in line
-        assert successor.healthy()
-        await handled(engines)
+        assert paused.process.poll() is None, paused.logs()
+        assert await asyncio.to_thread(paused.terminate) == 0
+        assert await asyncio.to_thread(successor.terminate) == 0
+        assert {before, during} <= logged_ids(successor.db)
+        assert set(after) <= logged_ids(paused.db) | logged_ids(successor.db)
     finally:
-        zombie.stop()
+        paused.stop()  # SIGKILL ends a stopped process too
         successor.stop()
-
-
-async def test_a_worker_that_stops_releases_its_lease(
-    nats_server: EmbeddedNats, worker: WorkerProcess
-) -> None:
-    assert await lease_holder(nats_server.url) is not None
-
-    assert await asyncio.to_thread(worker.terminate) == 0
-
-    assert await lease_holder(nats_server.url) is None  # released, not left to expire
-
-
-async def test_a_lease_that_expired_while_nats_was_away_is_taken_again(
-    nats_server: EmbeddedNats, tmp_path: Path, engines: ScriptedEngines
-) -> None:
-    await create_lease_bucket(nats_server.url, ttl_s=SHORT_TTL_S)
-    worker = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db")
-    try:
-        await asyncio.to_thread(worker.start)
-        assert worker.process is not None
-        nats_server.stop()
-        # Time must pass for the lease to outlive its TTL; there is nothing to wait on.
-        await asyncio.sleep(SHORT_TTL_S + 1)
-        nats_server.start()
-
-        deadline = time.monotonic() + 20
-        while "had expired; took it again" not in worker.logs():
-            assert worker.process.poll() is None, worker.logs()
-            assert time.monotonic() < deadline, worker.logs()
-            await asyncio.sleep(0.1)  # polling the worker's log
-        await assert_lease_held_by(nats_server.url, worker.process.pid)
-        await handled(engines)
-    finally:
-        worker.stop()
-
-
-def test_a_lease_bucket_without_a_ttl_is_refused(nats_server: EmbeddedNats, tmp_path: Path) -> None:
-    asyncio.run(create_lease_bucket(nats_server.url, ttl_s=None))
-
-    result = run_to_exit(nats_server.url, tmp_path / "kvhandoff.db")
-
-    assert result.returncode == 1, result.stderr
-    [line] = error_lines(result.stderr)
-    assert f"lease bucket {LEASE_BUCKET} has no TTL" in line
 
 
 @pytest.mark.parametrize("closed", [BrokenPipeError(32, "Broken pipe"), ConnectionResetError()])

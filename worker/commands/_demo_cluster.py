@@ -55,13 +55,12 @@ from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.commands import _demo
 from kvhandoff.worker.commands.load import print_summary
 from kvhandoff.worker.commands.verify import verify_log
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.config import NatsSettings, partition_path
 from kvhandoff.worker.errors import BusError, ChildError
 from kvhandoff.worker.loadgen import LoadConfig, LoadProgress, LoadReport
 from kvhandoff.worker.logreader import PARTITION_FILE, open_log
 from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
 from kvhandoff.worker.ownership import Claimed, read_claims
-from kvhandoff.worker.partitioned import partition_path
 from kvhandoff.worker.schema import HandoffState
 from kvhandoff.worker.tier import TierSettings
 
@@ -176,7 +175,8 @@ async def _members(url: str, workers: dict[str, WorkerChild]) -> dict[str, str]:
         deadline = time.monotonic() + _WITHIN_S
         while True:
             with contextlib.suppress(BusError):  # a cluster that still elects answers late
-                names = {m.instance: by_pid[m.pid] for m in await bus.members() if m.pid in by_pid}
+                members = await bus.members(SETTINGS.stream)
+                names = {m.instance: by_pid[m.pid] for m in members if m.pid in by_pid}
                 if set(names.values()) == set(workers):
                     return names
             for name, worker in workers.items():
