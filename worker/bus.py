@@ -641,10 +641,15 @@ class Pull:
     async def __aexit__(self, *_: object) -> None:
         await self.close()
 
-    async def fetch(self, max_messages: int, timeout_s: float) -> list[Inbound]:
+    async def fetch(
+        self, max_messages: int, timeout_s: float, *, max_bytes: int | None = None,
+        overhead: int = 0,
+    ) -> list[Inbound]:  # fmt: skip
         """Up to `max_messages` messages in stream order: at once those ready, if any; else the
-        first to arrive within `timeout_s`, or []. Raises the `BusError` that a status reported
-        since the last call (the next call asks again)."""
+        first to arrive within `timeout_s`, or []. With `max_bytes`, the messages' payloads and
+        `overhead` bytes each add up to at most that, but for a first message that alone is
+        more (the rest stay ready for the next call). Raises the `BusError` that a status
+        reported since the last call (the next call asks again)."""
         if self._subscription is None:
             raise BusError(f"pull from {self.consumer}: fetch before start or after close")
         self._ahead = min(self._max_ahead, 2 * max_messages)
@@ -672,7 +677,15 @@ class Pull:
                 async with asyncio.timeout(wait_s):
                     await self._changed.wait()
         ready = self._ready
-        taken = [ready.popleft() for _ in range(min(max_messages, len(ready)))]
+        if max_bytes is None:
+            taken = [ready.popleft() for _ in range(min(max_messages, len(ready)))]
+        else:
+            taken, size = [], 0
+            while ready and len(taken) < max_messages:
+                size += len(ready[0].data) + overhead
+                if taken and size > max_bytes:
+                    break
+                taken.append(ready.popleft())
         await self._ask(max_messages)
         return taken
 
@@ -1136,6 +1149,11 @@ class Bus:
             raise BusError(f"cannot open completion stream {stream}: {exc}") from exc
 
     # --- Scale-out: partitions, pins, fencing, membership (see the module docstring) --------
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes (its INFO's `max_payload`)."""
+        return int(self._nc.max_payload)
 
     @property
     def clustered(self) -> bool:

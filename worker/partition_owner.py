@@ -119,6 +119,11 @@ OnRelease = Callable[[int], None]
 
 _FETCH_TIMEOUT_S = 0.25  # how long an idle owner waits before noticing a stop request
 _FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
+# What an input adds to its batch's log entry beyond its own bytes, at most: its actions and
+# its handoff's row. A batch is cut so that its inputs' bytes and this, each, stay within half
+# the largest message the server takes, so that its entry can be appended; a rejected input's
+# row keeps at most `worker.planner.LOGGED_PAYLOAD_LIMIT` of its bytes, so that one alone fits.
+_ROW_OVERHEAD = 1024
 _VACANCY_POLL_S = 1.0  # how often an idle, unclaimed owner asks whether anyone is pinned
 _FORGET_EVERY_S = 10.0  # how often the applied inputs are cut to the consumer's ack floor
 
@@ -210,7 +215,10 @@ class PartitionOwner:
         async with pull:
             while not stop.is_set():
                 try:
-                    batch = await pull.fetch(self._batch, timeout_s=_FETCH_TIMEOUT_S)
+                    batch = await pull.fetch(
+                        self._batch, timeout_s=_FETCH_TIMEOUT_S,
+                        max_bytes=self._bus.max_payload // 2, overhead=_ROW_OVERHEAD,
+                    )  # fmt: skip
                 except PinMismatch:
                     self.refused_pulls += 1
                     self._vacant_since = None

@@ -74,6 +74,9 @@ logger = logging.getLogger(__name__)
 
 DEFER_LIMIT = 12  # deliveries before an early input is rejected: well past twice the ack wait
 REJECTED_PAYLOAD_LIMIT = 2048  # bytes of a refused input quoted in its published rejection
+# Bytes of a refused input kept in the log: any more, and one input of the bus's largest size
+# (a megabyte by default) would make a log entry larger than the bus carries (worker.service).
+LOGGED_PAYLOAD_LIMIT = 64 * 1024
 
 
 class Delivery(Protocol):
@@ -345,7 +348,7 @@ class Planner:
     ) -> None:
         logger.warning("handoff %s: rejected input: %s", handoff_id, reason)
         data = r.deliveries[index].data
-        r.plan.batch.reject(r.now_ms, handoff_id, reason, data)
+        r.plan.batch.reject(r.now_ms, handoff_id, reason, data[:LOGGED_PAYLOAD_LIMIT])
         payload = data[:REJECTED_PAYLOAD_LIMIT].decode(errors="replace")
         r.plan.terms.append((index, Rejection(handoff_id, reason, payload)))
         r.plan.reasons[label] += 1

@@ -82,6 +82,7 @@ class TierSettings:
     pull_expires_s: float = 1.0
     priority_timeout_s: float = 3.0
     max_pending: int = 1024
+    batch_size: int = 512  # inputs an owner pulls and appends at most at once
     rebalance_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -234,7 +235,8 @@ class Tier:
         )
         owner = PartitionOwner(
             self._bus, settings.stream, self._consumers[partition], log,
-            expires_s=settings.pull_expires_s, heartbeat_s=settings.pull_expires_s / 4,
+            batch=settings.batch_size, expires_s=settings.pull_expires_s,
+            heartbeat_s=settings.pull_expires_s / 4,
             claim_vacant_after_s=settings.priority_timeout_s, metrics=self._metrics,
         )  # fmt: skip
         stop = asyncio.Event()

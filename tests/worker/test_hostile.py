@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from kvhandoff.events.messages import (
 )
 from kvhandoff.worker.healthy import TIMING, success_script
 from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.planner import LOGGED_PAYLOAD_LIMIT
 from tests.worker.bus_probe import (
     SUBJECTS,
     BusProbe,
@@ -323,6 +326,42 @@ async def test_a_poison_input_is_rejected_and_the_worker_carries_on(
     for word in poison.says:
         assert word in reason.lower(), f"the reason does not mention {word!r}: {reason[:300]}"
     assert_alive(worker, pid)
+
+
+async def test_inputs_that_together_outgrow_a_log_entry_are_rejected_and_nothing_wedges(
+    worker: WorkerProcess, engines: ScriptedEngines, probe: BusProbe
+) -> None:
+    """A batch's rows go to the partition's replicated log as one message, which the bus
+    bounds (a megabyte by default): inputs near that size, several at once or one alone, are
+    rejected like any poison (the log keeps the first 64 KiB of each), the batches around them
+    are cut to fit, and valid handoffs beside them complete."""
+    assert worker.process is not None
+    pid = worker.process.pid
+    victim = start()
+    engines.script = holding_back({victim.handoff_id})
+    await engines.start_handoff(victim)
+    await poll(lambda: bool(engines.actions_of(victim.handoff_id)), "the victim", worker)
+    largest = probe.nc.max_payload - 1024  # room for JetStream's headers
+    subject = SUBJECTS.input(victim.handoff_id)
+    for size in (largest, 900_000, 900_000, 900_000):
+        await probe.publish(subject, bytes(range(256)) * (size // 256))
+    valid = [start(), start(EngineType.SGLANG)]
+    for command in valid:
+        await engines.start_handoff(command)
+    await completed(engines, worker, valid)
+
+    await probe.wait_settled(worker, within=60)
+    await probe.wait_rejections(lambda r: True, "the four rejections", worker, within=10)
+    await poll(lambda: len(probe.rejected) == 4, "four rejections", worker, within=10)
+    assert all(r.rejection.handoff_id == victim.handoff_id for r in probe.rejected)
+    assert_alive(worker, pid)
+    assert worker.terminate() == 0  # the file committed in full
+    with closing(sqlite3.connect(worker.db)) as connection:
+        kept = connection.execute(
+            "SELECT length(payload) FROM rejections WHERE handoff_id = ?",
+            (str(victim.handoff_id),),
+        ).fetchall()
+    assert kept == [(LOGGED_PAYLOAD_LIMIT,)] * 4
 
 
 # --- Handoffs whose log cannot be rebuilt ---------------------------------------------------

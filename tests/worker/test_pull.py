@@ -230,6 +230,25 @@ async def test_fetch_returns_what_is_ready_at_once_and_waits_only_when_nothing_i
     await pull.close()
 
 
+async def test_fetch_by_bytes_cuts_a_batch_but_always_returns_one(
+    bus: Bus, js: JetStreamContext
+) -> None:
+    await js.publish("pulls.big", b"x" * 300)
+    await publish(js, range(5), size=100)
+    async with Pull(bus, STREAM, CONSUMER, max_ahead=64) as pull:
+        got: list[list[int]] = []
+        while sum(map(len, got)) < 6:
+            batch = await pull.fetch(10, timeout_s=WITHIN_S, max_bytes=250, overhead=10)
+            assert batch, f"nothing within {WITHIN_S}s after {got}"
+            got.append([len(m.data) for m in batch])
+            for inbound in batch:
+                await inbound.ack()
+    # One alone over the budget; then at most two of 100 + 10 bytes at a time.
+    assert got[0] == [300]
+    assert all(sizes in ([100, 100], [100]) for sizes in got[1:]), got
+    assert sum(map(len, got)) == 6
+
+
 def test_a_heartbeat_longer_than_half_the_expiry_is_refused_before_the_server_does(
     bus: Bus,
 ) -> None:
