@@ -219,7 +219,7 @@ class Bench:
         assert self._nc is not None
         js = self._nc.jetstream()
         async with self._streams(config):
-            # The worker's stream and consumer settings (`Bus.open_inbox`, `open_completions`).
+            # A plain input stream and consumer, as the floor has them.
             await js.add_stream(StreamConfig(name=config.stream, subjects=[SUBJECTS.inputs],
                                              retention=RetentionPolicy.WORK_QUEUE,
                                              duplicate_window=120.0))  # fmt: skip

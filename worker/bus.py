@@ -36,12 +36,12 @@ acknowledgement is stored once (within the stream's duplicate window). `publish_
 worker's pipelined JetStream publish, confirmed by the next `flush`.
 
 The inbox. Inputs are captured by a JetStream stream with work-queue retention (an input leaves
-the stream once the worker acknowledges it, which it does only after the input is committed to
-the event log) and consumed through one durable pull consumer with explicit acks. JetStream
-redelivers an unacknowledged input only after the ack wait, while newer inputs keep flowing, so
-a restart would see inputs out of order (a fact before the outcome it depends on). Work-queue
-retention keeps exactly the unacknowledged inputs, so the worker re-creates its consumer on
-start and reads them again from the oldest, in stream order.
+the stream once the worker acknowledges it, which it does only after the input is in the event
+log) and consumed through one durable pull consumer per partition with explicit acks (see
+Partitions and Pins). JetStream redelivers an unacknowledged input only after the ack wait,
+while newer inputs keep flowing, so a new owner would see inputs out of order (a fact before the
+outcome it depends on); it reads what was delivered and never acknowledged first
+(`unacknowledged`, worker.partition_owner's "Order").
 
 The pull. nats-py's `fetch` costs about 110 µs per message (a task and a `wait_for` each), so
 `Pull` speaks the pull protocol itself. It subscribes once to `<inbox>.*` and publishes pull
