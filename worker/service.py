@@ -17,8 +17,8 @@ worker.partition_owner):
     decide     decode and plan the batch, loading from the local file the handoffs not in
                memory; return the plan's rows (`LoggedRows`) for the owner to append;
     act        after the append: arm the plan's timers, queue the same rows for the local
-               file, then publish the plan's actions and rejections on the subjects and in the
-               encoding of worker.service, without waiting for the local commit;
+               file, then publish the plan's actions (`publish_action`) and rejections,
+               without waiting for the local commit;
     on release the owner stopped (handed over, fenced, or failed): drop the partition's
                timers and memory.
 
@@ -74,13 +74,13 @@ event loop.
 
 Retention. The replicated log keeps its entries for `--retention` (a week unless given: the
 stream's `max_age`), and the files drop their completed handoffs and rejections older than that,
-hourly. What bounds the log must not cut into an open handoff:
-its entries must stay while it is open, for a new owner on another machine to rebuild it, so a
-start whose deadline is longer than half the retention is rejected (reason `deadline`); every
-handoff ends by its deadline, and the other half is the margin for a tier that is down. A file
-compacted this way still catches up from its mark: the entries after it never need a handoff
-that was completed before them. Without an owner for longer than the retention, a partition's
-open handoffs lose their log (a file that holds them still has them).
+hourly. What bounds the log must not cut into an open handoff: its entries must stay while it
+is open, for a new owner on another machine to rebuild it, so a start whose deadline is longer
+than half the retention is rejected (reason `deadline`); every handoff ends by its deadline,
+and the other half is the margin for a tier that is down. A file compacted this way still
+catches up from its mark: the entries after it never need a handoff that was completed before
+them. Without an owner for longer than the retention, a partition's open handoffs lose their
+log (a file that holds them still has them).
 """
 
 from __future__ import annotations
