@@ -153,6 +153,12 @@ class WorkerConfig:
         if self.log_level not in logging.getLevelNamesMapping():
             raise ConfigError(f"--log-level: {self.log_level!r} is not a logging level")
 
+    @property
+    def locked_path(self) -> Path:
+        """What `run` takes the writer lock of before anything else: `--db`, which is then
+        partition 0's file, or the data directory (`DIR/worker.lock`)."""
+        return self.db_path if self.data_dir is None else self.data_dir / "worker"
+
     def partition_file(self, partition: int) -> Path:
         """The local event log of one partition: `DIR/partition-<p>.db`, or `--db` at P = 1
         without a data directory (the offline tools read either)."""

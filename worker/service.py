@@ -450,8 +450,8 @@ class Worker:
         if part is not None:
             return part
         path = self._config.partition_file(partition)
-        # `--db`'s lock is run's, taken before anything else (worker.commands.run).
-        lock = None if self._config.data_dir is None else WriterLock.acquire(path)
+        # A file that `run` locked before anything else is not locked twice.
+        lock = None if path == self._config.locked_path else WriterLock.acquire(path)
         try:
             # A file of layout 1 (an earlier version's single worker's log) is migrated: this
             # worker holds its writer lock. Its history is in no replicated log: until its

@@ -72,9 +72,11 @@ def test_the_log_is_kept_a_week_unless_told_and_the_default_is_one_partition_in_
     assert (told.retention_s, told.tier_retention_s) == (3600, 3600)
     default = worker_config(parse("--db", str(tmp_path / "k.db")))
     assert (default.partitions, default.tier_retention_s) == (1, 7 * 86_400)
-    assert default.partition_file(0) == tmp_path / "k.db"
+    # `run` locks the one file itself, or the directory, whose partition files it locks apart.
+    assert default.partition_file(0) == default.locked_path == tmp_path / "k.db"
     one = worker_config(parse("--partitions", "1", "--data-dir", str(tmp_path)))
     assert one.partition_file(0) == tmp_path / "partition-0.db"
+    assert one.locked_path == tmp_path / "worker"
 
 
 def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -64,9 +64,8 @@ def execute(args: argparse.Namespace) -> int:
         return 2
     # One worker per log: `--db`, or a data directory (two workers on one directory would
     # claim partitions from each other and then fail to open the partition's file).
-    locked = config.db_path if config.data_dir is None else config.data_dir / "worker"
     try:
-        lock = WriterLock.acquire(locked)
+        lock = WriterLock.acquire(config.locked_path)
     except StoreError as exc:
         print(f"kvhandoff run: {exc}", file=sys.stderr)
         # A log in use is refused like a setting that cannot work; anything else is the log
@@ -120,7 +119,7 @@ async def serve(config: WorkerConfig) -> int:
 @contextlib.asynccontextmanager
 async def _beside(
     config: WorkerConfig, metrics: Metrics, *, healthy: Callable[[], bool],
-    retention_s: float | None, logs: Callable[[], Iterable[EventLog]], stop: asyncio.Event,
+    retention_s: float, logs: Callable[[], Iterable[EventLog]], stop: asyncio.Event,
 ) -> AsyncIterator[None]:  # fmt: skip
     """What runs beside a worker while it runs: its metrics endpoint (unless the port is 0)
     and its retention loop."""
@@ -139,12 +138,10 @@ async def _beside(
 
 
 async def _retain(
-    retention_s: float | None, logs: Callable[[], Iterable[EventLog]], stop: asyncio.Event
+    retention_s: float, logs: Callable[[], Iterable[EventLog]], stop: asyncio.Event
 ) -> None:
     """Delete completed handoffs and rejections older than the retention from the logs (the
-    worker's, or the partition files the tier worker has open), at start and then hourly."""
-    if retention_s is None:
-        return
+    partition files the worker has open), at start and then hourly."""
     while not stop.is_set():
         cutoff_ms = int((time.time() - retention_s) * 1000)
         for log in logs():
