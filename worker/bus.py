@@ -33,7 +33,13 @@ publish that returns once the stream stored the message; it retries with backoff
 stream answers (not created yet, NATS reconnecting) and raises `BusError` when its time is up.
 Every attempt of one call carries the same `Nats-Msg-Id`, so a retry after a lost
 acknowledgement is stored once (within the stream's duplicate window). `publish_stored` is the
-worker's pipelined JetStream publish, confirmed by the next `flush`.
+worker's pipelined JetStream publish, confirmed by the next `flush`: a core publish whose reply
+subject is `<inbox>.<n>` on one inbox the Bus subscribes once, where the stream's ack (or its
+refusal, or the server's 503 when no stream takes the subject) resolves the future it returned.
+nats-py's `publish_async` spends a random token, a semaphore and a `wait_for` on each message:
+a sixth of the worker's own time in a drain, where every handoff's `Complete` is one. A
+reconnect fails every ack still awaited (the old connection may have lost the message or the
+ack), so that the caller publishes again.
 
 The inbox. Inputs are captured by a JetStream stream with work-queue retention (an input leaves
 the stream once the worker acknowledges it, which it does only after the input is in the event
@@ -836,6 +842,23 @@ _RETRYABLE = (
 _PUBLISH_ACK_TIMEOUT_S = 2.0
 _PUBLISH_BACKOFF_S = (0.05, 2.0)  # first and longest pause between attempts
 _BARRIER_TIMEOUT_S = 5.0
+_STORED_SWEEP_MIN = 4096  # acks awaited before `publish_stored` first drops those given up on
+
+
+class _ApiError(msgspec.Struct, frozen=True):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _StoredAck(msgspec.Struct, frozen=True):
+    """A stream's answer to a JetStream publish (its `PubAck`, or the error it refused it with)."""
+
+    seq: int = 0
+    error: _ApiError | None = None
+
+
+_STORED_ACK = msgspec.json.Decoder(_StoredAck)
 
 # The input stream's settings, partitioned or not.
 _INPUT_STREAM: dict[str, Any] = {
@@ -889,7 +912,12 @@ class Bus:
         self._barriers: dict[bytes, asyncio.Future[None]] = {}
         self._barrier_count = itertools.count()
         # JetStream acks of durable publishes not yet awaited; `flush` awaits them.
-        self._unconfirmed: list[asyncio.Future[Any]] = []
+        self._unconfirmed: list[asyncio.Future[int]] = []
+        # `publish_stored`: the acks awaited, by the last token of their reply subject.
+        self._stored_inbox = client.new_inbox()
+        self._stored: dict[str, asyncio.Future[int]] = {}
+        self._stored_count = itertools.count()
+        self._stored_sweep_at = _STORED_SWEEP_MIN
         self._reconnect_listeners: list[Callable[[], None]] = []
         self._connection = 0  # counts reconnects
         # The connection that the oldest `publish` not yet covered by a `flush` was made on.
@@ -897,14 +925,45 @@ class Bus:
 
     async def _start(self) -> None:
         await self._nc.subscribe(self._barrier_subject, cb=self._on_barrier)
+        await self._nc.subscribe(f"{self._stored_inbox}.*", cb=self._on_stored)
 
     async def _on_barrier(self, msg: Msg) -> None:
         waiter = self._barriers.pop(msg.data, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    async def _on_stored(self, msg: Msg) -> None:
+        ack = self._stored.pop(msg.subject.rpartition(".")[2], None)
+        if ack is None or ack.done():
+            return
+        headers = msg.headers or {}
+        if status := headers.get(_STATUS):  # 503: no stream takes the subject
+            description = headers.get(_DESCRIPTION, "")
+            ack.set_exception(BusError(f"no stream stored a message: {status} {description}"))
+            return
+        try:
+            reply = _STORED_ACK.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            ack.set_exception(BusError(f"a stream's ack is malformed: {exc}"))
+            return
+        if (error := reply.error) is not None:
+            ack.set_exception(
+                BusError(
+                    f"a stream refused a message: {error.description} "
+                    f"(code {error.code}, err_code {error.err_code})"
+                )
+            )
+        else:
+            ack.set_result(reply.seq)
+
     def _reconnected(self) -> None:
         self._connection += 1
+        stored, self._stored = self._stored, {}
+        for ack in stored.values():
+            if not ack.done():
+                ack.set_exception(
+                    BusError("NATS reconnected before a stream acknowledged a message")
+                )
         for pull in self._pulls:
             pull.reset()
         for listener in self._reconnect_listeners:
@@ -1030,22 +1089,22 @@ class Bus:
         try:
             await self._nc.publish(self._barrier_subject, token)
             await asyncio.wait_for(waiter, timeout=_BARRIER_TIMEOUT_S)
-            if published_on is not None and published_on != self._connection:
-                for future in unconfirmed:
-                    future.cancel()
-                raise BusError(
-                    f"flush failed: NATS reconnected ({self._connection - published_on} "
-                    "time(s)) after messages it covers were published, so the server may "
-                    "never have read them"
-                )
-            if unconfirmed:
+            reconnects = 0 if published_on is None else self._connection - published_on
+            if unconfirmed and not reconnects:
                 await asyncio.wait_for(asyncio.gather(*unconfirmed), timeout=_BARRIER_TIMEOUT_S)
-        except (TimeoutError, nats.errors.Error) as exc:
+        except (TimeoutError, BusError, nats.errors.Error) as exc:
             for future in unconfirmed:
                 future.cancel()
             raise BusError(f"flush failed: {_why(exc)}") from exc
         finally:
             self._barriers.pop(token, None)
+        if reconnects:
+            for future in unconfirmed:
+                future.cancel()
+            raise BusError(
+                f"flush failed: NATS reconnected ({reconnects} time(s)) after messages it "
+                "covers were published, so the server may never have read them"
+            )
 
     # --- JetStream publishing -------------------------------------------------------------
 
@@ -1088,13 +1147,21 @@ class Bus:
             ) from exc
         return message.data or b""
 
-    async def publish_stored(self, subject: str, payload: bytes) -> asyncio.Future[Any]:
+    async def publish_stored(self, subject: str, payload: bytes) -> asyncio.Future[int]:
         """JetStream publish whose ack the next `flush` awaits: many can be in flight at once.
-        Returns the ack, for `confirm`."""
+        Returns the ack (the stored message's sequence, or a `BusError`), for `confirm`."""
+        token = str(next(self._stored_count))
+        ack: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         try:
-            ack = await self._js.publish_async(subject, payload)
-        except (TimeoutError, nats.errors.Error) as exc:
+            await self._nc.publish(subject, payload, reply=f"{self._stored_inbox}.{token}")
+        except nats.errors.Error as exc:
             raise BusError(f"durable publish to {subject} failed: {_why(exc)}") from exc
+        self._stored[token] = ack
+        if len(self._stored) > self._stored_sweep_at:
+            # An ack never comes for a message that a stream's leader change lost: those that
+            # `flush` or `confirm` gave up on (cancelled) are dropped here.
+            self._stored = {t: f for t, f in self._stored.items() if not f.done()}
+            self._stored_sweep_at = max(_STORED_SWEEP_MIN, 2 * len(self._stored))
         self._unconfirmed.append(ack)
         return ack
 
@@ -1104,7 +1171,7 @@ class Bus:
         may have died with its connection (see "The barrier")."""
         return self._connection
 
-    async def confirm(self, connection: int, stored: Sequence[asyncio.Future[Any]]) -> None:
+    async def confirm(self, connection: int, stored: Sequence[asyncio.Future[int]]) -> None:
         """Return once the server has what one caller published since `connection` was its
         count, whatever other callers' flushes took meanwhile: a flush, on this connection
         still, and the acks of its `publish_stored` messages (`stored`). `BusError` otherwise."""
@@ -1117,6 +1184,8 @@ class Bus:
         if not stored:
             return
         done, pending = await asyncio.wait(stored, timeout=_BARRIER_TIMEOUT_S)
+        for ack in pending:
+            ack.cancel()  # given up on: swept from the acks awaited
         failed = [ack for ack in done if ack.cancelled() or ack.exception() is not None]
         if pending or failed:
             raise BusError(

@@ -93,7 +93,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 from uuid import UUID
 
 import msgspec
@@ -126,7 +125,7 @@ MARK_KEY = "partition_log_mark"
 
 async def publish_action(
     bus: Bus, subjects: Subjects, row: HandoffRow, action: Action
-) -> asyncio.Future[Any] | None:
+) -> asyncio.Future[int] | None:
     """Publish an action to its engine's subject. A `Complete` is also stored by the completion
     stream (and still seen by core subscribers), so a frontend that was reconnecting can read it
     afterwards: its ack is returned (see `Bus.confirm`)."""
