@@ -17,6 +17,18 @@ Then, batch by batch:
     4. only then `act` (publish what the records say), acknowledge what was appended and what
        was dropped in step 1, and give the deferred inputs back (nak with their delay).
 
+Pipelining. While batch k's append is on its way, the owner does not wait idle: if batch k+1
+is ready, it does steps 1 and 2 for it (the decoding, the coordinators, the local file's reads),
+then step 4 for k once k's append returned, and only then step 3 for k+1. So appends go one at
+a time, each compare-and-set on the sequence the one before it got, and nothing is acted on or
+acknowledged before its own append returned; a batch whose append fails (fenced, or in doubt)
+takes the one decided behind it down with it, unacknowledged, and the claim that follows
+rebuilds the coordinators from the log. The inputs of the batch in flight count as applied in
+step 1 (a redelivery of one is dropped, not appended twice). Deciding ahead waits where order
+needs it: before a claim, behind a claim's orphans (a deferred orphan is given back before the
+next batch is admitted), and when `decide` answers `after_previous` (the batch names a handoff
+that the batch in flight took out of memory, which only its `act` writes down).
+
 Doubt. If an append (or a claim) fails without an answer (NATS out of reach past the append's
 time limit), it may have landed or not: the owner leaves the batch unacknowledged and claims
 anew before the next one, which reads the log and so learns which inputs were applied. If
@@ -108,6 +120,21 @@ class Decided:
 
     records: bytes
     deferred: Mapping[int, float] = field(default_factory=dict)
+    # The batch cannot be decided while the batch before it is appended but not acted on (it
+    # names a handoff that batch took out of memory, which only its `act` writes down): the
+    # owner acts on that one first, then asks again.
+    after_previous: bool = False
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A batch decided and sent to the partition's log (see "Pipelining"): what its append's
+    return lets the owner act on and settle."""
+
+    settled: list[Inbound]  # applied by an owner already: acknowledged without acting
+    fresh: list[Inbound]  # appended by `append`, acted on once it returns
+    deferred: list[tuple[Inbound, float]]  # given back, with their delay
+    append: asyncio.Future[int] | None  # None: nothing to append
 
 
 Decide = Callable[[Sequence[Inbound]], Awaitable[Decided]]
@@ -173,6 +200,7 @@ class PartitionOwner:
         self._claimed = False  # False: claim before the next batch
         self._claimed_under: str | None = None  # the pin id the claim was made under
         self._on_claim: OnClaim | None = None
+        self._in_flight: _InFlight | None = None  # the batch whose append is on its way
         # What it did, for metrics and tests.
         self.claims = 0
         self.applied = 0  # inputs appended and acted on
@@ -202,6 +230,7 @@ class PartitionOwner:
         try:
             await self._own(decide, act, stop)
         finally:
+            self._drop_in_flight()
             if on_release is not None:
                 on_release(self.log.partition)
 
@@ -215,8 +244,10 @@ class PartitionOwner:
         async with pull:
             while not stop.is_set():
                 try:
+                    # With an append on its way, only what is ready now: else its return is
+                    # what to wait for.
                     batch = await pull.fetch(
-                        self._batch, timeout_s=_FETCH_TIMEOUT_S,
+                        self._batch, timeout_s=0 if self._in_flight else _FETCH_TIMEOUT_S,
                         max_bytes=self._bus.max_payload // 2, overhead=_ROW_OVERHEAD,
                     )  # fmt: skip
                 except PinMismatch:
@@ -242,6 +273,9 @@ class PartitionOwner:
                 backoff_s = _FETCH_BACKOFF_S[0]
                 try:
                     if not batch:
+                        if self._in_flight is not None:
+                            await self._finish(act)
+                            continue
                         if not self._claimed:
                             await self._claim_if_vacant()
                         await self._forget()
@@ -252,6 +286,7 @@ class PartitionOwner:
                         # append.
                         self._claimed_vacant, self._claimed_under = False, pull.pin_id
                     if not self._claimed or pull.pin_id != self._claimed_under:
+                        await self._finish(act)  # a claim comes after the batch in flight
                         await self._claim(pull.pin_id)
                     await self._handle(batch, decide, act)
                     await self._forget()
@@ -259,6 +294,7 @@ class PartitionOwner:
                     self._fenced(exc)
                     return
                 except BusError as exc:
+                    self._drop_in_flight()  # its inputs too are left unacknowledged
                     # Whether the last append (or claim) landed is unknown: leave the batch
                     # unacknowledged, and claim anew, which reads the log and so learns it.
                     doubt = f"leaving {len(batch)} inputs unacknowledged, claiming anew"
@@ -269,6 +305,17 @@ class PartitionOwner:
                     self._claimed = False
                     self.log = self.log.anew()
                     await _pause(stop, backoff_s)
+            try:
+                await self._finish(act)
+            except Fenced as exc:
+                self._fenced(exc)
+                return
+            except BusError as exc:
+                logger.warning(
+                    "partition %d: %s; its last batch comes back after the ack wait",
+                    self.log.partition, exc,
+                )  # fmt: skip
+                self._claimed = False  # not handed over: the next claim reads what landed
             await self._hand_over(pull)
 
     async def _hand_over(self, pull: Pull) -> None:
@@ -386,11 +433,14 @@ class PartitionOwner:
         return "handover" if caught.handed_over else "takeover"
 
     async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> None:
-        """Steps 1-4 for one batch; `Fenced` before acting if another worker owns it now."""
+        """Steps 1-3 for one batch, and step 4 for the batch before it (see "Pipelining"):
+        `Fenced` before acting if another worker owns the partition now."""
         # A stall past the ack wait (an append retried while a node dies) brings an input again
         # before its first delivery was handled: one batch may hold it twice. It is one input,
         # appended once; the latest delivery is the one to settle.
         batch = list({inbound.stream_seq: inbound for inbound in batch}.values())
+        # The inputs of the batch in flight count as applied: if its append fails, the owner
+        # claims anew, which learns from the log what was.
         fresh = [inbound for inbound in batch if inbound.stream_seq not in self._applied]
         settled = [inbound for inbound in batch if inbound.stream_seq in self._applied]
         self.skipped += len(settled)
@@ -402,34 +452,65 @@ class PartitionOwner:
                 self.log.partition, len(settled), settled[0].stream_seq, settled[-1].stream_seq,
             )  # fmt: skip
         if self._order is not None:
+            # In order behind orphans: what the batch in flight defers is given back first.
+            await self._finish(act)
             fresh = self._order.admit(fresh)  # the others are held, unacknowledged
             if self._order.done:
                 self._order = None
         decided = await decide(fresh) if fresh else Decided(b"")
+        if decided.after_previous:
+            await self._finish(act)
+            decided = await decide(fresh)
         later = decided.deferred
         deferred = [(i, later[i.stream_seq]) for i in fresh if i.stream_seq in later]
         fresh = [inbound for inbound in fresh if inbound.stream_seq not in later]
+        await self._finish(act)  # the batch before: appended, acted on, settled
+        append = None
         if fresh:
             inputs = [inbound.stream_seq for inbound in fresh]
-            await self.log.append(inputs, decided.records)
+            append = asyncio.ensure_future(self.log.append(inputs, decided.records))
             self._applied.update(inputs)
+        self._in_flight = _InFlight(settled, fresh, deferred, append)
+
+    async def _finish(self, act: Act) -> None:
+        """Step 4 for the batch in flight, if any: once its append returned, act on it, then
+        acknowledge what it appended and what it dropped, and give back what it deferred."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        fresh = in_flight.fresh
+        if in_flight.append is not None:
+            await in_flight.append  # `Fenced`: another worker owns it; nothing is acted on
             self.applied += len(fresh)
             try:
                 await act(fresh)
             except BusError as exc:
                 raise BusError(
-                    f"inputs {inputs[0]}..{inputs[-1]} are appended (applied), but acting on "
-                    f"them failed ({exc}); on_claim must act on them again"
+                    f"inputs {fresh[0].stream_seq}..{fresh[-1].stream_seq} are appended "
+                    f"(applied), but acting on them failed ({exc}); on_claim must act on them "
+                    "again"
                 ) from exc
-        for inbound in (*settled, *fresh):
+        for inbound in (*in_flight.settled, *fresh):
             await inbound.ack()
-        self.acked += len(settled) + len(fresh)
-        if deferred:
+        self.acked += len(in_flight.settled) + len(fresh)
+        if in_flight.deferred:
             if self._order is not None:
-                self._order.give_back(inbound.stream_seq for inbound, _ in deferred)
-            for inbound, delay_s in deferred:
+                self._order.give_back(inbound.stream_seq for inbound, _ in in_flight.deferred)
+            for inbound, delay_s in in_flight.deferred:
                 await inbound.nak(delay_s)
-            self.deferred += len(deferred)
+            self.deferred += len(in_flight.deferred)
+
+    def _drop_in_flight(self) -> None:
+        """Forget the batch in flight, unsettled (its inputs come back after the ack wait): its
+        append's outcome, whatever it is, is read from the log by the next claim."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and in_flight.append is not None:
+            append = in_flight.append
+            if append.done():
+                if not append.cancelled():
+                    append.exception()  # read, so that asyncio does not report it unread
+            else:
+                append.cancel()
 
     def _fenced(self, exc: Fenced) -> None:
         self.fenced = True

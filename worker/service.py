@@ -64,13 +64,17 @@ was fenced published before it learnt so (at its next append) is harmless: a rep
 is answered by action id like any other, and a second `TimedOut` of a handoff is an exact
 duplicate of the first, dropped by its digest (counted in `kvhandoff_duplicate_inputs_total`).
 
-The pipeline, per partition: decide, append, act, acknowledge, then the next batch, while the
-local commits run behind. What overlaps, and why it is safe: the local commits of batches
-k, k+1, ... run while later batches are decided and appended, because the file is only a
-cache of the replicated log (see the invariants); the append of batch k+1 never overtakes k's,
-since an owner appends one batch at a time, by compare-and-set on the previous one's sequence.
-Batches of different partitions are independent throughout: one owner per partition, one
-event loop.
+The pipeline, per partition: decide batch k+1 while batch k is being appended, then act on k
+and acknowledge it, then append k+1 (see "Pipelining" in worker.partition_owner), while the
+local commits run behind. What overlaps, and why it is safe: deciding k+1 only changes memory,
+which a failed or fenced append of k leaves ahead of the file (every claim rebuilds it, as
+above); `decide` keeps the plans in order until their `act`, and answers `after_previous`
+rather than read from the file a handoff that a plan not yet acted on took out of memory (its
+rows are in no file yet, nor queued). The local commits of batches k, k+1, ... run while later
+batches are decided and appended, because the file is only a cache of the replicated log (see
+the invariants); the append of batch k+1 never overtakes k's, since an owner appends one batch
+at a time, by compare-and-set on the previous one's sequence. Batches of different partitions
+are independent throughout: one owner per partition, one event loop.
 
 Retention. The replicated log keeps its entries for `--retention` (a week unless given: the
 stream's `max_age`), and the files drop their completed handoffs and rejections older than that,
@@ -223,8 +227,9 @@ class _Partition:
     planner: Planner
     timers: HandoffTimers  # armed only while this worker owns the partition
     timers_task: asyncio.Task[None]
-    # A plan and its rows, awaiting their append and `act`, with the inputs they apply.
-    decided: tuple[list[int], Plan, LoggedRows] | None = None
+    # Plans and their rows, in order, awaiting their append and `act`, with the inputs they
+    # apply: the owner decides a batch while the one before it is being appended.
+    decided: deque[tuple[list[int], Plan, LoggedRows]] = field(default_factory=deque)
     # Actions published, in order, each lot with the barrier that confirms it.
     published: list[_Sent] = field(default_factory=list)
     # Bumped at each claim and release: a lot is published again only in its own tenure.
@@ -294,7 +299,7 @@ class Worker:
         publish what the file does not mark published, and every outstanding action."""
         began = time.perf_counter()
         part = await self._open(partition)
-        part.decided = None
+        part.decided.clear()
         part.tenure += 1
         # The file's mark must be the last of what it will hold. A local commit that failed
         # left the file behind the replicated log; the catch-up below repairs that.
@@ -345,7 +350,7 @@ class Worker:
         part.timers.clear()
         part.planner.open.clear()
         part.planner.quarantined = set()  # read from the file again at the next claim
-        part.decided = None
+        part.decided.clear()
         part.tenure += 1  # what it published and is not confirmed is the next owner's to publish
         self._count_in_memory()
         logger.info("partition %d: released; its timers are dropped", partition)
@@ -358,6 +363,12 @@ class Worker:
         planner = part.planner
         decoded = planner.decode(deliveries)
         missing = planner.missing(decoded)
+        if missing and part.decided:
+            # A handoff that a plan still awaiting its `act` took out of memory is in no file
+            # yet, nor queued for one: that plan must be acted on first.
+            leaving = {h for _, plan, _ in part.decided for h in plan.left_memory}
+            if not leaving.isdisjoint(missing):
+                return Decided(b"", after_previous=True)
         # Before anything is planned: a handoff a queued commit took out of memory is read only
         # once the file holds it (and a failed commit raises here).
         if any(not evicted.isdisjoint(missing) for _, evicted in part.committing):
@@ -370,22 +381,23 @@ class Worker:
         if deferred:
             self._metrics.deferred.inc(len(deferred))
         inputs = [inbound.stream_seq for inbound in batch if inbound.stream_seq not in deferred]
-        # A batch of early inputs only is appended by nobody: its marks wait for the next one.
-        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part) if inputs else [])
-        part.decided = (inputs, plan, rows)
+        if not inputs:
+            # Early inputs only: nothing to append or act on; the marks wait for the next batch.
+            return Decided(b"", deferred)
+        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part))
+        part.decided.append((inputs, plan, rows))
         return Decided(_ENCODER.encode(rows), deferred)
 
     async def act(self, batch: Sequence[Inbound]) -> None:
         """Commit the appended rows locally, then publish what they say."""
         part = self._partitions[self._partition_of(batch[0])]
         inputs = [inbound.stream_seq for inbound in batch]
-        if part.decided is None or part.decided[0] != inputs:
+        if not part.decided or part.decided[0][0] != inputs:
             raise StoreError(
                 f"partition {part.number}: asked to act on inputs {inputs[:3]}... that were "
-                "not the last decided; the next claim catches the file up"
+                "not the next decided; the next claim catches the file up"
             )
-        _, plan, rows = part.decided
-        part.decided = None
+        _, plan, rows = part.decided.popleft()
         # Only now, with the plan in the replicated log, are its timers this partition's.
         part.timers.arm(plan)
         rows_batch = Batch()

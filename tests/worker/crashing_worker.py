@@ -1,11 +1,13 @@
 """`kvhandoff run` that dies, as a SIGKILL would, at the pipeline's most delicate point: right
 after batch k's rows were appended to the partition's replicated log, before any of them is in
-the local file, before k's actions are published or its inputs acknowledged, with the inputs of
-later batches delivered and waiting (worker.service, worker.partition_owner).
+the local file, before k's actions are published or its inputs acknowledged, with batch k+1
+decided behind it (its plan made, its append not sent) and the inputs of later batches
+delivered and waiting (worker.service, worker.partition_owner).
 
 Run as `python -m tests.worker.crashing_worker run ...`; it crashes at the first `act` after
-KVHANDOFF_CRASH_AFTER_BATCHES batches of rows were acted on, and prints
-`crashing: appended batch N, acted on none of it` first.
+KVHANDOFF_CRASH_AFTER_BATCHES batches of rows were acted on that has a later batch decided
+behind it, and prints `crashing: appended batch N, acted on none of it, batch N+1 decided`
+first.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ _act = service.Worker.act
 
 async def _crashing_act(self: service.Worker, batch: Sequence[Inbound]) -> None:
     _acted["batches"] += 1
-    if _acted["batches"] > _AFTER:
-        print(f"crashing: appended batch {_acted['batches']}, acted on none of it")
+    decided = sum(len(part.decided) for part in self._partitions.values())
+    if _acted["batches"] > _AFTER and decided > 1:
+        n = _acted["batches"]
+        print(f"crashing: appended batch {n}, acted on none of it, batch {n + 1} decided")
         sys.stdout.flush()
         os._exit(137)
     await _act(self, batch)

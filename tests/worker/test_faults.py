@@ -161,9 +161,10 @@ async def test_a_crash_after_an_append_before_anything_of_it_is_done_loses_nothi
     nats_server: EmbeddedNats, engines: ScriptedEngines, tmp_path: Path
 ) -> None:
     """Killed after batch k's rows reached the replicated log, before its local commit, its
-    publishes and its acks, with later inputs delivered: the restart catches the file up from
-    the replicated log, k's actions come from it (the outbox), its inputs come back as
-    duplicates, and the later inputs, never appended, are applied then."""
+    publishes and its acks, with batch k+1 decided behind it and later inputs delivered: the
+    restart catches the file up from the replicated log, k's actions come from it (the
+    outbox), its inputs come back as duplicates, and k+1's and the later inputs, never
+    appended, are applied then."""
     db = tmp_path / "kvhandoff.db"
     worker = WorkerProcess(nats_server.url, db)
     worker.start()  # creates the stream; stopped again so the inputs queue up in full batches
@@ -180,7 +181,7 @@ async def test_a_crash_after_an_append_before_anything_of_it_is_done_loses_nothi
         assert crashing.process.wait(timeout=60) == 137, crashing.logs()
     finally:
         crashing.stop()  # a worker that did not crash is not left running
-    assert "crashing: appended batch" in crashing.logs()
+    assert "acted on none of it, batch" in crashing.logs()
 
     worker.start()
     try:
