@@ -107,15 +107,18 @@ so it gets `PartitionsMismatch` too. Streams and buckets are R3 when the server 
 reached is in a cluster (its INFO names one), R1 alone.
 
 Pins. Each partition has one durable pull consumer (`<consumer>-p<p>`, filtering that
-partition's subject) with the priority group `owner` and the `pinned_client` policy (ADR-42),
-made with the raw `$JS.API.CONSUMER.CREATE` request because nats-py has no priority groups. The
-server pins the group to the first client that pulls, stamps `Nats-Pin-Id` on what it delivers,
-answers a pull with another id with 423 (`PinMismatch`), and keeps a pull without an id waiting
-(408 at its expiry), until `priority_timeout` passes without a pull from the pinned client or
-the pin is released (`unpin`); then the next puller is pinned. What a pin guarantees: at most one
-client is *delivered* a partition's new messages at a time, for as long as it keeps pulling.
-What it does not: acks are not checked against it, and a paused client that wakes after the pin
-moved still holds the messages it was given, may ack them and may publish. A pin is not a fence.
+partition's subject, or, in a stream of one partition, unfiltered: a wildcard filter over a
+backlog of many handoffs, one subject each, costs nats-server more per delivery, and there it
+selects every message anyway) with the priority group `owner` and the `pinned_client` policy
+(ADR-42), made with the raw `$JS.API.CONSUMER.CREATE` request because nats-py has no priority
+groups. The server pins the group to the first client that pulls, stamps `Nats-Pin-Id` on what
+it delivers, answers a pull with another id with 423 (`PinMismatch`), and keeps a pull without
+an id waiting (408 at its expiry), until `priority_timeout` passes without a pull from the
+pinned client or the pin is released (`unpin`); then the next puller is pinned. What a pin
+guarantees: at most one client is *delivered* a partition's new messages at a time, for as long
+as it keeps pulling. What it does not: acks are not checked against it, and a paused client that
+wakes after the pin moved still holds the messages it was given, may ack them and may publish. A
+pin is not a fence.
 
 Fencing. The fence is a compare-and-set append to a replicated per-partition log subject
 (`<prefix>.log.<p>`): `append_expecting` publishes with `Nats-Expected-Last-Subject-Sequence`
@@ -1307,17 +1310,21 @@ class Bus:
         ack_wait_s: float,
         max_pending: int,
         priority_timeout_s: float,
+        partitions: int,
     ) -> str:
-        """Create (or keep) the durable pull consumer of one partition, with the priority group
-        `PRIORITY_GROUP` pinned to one client; its name. It never deletes a consumer: other
-        workers pull from it. Pull it with `Pull(..., group=PRIORITY_GROUP)`."""
+        """Create (or keep) the durable pull consumer of one partition of `partitions`, with
+        the priority group `PRIORITY_GROUP` pinned to one client; its name. It never deletes a
+        consumer: other workers pull from it. Pull it with `Pull(..., group=PRIORITY_GROUP)`.
+        The only partition of a stream is not filtered (see "Pins"): a consumer that an earlier
+        version made with a filter is updated."""
         name = f"{consumer}-p{partition}"
+        only = partitions == 1
         request = {
             "stream_name": stream,
             "config": {
                 "name": name,
                 "durable_name": name,
-                "filter_subject": partition_subject(prefix, partition),
+                "filter_subject": "" if only else partition_subject(prefix, partition),
                 "ack_policy": "explicit",
                 "deliver_policy": "all",
                 "ack_wait": int(ack_wait_s * _S_TO_NS),
@@ -1493,7 +1500,7 @@ class Bus:
         at most `max_ack_pending` of them."""
         try:
             info = await self._js.consumer_info(stream, consumer)
-            filter_subject = info.config.filter_subject
+            filter_subject = info.config.filter_subject or ">"  # unfiltered: every subject
             floor, top = info.ack_floor.stream_seq, info.delivered.stream_seq
             found: list[tuple[int, str]] = []
             seq = floor + 1

@@ -193,7 +193,7 @@ class Tier:
             self._consumers[partition] = await self._bus.open_partition_consumer(
                 settings.stream, settings.prefix, settings.consumer, partition,
                 ack_wait_s=settings.ack_wait_s, max_pending=settings.max_pending,
-                priority_timeout_s=settings.priority_timeout_s,
+                priority_timeout_s=settings.priority_timeout_s, partitions=settings.partitions,
             )  # fmt: skip
         return await self._bus.announce(self.member, self._settings.stream)
 

@@ -64,6 +64,7 @@ async def own(url: str, name: str, partition: int, metrics: TierMetrics) -> Part
         consumer = await bus.open_partition_consumer(
             STREAM, PREFIX, CONSUMER, partition,
             ack_wait_s=ACK_WAIT_S, max_pending=1024, priority_timeout_s=PRIORITY_TIMEOUT_S,
+            partitions=PARTITIONS,
         )  # fmt: skip
         member = Member.this_process()
         log = PartitionLog(bus, LOG_STREAM, PREFIX, partition, f"{name}/{member.instance}")

@@ -7,6 +7,7 @@ another count refuses, the single-worker worker included (exit 2); R3 in a clust
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -16,11 +17,19 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from kvhandoff.worker.bus import CONSUMER_METADATA, PARTITIONS_METADATA, Bus, partition_subject
+from kvhandoff.worker.bus import (
+    CONSUMER_METADATA,
+    PARTITIONS_METADATA,
+    PRIORITY_GROUP,
+    Bus,
+    Inbound,
+    Pull,
+    partition_subject,
+)
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import ConfigError, PartitionsMismatch
-from kvhandoff.worker.natsserver import EmbeddedNats
-from tests.cluster.conftest import publish
+from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
+from tests.cluster.conftest import WITHIN_S, publish
 from tests.worker.conftest import WorkerProcess
 
 PREFIX = "kvhandoff"
@@ -166,3 +175,50 @@ def test_a_worker_started_on_a_stream_of_another_count_or_kind_exits_2(
         finally:
             worker.stop()
         assert refusal in worker.logs()
+
+
+async def test_the_only_partitions_consumer_is_unfiltered_and_an_earlier_filtered_one_updated(
+    nats_cluster: NatsCluster, bus: Bus, js: JetStreamContext
+) -> None:
+    # A wildcard filter costs the server more per delivery over a backlog of many handoffs,
+    # and the only partition's would select every message anyway (see "Pins" in worker.bus).
+    await bus.open_partitions(STREAM, PREFIX, 1)
+    name = "kvhandoff-worker-p0"
+    earlier = {  # the config an earlier version made it with: filtered by the partition
+        "stream_name": STREAM,
+        "config": {
+            "name": name, "durable_name": name, "filter_subject": partition_subject(PREFIX, 0),
+            "ack_policy": "explicit", "deliver_policy": "all", "ack_wait": 1_000_000_000,
+            "max_ack_pending": 64, "max_deliver": -1, "priority_groups": [PRIORITY_GROUP],
+            "priority_policy": "pinned_client", "priority_timeout": 5_000_000_000,
+        },
+    }  # fmt: skip
+    nc = await nats.connect(nats_cluster.url.split(","))
+    try:
+        reply = await nc.request(
+            f"$JS.API.CONSUMER.CREATE.{STREAM}.{name}", json.dumps(earlier).encode(), timeout=5
+        )
+        assert b'"error"' not in reply.data, reply.data
+    finally:
+        await nc.close()
+    assert (await js.consumer_info(STREAM, name)).config.filter_subject
+
+    made = await bus.open_partition_consumer(
+        STREAM, PREFIX, "kvhandoff-worker", 0,
+        ack_wait_s=1.0, max_pending=64, priority_timeout_s=5.0, partitions=1,
+    )  # fmt: skip
+    assert made == name
+    assert not (await js.consumer_info(STREAM, name)).config.filter_subject
+    sent = [await publish(js, f"{PREFIX}.in.{uuid.uuid4()}", b"%d" % n) for n in range(3)]
+    async with Pull(bus, STREAM, name, max_ahead=8, group=PRIORITY_GROUP) as pull:
+        got: list[Inbound] = []
+        while len(got) < len(sent):
+            batch = await pull.fetch(8, timeout_s=WITHIN_S)
+            assert batch, f"{len(got)} of {len(sent)} inputs within {WITHIN_S}s"
+            got += batch
+        assert [inbound.stream_seq for inbound in got] == sent
+        # What a new owner reads first, unfiltered too.
+        left = await bus.unacknowledged(STREAM, name)
+        assert left == [(inbound.stream_seq, inbound.subject) for inbound in got]
+        for inbound in got:
+            await inbound.ack()

@@ -54,6 +54,7 @@ async def partition_with_inputs(
     return await bus.open_partition_consumer(
         STREAM, PREFIX, "kvhandoff-worker", partition,
         ack_wait_s=ACK_WAIT_S, max_pending=64, priority_timeout_s=priority_timeout_s,
+        partitions=PARTITIONS,
     )  # fmt: skip
 
 
