@@ -31,11 +31,14 @@ Invariants.
 - Nothing is published before its rows are in the replicated log (the owner appends between
   `decide` and `act`). The local commit is queued (`EventLog.queue`) and not waited for: the
   publishes, the acks and the next batch's `decide` and append go on while the file's writer
-  commits, so a batch's critical path holds one store, the append. The file stays a prefix: its
-  commits run in order, one writer, and once one fails every one queued behind it fails
-  unwritten (the next `decide` raises the failure, the owner stops, and its next claim catches
-  the file up). A crash before a local commit loses nothing either: the claim after it catches
-  the file up the same way, and republishes what the file does not mark published.
+  commits, so a batch's critical path holds one store, the append. The file trails by a bounded
+  amount: with more than `_COMMITS_AHEAD` commits queued, the next `decide` waits for the oldest
+  (a file slower than the front would otherwise have every queued row held in memory). The file
+  stays a prefix: its commits run in order, one writer, and once one fails every one queued
+  behind it fails unwritten (the next `decide` raises the failure, the owner stops, and its next
+  claim catches the file up). A crash before a local commit loses nothing either: the claim
+  after it catches the file up the same way, and republishes what the file does not mark
+  published.
 - The file is read only for handoffs not in memory. A handoff a queued batch completed has left
   memory before that batch's local commit, so `decide` waits for the queued commits before it
   reads one; any other handoff not in memory is in no queued batch, so its read may overtake
@@ -125,6 +128,11 @@ _RESEND_PAUSE_S = (0.1, 2.0)
 
 # The meta key of a partition file's mark: the first input of the last entry it holds.
 MARK_KEY = "partition_log_mark"
+
+# Local commits a partition may have queued and not ended before its next batch is decided:
+# the file trails the replicated log, by a bounded amount. Unbounded, a drain faster than the
+# file's commits grew the worker by 3.7 KB a handoff (the queued rows) until it stalled.
+_COMMITS_AHEAD = 8
 
 
 async def publish_action(
@@ -374,7 +382,7 @@ class Worker:
         if any(not evicted.isdisjoint(missing) for _, evicted in part.committing):
             await self._all_committed(part)
         else:
-            self._forget_committed(part)
+            await self._keep_up(part)
         loaded = await part.log.load(missing) if missing else {}
         plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time())
         deferred = {batch[index].stream_seq: delay_s for index, delay_s in plan.naks}
@@ -423,6 +431,14 @@ class Worker:
         self._count_in_memory()  # a handoff whose log would not load is quarantined in a plan
 
     # --- Partitions, their files and their outbox ---------------------------------------
+
+    async def _keep_up(self, part: _Partition) -> None:
+        """Wait while more than `_COMMITS_AHEAD` local commits of the partition are queued, the
+        oldest first, then forget those that ended; the `StoreError` of one that failed."""
+        while len(part.committing) > _COMMITS_AHEAD:
+            await asyncio.wait([part.committing[0][0]])
+            self._forget_committed(part)
+        self._forget_committed(part)
 
     def _forget_committed(self, part: _Partition) -> None:
         """Forget the partition's queued local commits that ended; the `StoreError` of one that

@@ -1,0 +1,78 @@
+"""The local file trails the replicated log by a bounded amount (worker.service): with its
+commits slowed to a crawl, the worker decides no batch while more than `_COMMITS_AHEAD` local
+commits of the partition are queued, so it holds a bounded number of batches' rows in memory
+rather than queueing without end (unbounded, a drain faster than the file grew the worker by
+3.7 KB a handoff until it stalled), and every handoff still completes.
+
+The worker runs in this process (to read its queue), on a real nats-server and SQLite file; the
+slow disk is a pause in the file's own writer thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvhandoff.worker import service, store
+from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.config import NatsSettings, WorkerConfig
+from kvhandoff.worker.metrics import Metrics
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.partition_owner import Decided
+from tests.worker.scripted_engine import ScriptedEngines
+from tests.worker.test_disk_full import poll
+from tests.worker.test_faults import make_starts
+
+_SLOW_WRITE_S = 0.02  # per batch, in the writer's thread: far slower than deciding one
+
+
+class _Watched(service.Worker):
+    """The worker, noting how many local commits were queued each time a batch was decided."""
+
+    queued: list[int]
+
+    async def decide(self, batch: Sequence[Inbound]) -> Decided:
+        decided = await super().decide(batch)
+        self.queued.append(max(len(part.committing) for part in self._partitions.values()))
+        return decided
+
+
+async def test_a_slow_file_holds_the_worker_back_instead_of_queueing_without_bound(
+    nats_server: EmbeddedNats, engines: ScriptedEngines, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    write = store._write_batch
+
+    def slow_write(db: sqlite3.Connection, batch: store.Batch) -> None:
+        time.sleep(_SLOW_WRITE_S)  # a slow disk, on the writer's thread (not the event loop)
+        write(db, batch)
+
+    monkeypatch.setattr(store, "_write_batch", slow_write)
+    config = WorkerConfig(
+        nats=NatsSettings(url=nats_server.url), db_path=tmp_path / "kvhandoff.db", batch_size=16
+    )
+    bus = await Bus.connect(config.nats, "test-backlog")
+    worker = _Watched(config, service.tier_settings(config), bus, Metrics(), label="test")
+    worker.queued = []
+    stop = asyncio.Event()
+    running = asyncio.create_task(worker.run(stop))
+    try:
+        await poll(lambda: worker.healthy, "the worker to claim its partition")
+        starts = make_starts(300, random.Random(5))
+        for start in starts:
+            await engines.start_handoff(start)
+        await engines.wait_complete({s.handoff_id for s in starts}, within=120)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, timeout=60)
+        await bus.close()
+    # The bound was reached (the file was the slower side), and never passed: at most one
+    # more than the bound, the commit that the batch just acted on queued.
+    assert max(worker.queued) >= service._COMMITS_AHEAD, worker.queued
+    assert max(worker.queued) <= service._COMMITS_AHEAD + 1, worker.queued
