@@ -1318,13 +1318,12 @@ class Bus:
         The only partition of a stream is not filtered (see "Pins"): a consumer that an earlier
         version made with a filter is updated."""
         name = f"{consumer}-p{partition}"
-        only = partitions == 1
         request = {
             "stream_name": stream,
             "config": {
                 "name": name,
                 "durable_name": name,
-                "filter_subject": "" if only else partition_subject(prefix, partition),
+                "filter_subject": "" if partitions == 1 else partition_subject(prefix, partition),
                 "ack_policy": "explicit",
                 "deliver_policy": "all",
                 "ack_wait": int(ack_wait_s * _S_TO_NS),

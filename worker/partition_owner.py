@@ -246,8 +246,9 @@ class PartitionOwner:
                 try:
                     # With an append on its way, only what is ready now: else its return is
                     # what to wait for.
+                    waiting_s = _FETCH_TIMEOUT_S if self._in_flight is None else 0.0
                     batch = await pull.fetch(
-                        self._batch, timeout_s=0 if self._in_flight else _FETCH_TIMEOUT_S,
+                        self._batch, timeout_s=waiting_s,
                         max_bytes=self._bus.max_payload // 2, overhead=_ROW_OVERHEAD,
                     )  # fmt: skip
                 except PinMismatch:

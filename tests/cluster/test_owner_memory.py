@@ -32,15 +32,9 @@ async def _owner_of(
     await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
     await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
     consumer = await bus.open_partition_consumer(
-        STREAM,
-        PREFIX,
-        "c",
-        0,
-        ack_wait_s=1.0,
-        max_pending=1024,
-        priority_timeout_s=3.0,
-        partitions=PARTITIONS,
-    )
+        STREAM, PREFIX, "c", 0,
+        ack_wait_s=1.0, max_pending=1024, priority_timeout_s=3.0, partitions=PARTITIONS,
+    )  # fmt: skip
     log = PartitionLog(bus, LOG_STREAM, PREFIX, 0, "test/owner")
     owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=1.0, forget_every_s=0.2)
 
