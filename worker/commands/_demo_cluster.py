@@ -14,8 +14,12 @@ The node is not restarted: the second half of the load runs on the two nodes lef
 quorum of every three-replica stream and bucket, which is what such a failure leaves until an
 operator acts. A node's rejoin is tests/cluster/test_cluster.py's.
 
-After the load it stops the engines (which report leaks) and the surviving workers (each hands
-its partitions over and exits 0), and reads each partition's `Claimed` records in the
+After the load it waits (up to `WAIT_TIMEOUT_S`) until the surviving workers hold no open
+handoff (their `kvhandoff_open_handoffs`): a worker's own `TimedOut` that crossed a success
+reopens the cleanup after the load saw the handoff end (a failover can hold a handoff past its
+deadline), and that cleanup's actions may be dropped and retried. Then it stops the engines
+(which report leaks) and the surviving workers (each hands its partitions over and exits 0),
+and reads each partition's `Claimed` records in the
 replicated log (worker.ownership.read_claims). From them:
 - who owned what: each worker's partitions just before the kill (the last claim before it) and
   at the end (the last claim);
@@ -151,9 +155,10 @@ def run(args: argparse.Namespace, console: Console, folder: Path) -> int:
         )
         report, strike = asyncio.run(_load_and_strike(config, args, console, cluster, workers))
         print_summary(report, console)
-        engines_clean = engines.terminate() == 0
         killed = None if strike is None else strike.worker
         survivors = [name for name in WORKERS if name != killed]
+        asyncio.run(_settled([workers[name] for name in survivors]))
+        engines_clean = engines.terminate() == 0
         unclean = [name for name in survivors if workers[name].terminate() != 0]
         claims = asyncio.run(_read_claims(url))
     summary = _summarize(report, strike, claims, names=names, workers=workers, folder=folder)
@@ -190,6 +195,21 @@ async def _members(url: str, workers: dict[str, WorkerChild]) -> dict[str, str]:
             await asyncio.sleep(_POLL_S)
     finally:
         await bus.close()
+
+
+async def _settled(survivors: list[WorkerChild]) -> None:
+    """Return once no survivor holds an open handoff, or after `WAIT_TIMEOUT_S` (a handoff
+    still open then is one the tier did not end: the summary reports it), or at once if one
+    no longer answers (it did not stop cleanly: the summary reports that too)."""
+    deadline = time.monotonic() + WAIT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            held = [await asyncio.to_thread(w.metric, "kvhandoff_open_handoffs") for w in survivors]
+        except OSError:
+            return
+        if not any(held):
+            return
+        await asyncio.sleep(_POLL_S)
 
 
 async def _load_and_strike(
