@@ -17,12 +17,17 @@ repaired the file and calls `EventLog.resume`.
 When a transaction fails, the error is SQLite's own ("database or disk is full"), never that of
 the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
 
-Two connections, each on its own thread. The writer's thread runs a whole transaction as one
-call (BEGIN to COMMIT): the worker's hop waits for its commit, and a statement per thread round
-trip, as aiosqlite runs them, made a small batch's commit cost several wake-ups of the event
-loop for one fsync. The reader is an aiosqlite connection: in WAL mode it reads the last commit
-without waiting for the one in flight, so the worker loads the handoffs of its next batch while
-the previous batch commits.
+Three connections. The writer's thread runs a whole transaction as one call (BEGIN to COMMIT):
+the worker's hop waits for its commit, and a statement per thread round trip, as aiosqlite runs
+them, made a small batch's commit cost several wake-ups of the event loop for one fsync. The
+reader is an aiosqlite connection: in WAL mode it reads the last commit without waiting for the
+one in flight, so the worker loads the handoffs of its next batch while the previous batch
+commits. The probe is a third, on the event loop's own thread, for the one read nearly every
+batch makes: which of the handoffs it names are in the file at all (a batch that starts a
+handoff asks, and the answer is nearly always none). Those are index lookups of a few µs each,
+and the round trip to the reader's thread cost 1.5 ms of a hop when the writer's thread was
+busy. The probe never waits for a lock (`timeout=0`): in the rare case that SQLite answers
+busy, the reader asks instead, which does wait.
 
 The layout is `worker.schema`'s layout 2; its rows are `worker.rows`' types, read back through
 the same `read_row`/`read_event` as the offline reader's (a row with a state this build does not
@@ -108,6 +113,8 @@ _T = TypeVar("_T")
 # SQLite's default limit on host parameters is 32766; stay far below it.
 _CHUNK = 500
 _SYNCHRONOUS = ("FULL", "NORMAL", "EXTRA")
+# What a read that may not wait is answered while another connection holds a lock it needs.
+_BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,11 +508,12 @@ class EventLog:
 
     def __init__(
         self, writer: ThreadPoolExecutor, db: sqlite3.Connection, reader: aiosqlite.Connection,
-        path: Path,
+        probe: sqlite3.Connection, path: Path,
     ) -> None:  # fmt: skip
         self._writer = writer  # the one thread that uses `_db`
         self._db = db
         self._reader = reader
+        self._probe = probe  # the event loop's (module docstring)
         self._closed = False
         self.path = path
         # Batches queued for the next group commit, and whether the writer has been asked for
@@ -534,12 +542,17 @@ class EventLog:
         loop = asyncio.get_running_loop()
         db: sqlite3.Connection | None = None
         reader: aiosqlite.Connection | None = None
+        probe: sqlite3.Connection | None = None
         try:
             db = await loop.run_in_executor(writer, _connect_writer, path, synchronous, migrate)
             reader = await aiosqlite.connect(path, isolation_level=None)
             await reader.execute("PRAGMA query_only=1")
             await reader.execute("PRAGMA busy_timeout=5000")
+            probe = sqlite3.connect(path, timeout=0, isolation_level=None)
+            probe.execute("PRAGMA query_only=1")
         except BaseException as exc:
+            if probe is not None:
+                probe.close()
             if reader is not None:
                 # An unclosed aiosqlite connection keeps its thread alive, and the process.
                 await reader.close()
@@ -549,14 +562,15 @@ class EventLog:
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"cannot open event log {path}: {exc}") from exc
             raise
-        return cls(writer, db, reader, path)
+        return cls(writer, db, reader, probe, path)
 
     async def close(self) -> None:
-        """Close both connections; closing a closed log does nothing."""
+        """Close the connections; closing a closed log does nothing."""
         if self._closed:
             return
         self._closed = True
         try:
+            self._probe.close()
             await self._reader.close()
         finally:
             await self._write(sqlite3.Connection.close)
@@ -628,7 +642,7 @@ class EventLog:
         for start in range(0, len(ids), _CHUNK):
             chunk = ids[start : start + _CHUNK]
             marks = ",".join("?" * len(chunk))
-            rows = await self._fetch(
+            rows = await self._probed(
                 f"SELECT {_LOADED_COLUMNS} FROM handoffs WHERE handoff_id IN ({marks})", chunk
             )
             if rows:
@@ -711,6 +725,17 @@ class EventLog:
             return list(await self._reader.execute_fetchall(sql, tuple(parameters)))
         except sqlite3.Error as exc:
             raise StoreError(f"read failed: {exc}") from exc
+
+    async def _probed(self, sql: str, parameters: Sequence[object]) -> list[sqlite3.Row]:
+        """A short read on the event loop's thread; by the reader if SQLite answers busy."""
+        try:
+            return self._probe.execute(sql, parameters).fetchall()
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF not in _BUSY:  # the primary code of an extended one
+                raise StoreError(f"read failed: {exc}") from exc
+        except sqlite3.Error as exc:
+            raise StoreError(f"read failed: {exc}") from exc
+        return await self._fetch(sql, parameters)
 
     @staticmethod
     def _assemble(rows: list[sqlite3.Row], events: list[sqlite3.Row]) -> dict[UUID, Loaded]:

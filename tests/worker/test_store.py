@@ -599,6 +599,60 @@ async def test_a_locked_log_fails_with_store_errors_and_recovers(log: EventLog, 
     assert await log.compact(10_000) == Compacted(handoffs=1, rejections=0)
 
 
+def busy_error(tmp_path: Path) -> sqlite3.OperationalError:
+    """SQLite's own answer to a read that may not wait for a lock another connection holds."""
+    other = tmp_path / "rollback-journal.db"
+    with closing(sqlite3.connect(other, isolation_level=None)) as holder:
+        holder.execute("CREATE TABLE t (x)")
+        holder.execute("BEGIN EXCLUSIVE")
+        with (
+            closing(sqlite3.connect(other, timeout=0)) as reader,
+            pytest.raises(sqlite3.OperationalError) as busy,
+        ):
+            reader.execute("SELECT * FROM t")
+        holder.execute("ROLLBACK")
+    assert busy.value.sqlite_errorcode == sqlite3.SQLITE_BUSY
+    return busy.value
+
+
+class RefusingProbe:
+    """Stands in for the event log's probe connection: every read fails with `error`."""
+
+    def __init__(self, error: sqlite3.Error) -> None:
+        self.error = error
+
+    def execute(self, sql: str, parameters: object = ()) -> sqlite3.Cursor:
+        raise self.error
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_load_the_probe_finds_busy_is_read_by_the_reader(
+    log: EventLog, tmp_path: Path
+) -> None:
+    done, batch = completed(1_000)
+    await log.commit(batch)
+    probe, log._probe = log._probe, RefusingProbe(busy_error(tmp_path))  # type: ignore[assignment]
+    try:
+        loaded = readable(await log.load([done.id, uuid.uuid4()]))
+    finally:
+        log._probe = probe
+    assert set(loaded) == {done.id}
+    assert loaded[done.id].events == done.events
+
+
+async def test_a_probe_that_fails_otherwise_fails_the_load_with_a_store_error(
+    log: EventLog,
+) -> None:
+    probe, log._probe = log._probe, RefusingProbe(sqlite3.DatabaseError("disk I/O error"))  # type: ignore[assignment]
+    try:
+        with pytest.raises(StoreError, match="read failed: disk I/O error"):
+            await log.load([uuid.uuid4()])
+    finally:
+        log._probe = probe
+
+
 async def test_another_applications_database_is_left_untouched(tmp_path: Path) -> None:
     foreign = tmp_path / "someone-else.db"
     with closing(sqlite3.connect(foreign)) as connection:
