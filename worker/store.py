@@ -1,4 +1,4 @@
-"""The worker's side of the event log: SQLite in WAL mode, one writer, one reader.
+"""The worker's side of the event log: SQLite in WAL mode, one writer, readers beside it.
 
 Durability rule: an input is durable when the transaction that appends it commits. With
 `synchronous=FULL` (the default) SQLite fsyncs the WAL at every commit, so a committed input
