@@ -19,8 +19,9 @@ Then, batch by batch:
 
 Pipelining. While batch k's append is on its way, the owner does not wait idle: if batch k+1
 is ready, it does steps 1 and 2 for it (the decoding, the coordinators, the local file's reads),
-then step 4 for k once k's append returned, and only then step 3 for k+1. So appends go one at
-a time, each compare-and-set on the sequence the one before it got, and nothing is acted on or
+then step 4 for k once k's append returned, and only then step 3 for k+1; if k's append had
+returned already, step 4 for k comes first, which adds no wait to k. So appends go one at a
+time, each compare-and-set on the sequence the one before it got, and nothing is acted on or
 acknowledged before its own append returned; a batch whose append fails (fenced, or in doubt)
 takes the one decided behind it down with it, unacknowledged, and the claim that follows
 rebuilds the coordinators from the log. The inputs of the batch in flight count as applied in
@@ -135,6 +136,11 @@ class _InFlight:
     fresh: list[Inbound]  # appended by `append`, acted on once it returns
     deferred: list[tuple[Inbound, float]]  # given back, with their delay
     append: asyncio.Future[int] | None  # None: nothing to append
+
+    @property
+    def returned(self) -> bool:
+        """Its append returned (or it had none): it can be acted on without waiting."""
+        return self.append is None or self.append.done()
 
 
 Decide = Callable[[Sequence[Inbound]], Awaitable[Decided]]
@@ -436,6 +442,8 @@ class PartitionOwner:
     async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> None:
         """Steps 1-3 for one batch, and step 4 for the batch before it (see "Pipelining"):
         `Fenced` before acting if another worker owns the partition now."""
+        if self._in_flight is not None and self._in_flight.returned:
+            await self._finish(act)  # no wait: acted on before the next batch is decided
         # A stall past the ack wait (an append retried while a node dies) brings an input again
         # before its first delivery was handled: one batch may hold it twice. It is one input,
         # appended once; the latest delivery is the one to settle.
