@@ -698,6 +698,11 @@ class Pull:
         await self._ask(max_messages)
         return taken
 
+    @property
+    def ready(self) -> list[Inbound]:
+        """The messages delivered and not yet fetched, in the order they came (left in place)."""
+        return list(self._ready)
+
     def take_ready(self) -> list[Inbound]:
         """The messages delivered and not yet fetched, taken out of the Pull: for an owner
         that hands its partition over and must settle them (nak) rather than drop them."""
@@ -1491,16 +1496,26 @@ class Bus:
                 await self._js.delete_consumer(stream, info.name)  # else it idles away
         return found
 
-    async def unacknowledged(self, stream: str, consumer: str) -> list[tuple[int, str]]:
+    async def unacknowledged(
+        self, stream: str, consumer: str, held: Sequence[tuple[int, str]] = ()
+    ) -> list[tuple[int, str]]:
         """The messages `consumer` delivered and never had acknowledged, as (stream sequence,
         subject), in stream order: what a new owner must apply before newer inputs of the same
         subjects. Between the consumer's ack floor and the last it delivered, one message get
         per message (a work-queue stream allows no second consumer on the same subjects), so
-        at most `max_ack_pending` of them."""
+        at most `max_ack_pending` of them.
+
+        `held`: what the caller holds delivered and unacknowledged, in the order it got it. If
+        that is every message from the floor to the last delivered, in stream order, it is the
+        answer, and nothing is read: a new owner's first batch over a backlog, where the gets
+        cost one round trip each for every message the owner has in hand."""
         try:
             info = await self._js.consumer_info(stream, consumer)
             filter_subject = info.config.filter_subject or ">"  # unfiltered: every subject
             floor, top = info.ack_floor.stream_seq, info.delivered.stream_seq
+            in_hand = len(held) == top - floor
+            if held and in_hand and all(seq == floor + n for n, (seq, _) in enumerate(held, 1)):
+                return list(held)
             found: list[tuple[int, str]] = []
             seq = floor + 1
             while seq <= top:

@@ -51,9 +51,10 @@ the order their ack waits ran out, and an owner that stays pinned while it stall
 own redeliveries again, so a handoff's inputs can come to the new owner out of order (some 20 of
 90 to 150 inputs in tests/cluster/test_failover.py, without the next step). So, right after its
 claim, the owner reads what the consumer delivered and never had acknowledged
-(`Bus.unacknowledged`), keeps what the log does not say was applied (the orphans), and admits
-the inputs of each batch through `worker.input_order.InputOrder`: an input waits, delivered
-but unacknowledged, until the orphans of its handoff before it are applied.
+(`Bus.unacknowledged`; nothing is read when the owner holds all of it, in stream order, as its
+first batch over a backlog does), keeps what the log does not say was applied (the orphans),
+and admits the inputs of each batch through `worker.input_order.InputOrder`: an input waits,
+delivered but unacknowledged, until the orphans of its handoff before it are applied.
 
 Vacant partitions. The server pins a client only when it delivers to it, so a partition that
 gets no input after it changed hands would wait for one before anyone claimed it, and the open
@@ -294,7 +295,7 @@ class PartitionOwner:
                         self._claimed_vacant, self._claimed_under = False, pull.pin_id
                     if not self._claimed or pull.pin_id != self._claimed_under:
                         await self._finish(act)  # a claim comes after the batch in flight
-                        await self._claim(pull.pin_id)
+                        await self._claim(pull.pin_id, held=[*batch, *pull.ready])
                     await self._handle(batch, decide, act)
                     await self._forget()
                 except Fenced as exc:
@@ -408,9 +409,10 @@ class PartitionOwner:
             await self._claim(None)
             self._claimed_vacant = True
 
-    async def _claim(self, pin_id: str | None) -> None:
+    async def _claim(self, pin_id: str | None, held: Sequence[Inbound] = ()) -> None:
         """Claim the partition's log (`Fenced` if another worker owns it), learn what was
-        applied, and what the previous owner left unapplied (see "Order")."""
+        applied, and what the previous owner left unapplied (see "Order"); `held`: what this
+        owner holds delivered, in the order it came."""
         self._claimed_vacant = False
         if self.log.epoch:
             self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
@@ -419,7 +421,11 @@ class PartitionOwner:
         self._applied = caught.applied
         self._claimed, self._claimed_under = True, pin_id
         # Only now, with the old owner fenced, is what it left for good.
-        left = await self._bus.unacknowledged(self._stream, self._consumer)
+        left = await self._bus.unacknowledged(
+            self._stream,
+            self._consumer,
+            [(inbound.stream_seq, inbound.subject) for inbound in held],
+        )
         orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
         self._order = InputOrder(orphans) if orphans else None
         self.orphans += len(orphans)

@@ -222,3 +222,51 @@ async def test_the_only_partitions_consumer_is_unfiltered_and_an_earlier_filtere
         assert left == [(inbound.stream_seq, inbound.subject) for inbound in got]
         for inbound in got:
             await inbound.ack()
+
+
+class Gets:
+    """The message gets that reach the server, as another subscriber to their subject sees
+    them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def on_get(self, _: object) -> None:
+        self.count += 1
+
+
+async def test_what_a_new_owner_holds_of_every_unacknowledged_message_is_not_read_again(
+    nats_cluster: NatsCluster, bus: Bus, js: JetStreamContext
+) -> None:
+    """A new owner's first batch over a backlog holds the whole unacknowledged range: that is
+    the answer, without a message get for each; anything less (or out of order) is read."""
+    await bus.open_partitions(STREAM, PREFIX, 1)
+    name = await bus.open_partition_consumer(
+        STREAM, PREFIX, "kvhandoff-worker", 0,
+        ack_wait_s=30.0, max_pending=64, priority_timeout_s=5.0, partitions=1,
+    )  # fmt: skip
+    sent = [await publish(js, f"{PREFIX}.in.{uuid.uuid4()}", b"%d" % n) for n in range(5)]
+    watcher = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-gets-watcher")
+    gets = Gets()
+    await watcher.subscribe(f"$JS.API.STREAM.MSG.GET.{STREAM}", gets.on_get)
+    await watcher.flush()
+    try:
+        async with Pull(bus, STREAM, name, max_ahead=8, group=PRIORITY_GROUP) as pull:
+            got: list[Inbound] = []
+            while len(got) < len(sent):
+                batch = await pull.fetch(8, timeout_s=WITHIN_S)
+                assert batch, f"{len(got)} of {len(sent)} inputs within {WITHIN_S}s"
+                got += batch
+            every = [(inbound.stream_seq, inbound.subject) for inbound in got]
+            assert [seq for seq, _ in every] == sent
+
+            assert await bus.unacknowledged(STREAM, name, every) == every
+            await watcher.flush()  # the server routed any get to it before answering the get
+            assert gets.count == 0
+
+            for held in (every[:-1], every[1:], [every[1], every[0], *every[2:]]):
+                assert await bus.unacknowledged(STREAM, name, held) == every
+            await watcher.flush()
+            assert gets.count >= 3 * len(sent)  # each read them all, one get each
+    finally:
+        await watcher.close()
