@@ -154,7 +154,7 @@ import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -1497,7 +1497,7 @@ class Bus:
         return found
 
     async def unacknowledged(
-        self, stream: str, consumer: str, held: Sequence[tuple[int, str]] = ()
+        self, stream: str, consumer: str, held: Callable[[], Mapping[int, str]] | None = None
     ) -> list[tuple[int, str]]:
         """The messages `consumer` delivered and never had acknowledged, as (stream sequence,
         subject), in stream order: what a new owner must apply before newer inputs of the same
@@ -1505,20 +1505,26 @@ class Bus:
         per message (a work-queue stream allows no second consumer on the same subjects), so
         at most `max_ack_pending` of them.
 
-        `held`: what the caller holds delivered and unacknowledged, in the order it got it. If
-        that is every message from the floor to the last delivered, in stream order, it is the
-        answer, and nothing is read: a new owner's first batch over a backlog, where the gets
-        cost one round trip each for every message the owner has in hand."""
+        `held`, if given, tells what the caller holds delivered and unacknowledged (stream
+        sequence: subject), and is asked again once the walk passes the last of it (more may
+        have come meanwhile): those are not read again. A new owner's first batch over a
+        backlog holds nearly all of what it would otherwise read, one round trip each."""
         try:
             info = await self._js.consumer_info(stream, consumer)
             filter_subject = info.config.filter_subject or ">"  # unfiltered: every subject
             floor, top = info.ack_floor.stream_seq, info.delivered.stream_seq
-            in_hand = len(held) == top - floor
-            if held and in_hand and all(seq == floor + n for n, (seq, _) in enumerate(held, 1)):
-                return list(held)
+            in_hand: Mapping[int, str] = {} if held is None else held()
+            last_held = max(in_hand, default=0)
             found: list[tuple[int, str]] = []
             seq = floor + 1
             while seq <= top:
+                if seq > last_held and held is not None:
+                    in_hand = held()
+                    last_held = max(in_hand, default=0)
+                if (subject := in_hand.get(seq)) is not None:
+                    found.append((seq, subject))
+                    seq += 1
+                    continue
                 try:
                     message = await self._js.get_msg(stream, seq, subject=filter_subject, next=True)
                 except nats.js.errors.NotFoundError:

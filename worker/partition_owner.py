@@ -51,8 +51,8 @@ the order their ack waits ran out, and an owner that stays pinned while it stall
 own redeliveries again, so a handoff's inputs can come to the new owner out of order (some 20 of
 90 to 150 inputs in tests/cluster/test_failover.py, without the next step). So, right after its
 claim, the owner reads what the consumer delivered and never had acknowledged
-(`Bus.unacknowledged`; nothing is read when the owner holds all of it, in stream order, as its
-first batch over a backlog does), keeps what the log does not say was applied (the orphans),
+(`Bus.unacknowledged`; what the owner holds itself is not read again, nearly all of it for a
+first batch over a backlog), keeps what the log does not say was applied (the orphans),
 and admits the inputs of each batch through `worker.input_order.InputOrder`: an input waits,
 delivered but unacknowledged, until the orphans of its handoff before it are applied.
 
@@ -104,6 +104,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch
@@ -160,6 +161,12 @@ _FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
 _ROW_OVERHEAD = 1024
 _VACANCY_POLL_S = 1.0  # how often an idle, unclaimed owner asks whether anyone is pinned
 _FORGET_EVERY_S = 10.0  # how often the applied inputs are cut to the consumer's ack floor
+
+
+def _held(batch: Sequence[Inbound], pull: Pull) -> dict[int, str]:
+    """What an owner holds delivered and unacknowledged as it claims: the batch in hand and
+    what its pull has delivered since (stream sequence: subject)."""
+    return {inbound.stream_seq: inbound.subject for inbound in (*batch, *pull.ready)}
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:
@@ -295,7 +302,7 @@ class PartitionOwner:
                         self._claimed_vacant, self._claimed_under = False, pull.pin_id
                     if not self._claimed or pull.pin_id != self._claimed_under:
                         await self._finish(act)  # a claim comes after the batch in flight
-                        await self._claim(pull.pin_id, held=[*batch, *pull.ready])
+                        await self._claim(pull.pin_id, held=partial(_held, batch, pull))
                     await self._handle(batch, decide, act)
                     await self._forget()
                 except Fenced as exc:
@@ -409,10 +416,12 @@ class PartitionOwner:
             await self._claim(None)
             self._claimed_vacant = True
 
-    async def _claim(self, pin_id: str | None, held: Sequence[Inbound] = ()) -> None:
+    async def _claim(
+        self, pin_id: str | None, held: Callable[[], Mapping[int, str]] | None = None
+    ) -> None:
         """Claim the partition's log (`Fenced` if another worker owns it), learn what was
         applied, and what the previous owner left unapplied (see "Order"); `held`: what this
-        owner holds delivered, in the order it came."""
+        owner holds delivered (see `Bus.unacknowledged`)."""
         self._claimed_vacant = False
         if self.log.epoch:
             self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
@@ -421,11 +430,7 @@ class PartitionOwner:
         self._applied = caught.applied
         self._claimed, self._claimed_under = True, pin_id
         # Only now, with the old owner fenced, is what it left for good.
-        left = await self._bus.unacknowledged(
-            self._stream,
-            self._consumer,
-            [(inbound.stream_seq, inbound.subject) for inbound in held],
-        )
+        left = await self._bus.unacknowledged(self._stream, self._consumer, held)
         orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
         self._order = InputOrder(orphans) if orphans else None
         self.orphans += len(orphans)
