@@ -212,17 +212,23 @@ async def test_the_only_partitions_consumer_is_unfiltered_and_an_earlier_filtere
     assert not (await js.consumer_info(STREAM, name)).config.filter_subject
     sent = [await publish(js, f"{PREFIX}.in.{uuid.uuid4()}", b"%d" % n) for n in range(3)]
     async with Pull(bus, STREAM, name, max_ahead=8, group=PRIORITY_GROUP) as pull:
-        got: list[Inbound] = []
-        while len(got) < len(sent):
-            batch = await pull.fetch(8, timeout_s=WITHIN_S)
-            assert batch, f"{len(got)} of {len(sent)} inputs within {WITHIN_S}s"
-            got += batch
+        got = await pull_all(pull, len(sent))
         assert [inbound.stream_seq for inbound in got] == sent
         # What a new owner reads first, unfiltered too.
         left = await bus.unacknowledged(STREAM, name)
         assert left == [(inbound.stream_seq, inbound.subject) for inbound in got]
         for inbound in got:
             await inbound.ack()
+
+
+async def pull_all(pull: Pull, count: int) -> list[Inbound]:
+    """Fetch until `count` inputs came, none acknowledged."""
+    got: list[Inbound] = []
+    while len(got) < count:
+        batch = await pull.fetch(8, timeout_s=WITHIN_S)
+        assert batch, f"{len(got)} of {count} inputs within {WITHIN_S}s"
+        got += batch
+    return got
 
 
 class Gets:
@@ -262,11 +268,7 @@ async def test_what_a_new_owner_holds_of_the_unacknowledged_messages_is_not_read
 
     try:
         async with Pull(bus, STREAM, name, max_ahead=8, group=PRIORITY_GROUP) as pull:
-            got: list[Inbound] = []
-            while len(got) < len(sent):
-                batch = await pull.fetch(8, timeout_s=WITHIN_S)
-                assert batch, f"{len(got)} of {len(sent)} inputs within {WITHIN_S}s"
-                got += batch
+            got = await pull_all(pull, len(sent))
             every = [(inbound.stream_seq, inbound.subject) for inbound in got]
             assert [seq for seq, _ in every] == sent
 
