@@ -624,9 +624,6 @@ class RefusingProbe:
     def execute(self, sql: str, parameters: object = ()) -> sqlite3.Cursor:
         raise self.error
 
-    def close(self) -> None:
-        pass
-
 
 async def test_a_load_the_probe_finds_busy_is_read_by_the_reader(
     log: EventLog, tmp_path: Path
