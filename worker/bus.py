@@ -52,7 +52,8 @@ outcome it depends on); it reads what was delivered and never acknowledged first
 The pull. nats-py's `fetch` costs about 110 µs per message (a task and a `wait_for` each), so
 `Pull` speaks the pull protocol itself. It subscribes once to `<inbox>.*` and publishes pull
 requests (`PullRequest`) to `$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`, each with its own
-reply subject `<inbox>.<n>`. The server sends the messages to that subscription, each with its
+reply subject `<inbox>.<n>`. The server sends the messages to that subscription (nats-py's
+parser hands them to the Pull directly: `_Deliveries`), each with its
 `$JS.ACK...` reply subject, which `Inbound` reads once for its metadata and publishes `+ACK`,
 `+TERM` or `-NAK` to. It also sends status messages there, header only (`NATS/1.0 <code>
 <description>`, on the request's own reply subject). The Pull keeps two fetches' worth of messages
@@ -527,7 +528,7 @@ _STATUS = "Status"
 _DESCRIPTION = "Description"
 _PENDING_MESSAGES = "Nats-Pending-Messages"
 _PENDING_BYTES = "Nats-Pending-Bytes"
-_PIN_ID = "Nats-Pin-Id"
+_PIN_ID_LINE = b"\r\nNats-Pin-Id:"  # the header line that `Nats-Pin-Id` starts
 _REQUESTS_KEPT = 64  # open requests remembered by reply token, newest first
 # Without heartbeats, an open request is counted lost once nothing was heard of it for its
 # whole expiry and this much more.
@@ -628,9 +629,10 @@ class Pull:
     async def start(self) -> None:
         """Subscribe to the inbox. Nothing is requested before the first `fetch`."""
         try:
-            self._subscription = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_message)
+            self._subscription = await self._nc.subscribe(f"{self._inbox}.*")
         except nats.errors.Error as exc:
             raise BusError(f"pull from {self.consumer}: cannot subscribe: {_why(exc)}") from exc
+        self._bus._deliveries.route(self._subscription, self)
         self._bus._pulls.add(self)  # so that a reconnect resets it
 
     async def close(self) -> None:
@@ -638,6 +640,7 @@ class Pull:
         self._bus._pulls.discard(self)
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
+            self._bus._deliveries.unroute(subscription)
             try:
                 await subscription.unsubscribe()
             except nats.errors.Error as exc:
@@ -773,24 +776,28 @@ class Pull:
         if self._failure is None:  # the first is the cause; the others follow from it
             self._failure = failure
 
-    async def _on_message(self, msg: Msg) -> None:
+    def _on_delivery(
+        self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+    ) -> None:
+        """A message of the stream (it has the `$JS.ACK...` reply subject; statuses have none),
+        straight from nats-py's parser (see `_Deliveries`)."""
         self._heard_at = time.monotonic()
-        if msg.reply:  # a message of the stream; statuses have no reply subject
-            try:
-                inbound = Inbound(self._nc, msg.subject, msg.data, msg.reply)
-            except BusError as exc:
-                logger.warning("pull from %s: ignored %s", self.consumer, exc)
-                return
-            if self._pending:
-                self._pending -= 1
-            if msg.headers:
-                self.pin_id = msg.headers.get(_PIN_ID, self.pin_id)
-            self._ready.append(inbound)
-        else:
-            self._on_status(msg.subject.rpartition(".")[2], msg.headers or {})
+        try:
+            inbound = Inbound(self._nc, subject.decode(), data, reply.decode())
+        except (BusError, UnicodeDecodeError) as exc:
+            logger.warning("pull from %s: ignored %s", self.consumer, exc)
+            return
+        if self._pending:
+            self._pending -= 1
+        if headers and (pin_id := _header(headers, _PIN_ID_LINE)) is not None:
+            self.pin_id = pin_id
+        self._ready.append(inbound)
         self._changed.set()
 
-    def _on_status(self, token: str, headers: dict[str, str]) -> None:
+    def _on_status(self, subject: bytes, headers: dict[str, str]) -> None:
+        self._heard_at = time.monotonic()
+        self._changed.set()
+        token = subject.rpartition(b".")[2].decode("ascii", "replace")
         status = headers.get(_STATUS, "")
         description = headers.get(_DESCRIPTION, "").strip()
         if status == "100":
@@ -836,6 +843,57 @@ class Pull:
         except (KeyError, ValueError):
             undelivered = batch
         self._pending = max(0, self._pending - undelivered)
+
+
+def _header(block: bytes, line: bytes) -> str | None:
+    """The value of the last header that starts with `line` (CRLF, name and colon) in a raw
+    header block, as nats-py's parse into a dict keeps the last one."""
+    at = block.rfind(line)
+    if at < 0:
+        return None
+    end = block.find(b"\r\n", at + len(line))
+    return block[at + len(line) : end].strip().decode("utf-8", "replace")
+
+
+class _Deliveries:
+    """What the server sends to each Pull's inbox goes to the Pull straight from nats-py's
+    parser, not through a subscription's callback.
+
+    nats-py hands every message it reads to `Client._process_msg`, which parses its headers into
+    a dict, builds a `Msg` and queues it for the subscription's task, which then awaits its
+    callback. Every input comes this way, and every one carries headers (the server's
+    `Nats-Pin-Id`, the publisher's `Nats-Msg-Id`): that path was a fifth of the worker's CPU
+    in a drain (bench/README.md, "Deliveries straight from the parser"). So the Bus puts itself
+    in front of `_process_msg` on its own client: a message for a routed subscription is given
+    to its Pull there and then, in the order read (statuses included, their headers parsed by
+    nats-py's own `_process_headers`); any other goes on to nats-py as before. The subscription
+    itself stays nats-py's (its SUB, its resubscription after a reconnect, its UNSUB). Both
+    names are nats-py internals, unchanged through 2.x: were they to change, no Pull would
+    receive anything, and every test of tests/worker/test_pull.py would say so."""
+
+    def __init__(self, client: Client) -> None:
+        self._routes: dict[int, Pull] = {}
+        self._process_msg = client._process_msg
+        self._process_headers = client._process_headers
+        client._process_msg = self._process  # type: ignore[method-assign]
+
+    def route(self, subscription: NatsSubscription, pull: Pull) -> None:
+        self._routes[subscription._id] = pull
+
+    def unroute(self, subscription: NatsSubscription) -> None:
+        self._routes.pop(subscription._id, None)
+
+    async def _process(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+    ) -> None:
+        pull = self._routes.get(sid)
+        if pull is None:
+            # nats-py's own parser passes None for a message without headers, as here.
+            await self._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
+        elif reply:
+            pull._on_delivery(subject, reply, data, headers)
+        else:
+            pull._on_status(subject, await self._process_headers(headers) or {})
 
 
 # --- The bus --------------------------------------------------------------------------------
@@ -916,6 +974,7 @@ class Bus:
         self._nc = client
         self._js = client.jetstream()
         self._pulls: set[Pull] = set()  # every started Pull, reset on a reconnect
+        self._deliveries = _Deliveries(client)
         self._barrier_subject = client.new_inbox()
         self._barriers: dict[bytes, asyncio.Future[None]] = {}
         self._barrier_count = itertools.count()

@@ -410,7 +410,9 @@ async def test_423_a_pull_with_another_clients_pin_id_gets_pin_mismatch(
     finally:
         await nc.close()
     assert "error" not in json.loads(reply.data), reply.data
-    await publish(js, range(2))
+    await publish(js, range(1))
+    # A publisher's own `Nats-Pin-Id` rides along; the server adds its own after it.
+    await js.publish("pulls.1", b"1", headers={"Nats-Pin-Id": "forged"})
 
     async with Pull(bus, STREAM, "pinned", max_ahead=1, group="g") as holder:
         [first] = await holder.fetch(1, timeout_s=WITHIN_S)
@@ -421,6 +423,7 @@ async def test_423_a_pull_with_another_clients_pin_id_gets_pin_mismatch(
                 await other.fetch(1, timeout_s=WITHIN_S)
             assert other.pin_id is None  # it asks to be pinned anew next time
         [second] = await holder.fetch(1, timeout_s=WITHIN_S)  # the holder pulls on
+        assert holder.pin_id == pin
 
     assert [first.data, second.data] == [b"0", b"1"]
     await requests.wait_for(3)  # the holder's two and the other's one
