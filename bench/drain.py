@@ -14,9 +14,11 @@ sets it) and a fresh completion stream, then drains it into a fresh SQLite file:
   `worker.service`): each batch of up to `--batch-size` (default 512) inputs is pulled through
   the lean `worker.bus.Pull`, decided, appended to the partition's replicated log (a JetStream
   stream), acted on (published, acknowledged) and queued for the SQLite file, whose commits run
-  behind. The bench sets the worker's stop event once the last input was acted on; the worker
-  hands the partition over and commits its file in full before it returns, and the clock stops
-  there. Its timers task runs (nothing falls due). Checked afterwards: every handoff
+  behind. The clock stops once the last input was acted on, every row is in the SQLite file
+  (the worker waits for its queued commits) and a flush came back; then the bench sets the
+  worker's stop event. What the worker does after that (it notices the stop within its fetch's
+  0.25 s, hands the partition over, closes) is its shutdown, not the drain, and is not timed.
+  Its timers task runs (nothing falls due). Checked afterwards: every handoff
   `succeeded`, every input and action logged once, no rejection.
 - ``bare``: the issue's floor, stock nats-py and sqlite3 only: `pull_subscribe_bind` on the
   same consumer settings and `fetch(--batch-size)`; per batch, one WAL synchronous=FULL
@@ -26,14 +28,15 @@ sets it) and a fresh completion stream, then drains it into a fresh SQLite file:
   core publishes, where the worker sends `Complete` as a JetStream publish), then `ack()` per
   input. No decoding, no coordinator, no dedupe, no projections, no outbox marks, no overlap.
 
-The clock runs from the first fetch until every input has been handled and the connection
-flushed. After one untimed warm-up of each side, each run pairs one worker run and one bare run
-back to back, alternating which goes first; worker/bare is taken per pair, and every figure is
-the median of `--runs` (default 5) runs. Per side: inputs/s, handoffs/s, CPU time of this
-process per input (all threads, SQLite's included; nats-server's not), and for the worker the
-time its local commits took (they run behind the appends, so they do not add up to the wall
-time). The ratio is printed from CPU time too: it moves less with the
-machine's load, but leaves out nats-server, whose share is about the same for both.
+The clock runs from the first batch in hand until every input has been handled and the
+connection flushed. After one untimed warm-up of each side, each run pairs one worker run and
+one bare run back to back, alternating which goes first; worker/bare is taken per pair, and
+every figure is the median of `--runs` (default 5) runs. Per side: inputs/s, handoffs/s, CPU
+time of this process per input (all threads, SQLite's included; nats-server's not) over the
+same timed span, and for the worker the time its local commits took (they run behind the
+appends, so they do not add up to the wall time). The ratio is printed from CPU time too: it
+moves less with the machine's load, but leaves out nats-server, whose share is about the same
+for both.
 
 `--profile` adds one worker run under cProfile (the event loop's thread only, so not SQLite's
 work in aiosqlite's thread) and prints, in µs per input, the top functions by own time and the
@@ -87,6 +90,7 @@ from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.natsserver import EmbeddedNats
 from kvhandoff.worker.partition_owner import Decided
 from kvhandoff.worker.service import Worker, tier_settings
+from kvhandoff.worker.store import Batch
 
 # The package's own modules, as their code objects name them (kvhandoff/ links events/ and
 # worker/, so their files are found under it, not under the repository's root).
@@ -104,13 +108,16 @@ class Run:
 
 
 class CountingWorker(Worker):
-    """The worker, its clock started at its first batch, and `stop` set once `expected` inputs
-    were acted on."""
+    """The worker, its clock started at its first batch and stopped once `expected` inputs were
+    acted on, their rows were in its file and the server had its publishes; then `stop` is
+    set."""
 
     stop: asyncio.Event
     expected = 0
     acted = 0
     began = 0.0
+    finished = 0.0
+    cpu_at_finish = 0.0
 
     async def decide(self, batch: Sequence[Inbound]) -> Decided:
         if not self.began:
@@ -120,7 +127,11 @@ class CountingWorker(Worker):
     async def act(self, batch: Sequence[Inbound]) -> None:
         await super().act(batch)
         self.acted += len(batch)
-        if self.acted >= self.expected:
+        if self.acted >= self.expected and not self.stop.is_set():
+            # Groups commit in queue order: an empty batch's commit is the file's last.
+            await asyncio.gather(*(log.queue(Batch()) for log in self.logs()))
+            await self._bus.flush()
+            self.finished, self.cpu_at_finish = time.perf_counter(), time.process_time()
             self.stop.set()
 
 
@@ -192,16 +203,15 @@ class Bench:
                 if profile is not None:
                     profile.enable()
                 await asyncio.wait_for(worker.run(worker.stop), _RUN_TIMEOUT_S)
-                await bus.flush()
                 if profile is not None:
                     profile.disable()
-                ended, cpu_s = time.perf_counter(), time.process_time() - cpu
+                cpu_s = worker.cpu_at_finish - cpu
                 commit_s = metrics.registry.get_sample_value("kvhandoff_commit_seconds_sum")
                 assert commit_s is not None
             finally:
                 await bus.close()
             self._check_worker(config.db_path)
-        return Run(ended - worker.began, cpu_s, None, commit_s)
+        return Run(worker.finished - worker.began, cpu_s, None, commit_s)
 
     def _check_worker(self, db: Path) -> None:
         with contextlib.closing(sqlite3.connect(db)) as c:
@@ -275,16 +285,20 @@ class BarePipeline:
     async def drain(self, subscription: nats.js.JetStreamContext.PullSubscription,
                     batch_size: int, expected: int) -> tuple[float, float]:  # fmt: skip
         """Fetch, commit, publish and ack until `expected` inputs are handled; the seconds
-        that took (to the final flush) and the seconds spent waiting in fetch."""
+        that took (from the first batch in hand, as the worker's clock runs, to the final
+        flush) and the seconds spent waiting in fetch since."""
         clock = time.perf_counter
         fetch_s = 0.0
         seen = 0
         publish = self._nc.publish
-        began = clock()
+        began = None
         while seen < expected:
             t = clock()
             msgs = await subscription.fetch(batch_size, timeout=_FETCH_TIMEOUT_S)
-            fetch_s += clock() - t
+            if began is None:
+                began = clock()
+            else:
+                fetch_s += clock() - t
             now = int(time.time() * 1000)
             steps = [self._by_payload[m.data] for m in msgs]
             t = clock()
@@ -299,6 +313,7 @@ class BarePipeline:
                 await msg.ack()
             seen += len(msgs)
         await self._nc.flush()
+        assert began is not None
         return clock() - began, fetch_s
 
 
