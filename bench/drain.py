@@ -81,7 +81,6 @@ from traffic import (
     Traffic,
     build_traffic,
     load_average,
-    max_pending,
 )
 
 from kvhandoff.worker.bus import Bus, Inbound
@@ -89,7 +88,7 @@ from kvhandoff.worker.config import NatsSettings, WorkerConfig
 from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.natsserver import EmbeddedNats
 from kvhandoff.worker.partition_owner import Decided
-from kvhandoff.worker.service import Worker, tier_settings
+from kvhandoff.worker.service import Worker, max_pending, tier_settings
 from kvhandoff.worker.store import Batch
 
 # The package's own modules, as their code objects name them (kvhandoff/ links events/ and

@@ -64,7 +64,6 @@ from traffic import (
     WorkerChild,
     cpu_seconds,
     load_average,
-    max_pending,
     new_start,
     percentile,
 )
@@ -77,6 +76,7 @@ from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.healthy import success_script
 from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.service import max_pending
 
 _WAIT_S = 60.0  # the longest any closed-loop step may take before the bench gives up
 _ECHO_PAD = b" " * 120  # echo payloads about the size of an input

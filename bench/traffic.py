@@ -54,11 +54,6 @@ DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out
 T = TypeVar("T")
 
 
-def max_pending(batch_size: int) -> int:
-    """The consumer's max_ack_pending, as `kvhandoff run` sets it."""
-    return max(4 * batch_size, 1024)
-
-
 # --- The traffic ------------------------------------------------------------------------------
 
 
