@@ -41,7 +41,8 @@ class Subjects:
     def engines_report(self) -> str:
         return f"{self.prefix}.engines.report"
 
-    def input(self, handoff_id: UUID) -> str:
+    def input(self, handoff_id: UUID | str) -> str:
+        """The handoff's input subject; `handoff_id` as a UUID or as its text (cheaper)."""
         return f"{self.prefix}.in.{handoff_id}"
 
     def input_handoff(self, subject: str) -> UUID | None:

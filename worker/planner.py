@@ -100,6 +100,12 @@ class OpenHandoff:
     coordinator: HandoffCoordinator
     row: HandoffRow
     digests: set[bytes]
+    # Its id as its subject and its rows spell it, made once: `str` of a UUID is a Python
+    # call, and every input and event of the handoff needs the text (bench/README.md).
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = str(self.start.handoff_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +186,9 @@ class Planner:
                 continue
             # The canonical subject, not just the same id: a partitioned stream maps every
             # input of a handoff to one place by its subject, so each handoff has exactly one.
-            if delivery.subject != self.subjects.input(message.handoff_id):
+            handoff = self.open.get(message.handoff_id)
+            named_as = message.handoff_id if handoff is None else handoff.key
+            if delivery.subject != self.subjects.input(named_as):
                 named = self.subjects.input_handoff(delivery.subject)
                 reason = (
                     f"the subject {delivery.subject} is not the input subject of handoff"
@@ -305,10 +313,10 @@ class Planner:
                 return None
             handoff.digests.add(digest)
             seq = handoff.row.last_seq + 1
-            plan.batch.append_input(seq, InputRecord(r.now_ms, message))
+            plan.batch.append_input(seq, InputRecord(r.now_ms, message), handoff.key)
             for action in actions:
                 seq += 1
-                plan.batch.append_action(seq, ActionRecord(r.now_ms, action))
+                plan.batch.append_action(seq, ActionRecord(r.now_ms, action), handoff.key)
                 plan.publish.append((handoff.row, seq, action))
                 plan.issued[str(action.__struct_config__.tag)] += 1
         except Exception as exc:

@@ -179,11 +179,13 @@ class LoggedRows(msgspec.Struct, frozen=True, tag="rows", tag_field="kind"):
     handoffs: list[HandoffRow]
     rejections: list[tuple[int, str | None, str, bytes]]  # (at_ms, handoff id, reason, payload)
     quarantined: list[tuple[int, str]]  # (at_ms, handoff id)
-    published: list[tuple[str, int, int]]  # (handoff id, seq, at_ms): outbox marks
+    # (handoff id, seq, at_ms): outbox marks. msgspec writes a UUID as its text, so entries
+    # appended when this was a str read the same.
+    published: list[tuple[UUID, int, int]]
 
     @classmethod
     def of(
-        cls, inputs: list[int], batch: Batch, published: list[tuple[str, int, int]]
+        cls, inputs: list[int], batch: Batch, published: list[tuple[UUID, int, int]]
     ) -> LoggedRows:
         return cls(
             inputs, batch.events, list(batch.handoffs.values()), batch.rejections,
@@ -197,7 +199,7 @@ class LoggedRows(msgspec.Struct, frozen=True, tag="rows", tag_field="kind"):
         batch.rejections.extend(self.rejections)
         batch.quarantined.extend(self.quarantined)
         for handoff_id, seq, at_ms in self.published:
-            batch.mark_published(UUID(handoff_id), seq, at_ms)
+            batch.mark_published(handoff_id, seq, at_ms)
         if self.inputs:
             batch.meta[MARK_KEY] = str(self.inputs[0])
 
@@ -227,10 +229,8 @@ class _Sent:
     barrier: asyncio.Future[None]
     at_ms: int
 
-    def marks(self) -> list[tuple[str, int, int]]:
-        return [
-            (str(action.handoff_id), seq, self.at_ms) for _, seq, action in self.actions if seq >= 0
-        ]
+    def marks(self) -> list[tuple[UUID, int, int]]:
+        return [(action.handoff_id, seq, self.at_ms) for _, seq, action in self.actions if seq >= 0]
 
 
 @dataclass
@@ -339,7 +339,7 @@ class Worker:
             entry.add_to(catch_up)
         # Marks of this worker's earlier tenure; those not confirmed yet are republished.
         for handoff_id, seq, at_ms in self._confirmed(part):
-            catch_up.mark_published(UUID(handoff_id), seq, at_ms)
+            catch_up.mark_published(handoff_id, seq, at_ms)
         part.published.clear()
         if catch_up:
             try:
@@ -626,11 +626,11 @@ class Worker:
         """A retry: publish the action again (its first publication carries its mark)."""
         await self._publish(self._partitions[partition], [(row, -1, action)])
 
-    def _confirmed(self, part: _Partition) -> list[tuple[str, int, int]]:
+    def _confirmed(self, part: _Partition) -> list[tuple[UUID, int, int]]:
         """Take the outbox marks the server has confirmed, in publication order, up to the
         first lot not confirmed: one whose barrier failed is being published again
         (`_publish_again`), and a later mark of its handoff would say it was published."""
-        confirmed: list[tuple[str, int, int]] = []
+        confirmed: list[tuple[UUID, int, int]] = []
         while part.published and part.published[0].barrier.done():
             barrier = part.published[0].barrier
             if barrier.cancelled() or barrier.exception() is not None:
@@ -646,7 +646,7 @@ class Worker:
                 await sent.barrier
         batch = Batch()
         for handoff_id, seq, at_ms in self._confirmed(part):
-            batch.mark_published(UUID(handoff_id), seq, at_ms)
+            batch.mark_published(handoff_id, seq, at_ms)
         if batch:
             await part.log.commit(batch)
 

@@ -150,15 +150,18 @@ class Batch:
     # meta key -> value, set in the same transaction (the partitioned worker's catch-up mark).
     meta: dict[str, str] = field(default_factory=dict)
 
-    def append_input(self, seq: int, record: InputRecord) -> None:
-        self._append(record.input.handoff_id, seq, record)
+    def append_input(self, seq: int, record: InputRecord, key: str | None = None) -> None:
+        """Log the input at `seq` of its handoff; `key`, the handoff id as text, if the caller
+        has it at hand (the planner does: it saves a `str` of the UUID per row)."""
+        self._append(key or str(record.input.handoff_id), seq, record)
 
-    def append_action(self, seq: int, record: ActionRecord) -> None:
-        self._append(record.action.handoff_id, seq, record)
+    def append_action(self, seq: int, record: ActionRecord, key: str | None = None) -> None:
+        """Log the action at `seq` of its handoff; `key` as for `append_input`."""
+        self._append(key or str(record.action.handoff_id), seq, record)
 
-    def _append(self, handoff_id: UUID, seq: int, record: LogRecord) -> None:
+    def _append(self, key: str, seq: int, record: LogRecord) -> None:
         code, fields = split_record(record)
-        self.events.append((str(handoff_id), seq, code, record.at_ms, fields))
+        self.events.append((key, seq, code, record.at_ms, fields))
 
     def upsert_handoff(self, row: HandoffRow) -> None:
         """Write the handoff's projection as it stands now: a copy, because the worker goes on
