@@ -863,13 +863,13 @@ class _Deliveries:
     a dict, builds a `Msg` and queues it for the subscription's task, which then awaits its
     callback. Every input comes this way, and every one carries headers (the server's
     `Nats-Pin-Id`, the publisher's `Nats-Msg-Id`): that path was a fifth of the worker's CPU
-    in a drain (bench/README.md, "Deliveries straight from the parser"). So the Bus puts itself
+    in a drain (bench/README.md, "Deliveries from the parser"). So the Bus puts itself
     in front of `_process_msg` on its own client: a message for a routed subscription is given
     to its Pull there and then, in the order read (statuses included, their headers parsed by
     nats-py's own `_process_headers`); any other goes on to nats-py as before. The subscription
     itself stays nats-py's (its SUB, its resubscription after a reconnect, its UNSUB). Both
-    names are nats-py internals, unchanged through 2.x: were they to change, no Pull would
-    receive anything, and every test of tests/worker/test_pull.py would say so."""
+    names are nats-py internals (read in 2.16): were they to change, no Pull would receive
+    anything, and every test of tests/worker/test_pull.py would say so."""
 
     def __init__(self, client: Client) -> None:
         self._routes: dict[int, Pull] = {}
