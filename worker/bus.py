@@ -528,7 +528,7 @@ _STATUS = "Status"
 _DESCRIPTION = "Description"
 _PENDING_MESSAGES = "Nats-Pending-Messages"
 _PENDING_BYTES = "Nats-Pending-Bytes"
-_PIN_ID_LINE = b"\r\nNats-Pin-Id:"  # the header line that `Nats-Pin-Id` starts
+_PIN_ID_LINE = b"\r\nNats-Pin-Id:"  # how a raw header block spells the header's start
 _REQUESTS_KEPT = 64  # open requests remembered by reply token, newest first
 # Without heartbeats, an open request is counted lost once nothing was heard of it for its
 # whole expiry and this much more.
@@ -789,7 +789,7 @@ class Pull:
             return
         if self._pending:
             self._pending -= 1
-        if headers and (pin_id := _header(headers, _PIN_ID_LINE)) is not None:
+        if headers and (pin_id := _pin_id(headers)) is not None:
             self.pin_id = pin_id
         self._ready.append(inbound)
         self._changed.set()
@@ -845,14 +845,14 @@ class Pull:
         self._pending = max(0, self._pending - undelivered)
 
 
-def _header(block: bytes, line: bytes) -> str | None:
-    """The value of the last header that starts with `line` (CRLF, name and colon) in a raw
-    header block, as nats-py's parse into a dict keeps the last one."""
-    at = block.rfind(line)
+def _pin_id(headers: bytes) -> str | None:
+    """The last `Nats-Pin-Id` of a raw header block (the server's: it adds its own after any a
+    publisher set), as nats-py's parse into a dict keeps the last one."""
+    at = headers.rfind(_PIN_ID_LINE)
     if at < 0:
         return None
-    end = block.find(b"\r\n", at + len(line))
-    return block[at + len(line) : end].strip().decode("utf-8", "replace")
+    start = at + len(_PIN_ID_LINE)
+    return headers[start : headers.find(b"\r\n", start)].strip().decode("utf-8", "replace")
 
 
 class _Deliveries:
