@@ -88,7 +88,9 @@ class WorkerConfig:
     completion_ttl_s: float = 3600.0
     batch_size: int = 512
     retry_interval_s: float = 5.0
-    ack_wait_s: float = 30.0
+    # The input consumers' ack wait: short, since a new owner is pinned only after it (see
+    # worker.tier.TierSettings); it also bounds how long an early input is deferred.
+    ack_wait_s: float = 1.0
     synchronous: str = "FULL"
     retention_s: float | None = None
     # Loopback unless told otherwise: the endpoint has no authentication. The container image
@@ -139,8 +141,8 @@ class WorkerConfig:
             raise ConfigError(f"--batch-size: {self.batch_size} is not in 1..10000")
         if self.retry_interval_s <= 0:
             raise ConfigError("--retry-interval must be positive")
-        if self.ack_wait_s <= 1:
-            raise ConfigError("--ack-wait must be more than a second")
+        if self.ack_wait_s <= 0:
+            raise ConfigError("--ack-wait must be positive")
         if self.synchronous not in {"FULL", "NORMAL", "EXTRA"}:
             raise ConfigError(f"--synchronous: {self.synchronous!r} is not FULL, NORMAL or EXTRA")
         if self.retention_s is not None and self.retention_s <= 0:
@@ -284,7 +286,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         type=duration_arg,
         metavar="DURATION",
         default=f"{defaults.ack_wait_s}s",
-        help="JetStream redelivers an input not acknowledged in this time",
+        help="JetStream redelivers an input not acknowledged in this time; --priority-timeout "
+        "must exceed it by the pull's expiry, 1s (default %(default)s)",
     )
     group.add_argument(
         "--synchronous",

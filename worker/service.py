@@ -156,6 +156,7 @@ def tier_settings(config: WorkerConfig) -> TierSettings:
         log_stream=config.log_stream, log_max_age_s=config.tier_retention_s,
         done_stream=config.done_stream,
         completion_ttl_s=config.completion_ttl_s, priority_timeout_s=config.priority_timeout_s,
+        ack_wait_s=config.ack_wait_s,
         batch_size=config.batch_size, max_pending=max_pending(config.batch_size),
     )  # fmt: skip
 

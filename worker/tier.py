@@ -89,8 +89,8 @@ class TierSettings:
         floor_s = self.ack_wait_s + self.pull_expires_s
         if self.priority_timeout_s <= floor_s:
             raise ConfigError(
-                f"--priority-timeout must be more than {floor_s:g}s (the tier's ack wait plus "
-                "its pull's expiry), so that a new owner is pinned only after the old owner's "
+                f"--priority-timeout must be more than {floor_s:g}s (--ack-wait plus the "
+                "pull's expiry), so that a new owner is pinned only after the old owner's "
                 "unacknowledged inputs are due again"
             )
 

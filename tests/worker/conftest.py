@@ -26,9 +26,7 @@ class WorkerProcess(WorkerChild):
     def __init__(
         self, nats_url: str, db: Path, *extra: str, module: str = "kvhandoff.worker.cli"
     ) -> None:
-        super().__init__(
-            nats_url, db, "--retry-interval", "1s", "--ack-wait", "2s", *extra, module=module
-        )
+        super().__init__(nats_url, db, "--retry-interval", "1s", *extra, module=module)
 
 
 @pytest.fixture

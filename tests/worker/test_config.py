@@ -17,6 +17,7 @@ import kvhandoff.worker.commands.run as run_command
 from kvhandoff.worker.cli import build_parser, main
 from kvhandoff.worker.config import NatsSettings, WorkerConfig, worker_config
 from kvhandoff.worker.errors import ConfigError
+from kvhandoff.worker.service import tier_settings
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +54,7 @@ def test_defaults() -> None:
         consumer="kvhandoff-worker",
         batch_size=512,
         retry_interval_s=5.0,
-        ack_wait_s=30.0,
+        ack_wait_s=1.0,
         synchronous="FULL",
         retention_s=None,
         metrics_host="127.0.0.1",  # the endpoint has no authentication
@@ -181,7 +182,7 @@ INVALID = [
     Invalid(["--batch-size", "10001"], "--batch-size: 10001 is not in 1..10000"),
     Invalid(["--retry-interval", "0s"], "--retry-interval must be positive"),
     Invalid([], "--retry-interval must be positive", env={"KVHANDOFF_RETRY_INTERVAL": "0ms"}),
-    Invalid(["--ack-wait", "1s"], "--ack-wait must be more than a second"),
+    Invalid(["--ack-wait", "0s"], "--ack-wait must be positive"),
     Invalid(["--synchronous", "off"], "--synchronous: 'OFF' is not FULL, NORMAL or EXTRA"),
     Invalid([], "--synchronous: 'FAST'", env={"KVHANDOFF_SYNCHRONOUS": "fast"}),
     Invalid(["--retention", "0"], "--retention must be positive"),
@@ -276,3 +277,18 @@ def test_a_tier_priority_timeout_within_the_ack_wait_and_pull_expiry_exits_2_bef
     assert worker_config(parse(*flags, "--priority-timeout", "5s")).priority_timeout_s == 5
     assert main(["run", *flags, "--priority-timeout", "2s", "--metrics-port", "0"]) == 2
     assert "--priority-timeout must be more than 2s" in capfd.readouterr().err
+
+
+def test_the_ack_wait_is_the_input_consumers_and_the_priority_timeout_must_exceed_it(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`--ack-wait` is what JetStream waits before it redelivers an input: the tier's
+    consumers are made with it, and a longer one needs a longer priority timeout, checked
+    before connecting (nothing listens at the URL)."""
+    monkeypatch.chdir(tmp_path)
+    flags = ["--nats-url", "nats://127.0.0.1:9", "--metrics-port", "0"]
+    longer = worker_config(parse(*flags, "--ack-wait", "2s", "--priority-timeout", "5s"))
+    assert tier_settings(longer).ack_wait_s == 2
+    assert tier_settings(worker_config(parse(*flags))).ack_wait_s == 1
+    assert main(["run", *flags, "--ack-wait", "3s"]) == 2
+    assert "--priority-timeout must be more than 4s (--ack-wait plus" in capfd.readouterr().err
