@@ -618,6 +618,7 @@ class Pull:
         self._heard_at = 0.0  # the last message or status, or the last request
         self._failure: BusError | None = None
         self._empty = False  # no_wait: the server said that it holds nothing more
+        self._woken = False  # `wake`: the fetch in progress, or the next, returns at once
         self._changed = asyncio.Event()
         self._subscription: NatsSubscription | None = None
 
@@ -672,8 +673,8 @@ class Pull:
             self._raise_failure()
             if self._ready:
                 break
-            if self._empty:
-                self._empty = False
+            if self._empty or self._woken:
+                self._empty = self._woken = False
                 return []
             now = time.monotonic()
             self._check_heard(now)
@@ -700,6 +701,12 @@ class Pull:
                 taken.append(ready.popleft())
         await self._ask(max_messages)
         return taken
+
+    def wake(self) -> None:
+        """End the `fetch` in progress (or, if none is, the next one) at once, with what is
+        ready, else []: for a caller that stops and must not wait out the fetch's timeout."""
+        self._woken = True
+        self._changed.set()
 
     @property
     def ready(self) -> list[Inbound]:

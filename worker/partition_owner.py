@@ -102,9 +102,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Literal
 
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch
@@ -152,7 +153,9 @@ OnClaim = Callable[[int, CaughtUp], Awaitable[None]]
 # Told that the owner stopped owning the partition (handed over, fenced, or failed).
 OnRelease = Callable[[int], None]
 
-_FETCH_TIMEOUT_S = 0.25  # how long an idle owner waits before noticing a stop request
+# How long an idle owner waits for inputs before its housekeeping (a vacant claim, `_forget`);
+# a stop request ends the wait at once (`_woken_by`).
+_FETCH_TIMEOUT_S = 0.25
 _FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
 # What an input adds to its batch's log entry beyond its own bytes, at most: its actions and
 # its handoff's row. A batch is cut so that its inputs' bytes and this, each, stay within half
@@ -174,6 +177,23 @@ async def _pause(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
             await stop.wait()
+
+
+@contextlib.asynccontextmanager
+async def _woken_by(stop: asyncio.Event, pull: Pull) -> AsyncIterator[None]:
+    """While inside: once `stop` is set, `pull`'s fetch returns at once, so that an idle owner
+    stops now rather than at the end of its fetch's timeout."""
+
+    def wake(waiter: asyncio.Future[Literal[True]]) -> None:
+        if not waiter.cancelled():
+            pull.wake()
+
+    waiter = asyncio.ensure_future(stop.wait())
+    waiter.add_done_callback(wake)
+    try:
+        yield
+    finally:
+        waiter.cancel()
 
 
 class PartitionOwner:
@@ -255,7 +275,7 @@ class PartitionOwner:
             heartbeat_s=self._heartbeat_s, group=PRIORITY_GROUP,
         )  # fmt: skip
         backoff_s = _FETCH_BACKOFF_S[0]
-        async with pull:
+        async with pull, _woken_by(stop, pull):
             while not stop.is_set():
                 try:
                     # With an append on its way, only what is ready now: else its return is

@@ -230,6 +230,28 @@ async def test_fetch_returns_what_is_ready_at_once_and_waits_only_when_nothing_i
     await pull.close()
 
 
+async def test_wake_ends_a_waiting_fetch_at_once_and_a_later_fetch_waits_again(
+    bus: Bus, js: JetStreamContext, requests: Requests
+) -> None:
+    """What an owner that stops calls (worker.partition_owner), so that it does not wait out
+    its fetch's timeout: the fetch asked the server and waits for an empty consumer; woken, it
+    returns [] well inside its 60 s. Woken between fetches, the next one returns at once, and
+    only that one: then what comes is fetched as before."""
+    async with Pull(bus, STREAM, CONSUMER, max_ahead=16) as pull:
+        waiting = asyncio.ensure_future(pull.fetch(4, timeout_s=60))
+        await requests.wait_for(1)  # it asked, and waits for an answer
+        assert not waiting.done()
+        pull.wake()
+        assert await asyncio.wait_for(waiting, WITHIN_S) == []
+
+        pull.wake()
+        assert await asyncio.wait_for(pull.fetch(4, timeout_s=60), WITHIN_S) == []
+        later = asyncio.ensure_future(pull.fetch(4, timeout_s=60))
+        await publish(js, range(2))
+        got = await asyncio.wait_for(later, WITHIN_S)
+        assert got and got[0].data == b"0"
+
+
 async def test_fetch_by_bytes_cuts_a_batch_but_always_returns_one(
     bus: Bus, js: JetStreamContext
 ) -> None:
