@@ -16,9 +16,11 @@ loop keeps `level` handoffs in flight (a new one starts when one completes) for
 `--latency-handoffs` handoffs (default 1,500) per level; handoffs/s and the percentiles come
 from the steady state only, between the 10th and the 90th percentile completion. The worker's
 row also gives its mean inputs per group commit and mean commit time over the level, from its
-own metrics (batches grow with the load, and so does each commit's share of a hop), and the CPU
-the worker process and this process (engines and senders) used over the level, in cores: near
-1.00 means that process was the bottleneck; the two together near 2 means the machine was.
+own metrics (batches grow with the load, and so does each commit's share of a hop). Every row
+gives the CPU that the process under test (the worker, or the responder) used over the level, in
+cores, and per input it took in (`us/in`: per message, for a responder; a handoff is nine
+inputs and six hops), and the CPU this process (engines and senders) used, in cores: near 1.00
+means that process was the bottleneck; the processes together near 2 means the machine was.
 
 Two bare round trips run at the same levels (`level` messages in flight, `--echo-hops` each,
 default 4,000), each against a responder child process that runs the same `Bus` loop as the
@@ -189,7 +191,8 @@ class Level:
     p99_ms: float
     batch_inputs: float = 0.0  # the worker's mean inputs per group commit, whole level
     commit_ms: float = 0.0  # and its mean commit time
-    worker_cpu: float | None = None  # the worker process's CPU, in cores, whole level
+    cpu: float | None = None  # the process under test's CPU (worker or responder), in cores
+    cpu_us: float | None = None  # and per input it took in (per message, for a responder)
     bench_cpu: float = 0.0  # this process's (engines and senders), in cores, whole level
 
 
@@ -267,20 +270,41 @@ async def worker_level(engines: TimedEngines, worker: WorkerChild, level: int, t
         await engines.start_handoff(starts[i])
 
     before = await asyncio.to_thread(worker.commits)
-    pid = worker.pid
-    cpu = cpu_seconds(pid), time.process_time(), time.perf_counter()
-    ends = await closed_loop(engines.ended, begin, level, total, engines.check)
-    worker_cpu, bench_cpu, wall = cpu_seconds(pid), time.process_time(), time.perf_counter()
+    with CpuOf(worker.pid) as cpu:
+        ends = await closed_loop(engines.ended, begin, level, total, engines.check)
     after = await asyncio.to_thread(worker.commits)
     commits, inputs, seconds = (a - b for a, b in zip(after, before, strict=True))
-    wall -= cpu[2]
     return replace(
-        steady_state(ends, engines.hops),
+        cpu.level(steady_state(ends, engines.hops), inputs),
         batch_inputs=inputs / max(commits, 1),
         commit_ms=seconds / max(commits, 1) * 1e3,
-        worker_cpu=None if worker_cpu is None or cpu[0] is None else (worker_cpu - cpu[0]) / wall,
-        bench_cpu=(bench_cpu - cpu[1]) / wall,
     )
+
+
+class CpuOf:
+    """Inside it: the CPU time a child process and this process use, over the wall time."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __enter__(self) -> CpuOf:
+        self._start = cpu_seconds(self.pid), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._end = cpu_seconds(self.pid), time.process_time(), time.perf_counter()
+
+    def level(self, level: Level, inputs: float) -> Level:
+        """`level` with the CPU figures added; `inputs`: what the child took in meanwhile."""
+        (child0, bench0, wall0), (child1, bench1, wall1) = self._start, self._end
+        wall = wall1 - wall0
+        child = None if child0 is None or child1 is None else child1 - child0
+        return replace(
+            level,
+            cpu=None if child is None else child / wall,
+            cpu_us=None if child is None or not inputs else child / inputs * 1e6,
+            bench_cpu=(bench1 - bench0) / wall,
+        )
 
 
 class EchoSender:
@@ -317,11 +341,13 @@ class EchoSender:
         self.hops.append((now, now - self.sent_at.pop(msg.data[:36])))
         self.ended.put_nowait(now)
 
-    async def level(self, level: int, total: int) -> Level:
+    async def level(self, level: int, total: int, responder: int) -> Level:
+        """`total` messages through the responder (process `responder`), `level` in flight."""
         self.hops.clear()
         assert self._publisher is not None
-        ends = await closed_loop(self.ended, self.send, level, total, self._publisher.check)
-        return steady_state(ends, self.hops)
+        with CpuOf(responder) as cpu:
+            ends = await closed_loop(self.ended, self.send, level, total, self._publisher.check)
+        return cpu.level(steady_state(ends, self.hops), total)
 
 
 # The echo responders: this script with --echo-prefix.
@@ -417,7 +443,7 @@ def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
             children.append(bus)
             commit = EchoChild(url, scratch, "benchechodb", True, batch_size)
             children.append(commit)
-            asyncio.run(_latency_levels(url, worker, result))
+            asyncio.run(_latency_levels(url, worker, bus.pid, commit.pid, result))
             result.republished = worker.counter("kvhandoff_actions_republished_total")
             result.duplicates = worker.counter("kvhandoff_duplicate_inputs_total")
         finally:
@@ -426,7 +452,9 @@ def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
     return result
 
 
-async def _latency_levels(url: str, worker: WorkerChild, result: Latency) -> None:
+async def _latency_levels(
+    url: str, worker: WorkerChild, bus_pid: int, commit_pid: int, result: Latency
+) -> None:
     engines = TimedEngines(url)
     bus = EchoSender(url, "benchecho")
     commit = EchoSender(url, "benchechodb")
@@ -435,15 +463,15 @@ async def _latency_levels(url: str, worker: WorkerChild, result: Latency) -> Non
     try:
         # Warm-ups: the worker's first batches, imports, JetStream's first stores.
         await worker_level(engines, worker, 16, 200)
-        await bus.level(16, 500)
-        await commit.level(16, 500)
+        await bus.level(16, 500, bus_pid)
+        await commit.level(16, 500, commit_pid)
         for level in result.levels:
             gc.collect()
             result.worker.append(await worker_level(engines, worker, level, result.handoffs))
             gc.collect()
-            result.bus.append(await bus.level(level, result.echo_hops))
+            result.bus.append(await bus.level(level, result.echo_hops, bus_pid))
             gc.collect()
-            result.bus_commit.append(await commit.level(level, result.echo_hops))
+            result.bus_commit.append(await commit.level(level, result.echo_hops, commit_pid))
     finally:
         for client in (engines, bus, commit):
             await client.close()
@@ -459,7 +487,7 @@ def report_latency(lat: Latency, out: IO[str]) -> None:
     header = (
         f"{'in flight':>9}  {'pipeline':<10} {'handoffs/s':>10} {'hops/s':>7}"
         f" {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7}  {'batch':>5} {'commit':>8}"
-        f"  {'cpu: worker':>11} {'bench':>5}"
+        f"  {'cpu':>5} {'us/in':>6} {'bench':>5}"
     )
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -468,15 +496,13 @@ def report_latency(lat: Latency, out: IO[str]) -> None:
         for name, r in rows:
             worker = name == "worker"
             per_s = f"{r.per_s:,.0f}" if worker else "-"
-            batches = ""
-            if worker:
-                cpu = "?" if r.worker_cpu is None else f"{r.worker_cpu:.2f}"
-                batches = (
-                    f"{r.batch_inputs:>5.1f} {r.commit_ms:>5.1f} ms  {cpu:>11} {r.bench_cpu:>5.2f}"
-                )
+            batches = f"{r.batch_inputs:>5.1f} {r.commit_ms:>5.1f} ms" if worker else f"{'':>14}"
+            cpu = "?" if r.cpu is None else f"{r.cpu:.2f}"
+            cpu_us = "?" if r.cpu_us is None else f"{r.cpu_us:,.0f}"
             line = (
                 f"{level if worker else '':>9}  {name:<10} {per_s:>10} {r.hops_per_s:>7,.0f}"
                 f" {r.p50_ms:>7.2f} {r.p90_ms:>7.2f} {r.p99_ms:>7.2f}  {batches}"
+                f"  {cpu:>5} {cpu_us:>6} {r.bench_cpu:>5.2f}"
             )
             print(line.rstrip(), file=out)
     print(
