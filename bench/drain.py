@@ -87,8 +87,8 @@ from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings, WorkerConfig
 from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.partition_owner import Decided
-from kvhandoff.worker.service import Worker, max_pending, tier_settings
+from kvhandoff.worker.partition_owner import Decided, max_ack_pending
+from kvhandoff.worker.service import Worker, tier_settings
 from kvhandoff.worker.store import Batch
 
 # The package's own modules, as their code objects name them (kvhandoff/ links events/ and
@@ -237,7 +237,7 @@ class Bench:
             await js.add_consumer(config.stream, ConsumerConfig(
                 durable_name=config.consumer, filter_subject=SUBJECTS.inputs,
                 ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-                ack_wait=config.ack_wait_s, max_ack_pending=max_pending(config.batch_size),
+                ack_wait=config.ack_wait_s, max_ack_pending=max_ack_pending(config.batch_size),
                 max_deliver=-1))  # fmt: skip
             await js.add_stream(StreamConfig(name=config.done_stream,
                                              subjects=[SUBJECTS.completions],

@@ -78,7 +78,7 @@ from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.healthy import success_script
 from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.service import max_pending
+from kvhandoff.worker.partition_owner import max_ack_pending
 
 _WAIT_S = 60.0  # the longest any closed-loop step may take before the bench gives up
 _ECHO_PAD = b" " * 120  # echo payloads about the size of an input
@@ -387,11 +387,11 @@ async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
         )  # fmt: skip
         await nc.jetstream().add_consumer(stream, ConsumerConfig(
             durable_name=prefix, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            max_ack_pending=max_pending(batch_size), max_deliver=-1,
+            max_ack_pending=max_ack_pending(batch_size), max_deliver=-1,
         ))  # fmt: skip
     finally:
         await nc.close()
-    pull = Pull(bus, stream, prefix, max_ahead=max_pending(batch_size))
+    pull = Pull(bus, stream, prefix, max_ahead=max_ack_pending(batch_size))
     await pull.start()
     log = None if db is None else RawLog(db)
     out = f"{prefix}.out"

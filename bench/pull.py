@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvhandoff.worker.bus import Bus, Pull
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.partition_owner import max_ack_pending
 
 _STREAM = "BENCH_PULL"
 _SUBJECT = "bench.pull"
@@ -58,11 +59,6 @@ class Drained:
 
 
 Drain = Callable[[str, int, int], Awaitable[Drained]]
-
-
-def _max_pending(batch: int) -> int:
-    """The consumer's max_ack_pending, as `kvhandoff run` sets it for its batch size."""
-    return max(4 * batch, 1024)
 
 
 async def preload(url: str, messages: int) -> None:
@@ -80,7 +76,7 @@ async def preload(url: str, messages: int) -> None:
 async def add_consumer(url: str, name: str, batch: int) -> None:
     nc = await nats.connect(url)
     config = ConsumerConfig(
-        durable_name=name, ack_policy=AckPolicy.EXPLICIT, max_ack_pending=_max_pending(batch)
+        durable_name=name, ack_policy=AckPolicy.EXPLICIT, max_ack_pending=max_ack_pending(batch)
     )
     await nc.jetstream().add_consumer(_STREAM, config)
     await nc.close()
@@ -110,7 +106,7 @@ async def drain_lean(url: str, messages: int, batch: int) -> Drained:
     await add_consumer(url, name, batch)
     bus = await Bus.connect(NatsSettings(url=url), "bench-pull")
     try:
-        async with Pull(bus, _STREAM, name, max_ahead=_max_pending(batch)) as pull:
+        async with Pull(bus, _STREAM, name, max_ahead=max_ack_pending(batch)) as pull:
             got = 0
             began, cpu = time.perf_counter(), time.process_time()
             while got < messages:

@@ -166,6 +166,14 @@ _VACANCY_POLL_S = 1.0  # how often an idle, unclaimed owner asks whether anyone 
 _FORGET_EVERY_S = 10.0  # how often the applied inputs are cut to the consumer's ack floor
 
 
+def max_ack_pending(batch: int) -> int:
+    """The partition consumer's max_ack_pending for owners that pull `batch` inputs at once: an
+    owner holds up to two batches unacknowledged (one appending, the next being decided, see
+    "Pipelining") and keeps two more requested ahead (its pull's `max_ahead`). With less, the
+    server stops delivering while two batches are in hand, and the next fetch waits for acks."""
+    return max(4 * batch, 1024)
+
+
 def _held(batch: Sequence[Inbound], pull: Pull) -> dict[int, str]:
     """What an owner holds delivered and unacknowledged as it claims: the batch in hand and
     what its pull has delivered since (stream sequence: subject)."""

@@ -157,16 +157,8 @@ def tier_settings(config: WorkerConfig) -> TierSettings:
         done_stream=config.done_stream,
         completion_ttl_s=config.completion_ttl_s, priority_timeout_s=config.priority_timeout_s,
         ack_wait_s=config.ack_wait_s,
-        batch_size=config.batch_size, max_pending=max_pending(config.batch_size),
+        batch_size=config.batch_size,
     )  # fmt: skip
-
-
-def max_pending(batch_size: int) -> int:
-    """The input consumer's max_ack_pending for an owner that pulls `batch_size` at once: it
-    holds up to two batches unacknowledged (one appending, the next being decided) and keeps
-    two more requested ahead (worker.partition_owner). With less, the server stops delivering
-    while two batches are in hand, and the next fetch waits for acks."""
-    return max(4 * batch_size, 1024)
 
 
 class LoggedRows(msgspec.Struct, frozen=True, tag="rows", tag_field="kind"):

@@ -55,7 +55,14 @@ from kvhandoff.worker.bus import Bus, Member, Membership
 from kvhandoff.worker.errors import BusError, ConfigError, LogDiverges, PartitionsMismatch
 from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import PartitionLog
-from kvhandoff.worker.partition_owner import Act, Decide, OnClaim, OnRelease, PartitionOwner
+from kvhandoff.worker.partition_owner import (
+    Act,
+    Decide,
+    OnClaim,
+    OnRelease,
+    PartitionOwner,
+    max_ack_pending,
+)
 from kvhandoff.worker.partitions import rebalance
 from kvhandoff.worker.stoppable import unless_stopped
 
@@ -81,9 +88,13 @@ class TierSettings:
     ack_wait_s: float = 1.0
     pull_expires_s: float = 1.0
     priority_timeout_s: float = 3.0
-    max_pending: int = 1024
     batch_size: int = 512  # inputs an owner pulls and appends at most at once
     rebalance_s: float = 1.0
+
+    @property
+    def max_pending(self) -> int:
+        """The partition consumers' max_ack_pending, for owners that pull `batch_size`."""
+        return max_ack_pending(self.batch_size)
 
     def __post_init__(self) -> None:
         floor_s = self.ack_wait_s + self.pull_expires_s

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from kvhandoff.worker.cli import build_parser, main
 from kvhandoff.worker.config import NatsSettings, WorkerConfig, worker_config
 from kvhandoff.worker.errors import ConfigError
 from kvhandoff.worker.service import tier_settings
+from kvhandoff.worker.tier import TierSettings
 
 
 @pytest.fixture(autouse=True)
@@ -292,3 +293,18 @@ def test_the_ack_wait_is_the_input_consumers_and_the_priority_timeout_must_excee
     assert tier_settings(worker_config(parse(*flags))).ack_wait_s == 1
     assert main(["run", *flags, "--ack-wait", "3s"]) == 2
     assert "--priority-timeout must be more than 4s (--ack-wait plus" in capfd.readouterr().err
+
+
+def test_kvhandoff_runs_defaults_are_the_tiers_and_its_help_says_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`WorkerConfig` cannot import worker.tier (that loads NATS, and the offline commands
+    parse the same flags), so the tier's timings are written in both: they must agree, and
+    `--ack-wait`'s help must give the pull's expiry that the check adds to it."""
+    config = worker_config(parse())
+    expected = replace(TierSettings(partitions=1), log_max_age_s=config.tier_retention_s)
+    assert tier_settings(config) == expected
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    helps = " ".join(capsys.readouterr().out.split())
+    assert f"exceed it by the pull's expiry, {TierSettings.pull_expires_s:g}s" in helps
