@@ -426,6 +426,16 @@ def _why(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def _api_error(error: object) -> nats.js.errors.APIError:
+    """The error of a JetStream API answer read by `Bus._js_api`, as nats-py raises those it
+    reads itself: one text for a refusal, whichever path asked."""
+    fields: dict[Any, Any] = error if isinstance(error, dict) else {"description": str(error)}
+    return nats.js.errors.APIError(
+        code=fields.get("code"), err_code=fields.get("err_code"),
+        description=fields.get("description"),
+    )  # fmt: skip
+
+
 # --- Core NATS ------------------------------------------------------------------------------
 
 
@@ -1457,7 +1467,8 @@ class Bus:
             raise BusError(f"{what}: JetStream answered {reply.data[:200]!r}")
         error = answer.get("error")
         if error is not None:
-            raise BusError(f"{what}: {error}")
+            refusal = _api_error(error)
+            raise BusError(f"{what}: {_why(refusal)}") from refusal
         return answer
 
     async def open_partition_log(self, stream: str, prefix: str, max_age_s: float) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -521,6 +522,21 @@ async def test_settling_on_a_closed_bus_is_a_bus_error(
     with pytest.raises(BusError, match=r"ack of input pulls\.0") as e:
         await inbound.ack()
     assert isinstance(e.value.__cause__, nats.errors.ConnectionClosedError)
+
+
+async def test_a_refusal_of_the_jetstream_api_reads_alike_through_either_path(
+    bus: Bus, js: JetStreamContext
+) -> None:
+    """The bus asks the JetStream API through nats-py (`ack_floor`) or raw (`unpin`, for what
+    nats-py cannot ask): a stream that does not exist is refused in the same words by both."""
+    with pytest.raises(BusError) as through_nats_py:
+        await bus.ack_floor("ABSENT", CONSUMER)
+    with pytest.raises(BusError) as raw:
+        await bus.unpin("ABSENT", CONSUMER)
+    refusal = "code=404 err_code=10059 description='stream not found'"
+    assert str(through_nats_py.value).endswith(refusal), through_nats_py.value
+    assert str(raw.value).endswith(refusal), raw.value
+    assert isinstance(raw.value.__cause__, nats.js.errors.APIError)
 
 
 async def test_a_reconnect_makes_the_pull_ask_again_at_once(
