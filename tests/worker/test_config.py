@@ -298,9 +298,9 @@ def test_the_ack_wait_is_the_input_consumers_and_the_priority_timeout_must_excee
 def test_kvhandoff_runs_defaults_are_the_tiers_and_its_help_says_them(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`WorkerConfig` cannot import worker.tier (that loads NATS, and the offline commands
-    parse the same flags), so the tier's timings are written in both: they must agree, and
-    `--ack-wait`'s help must give the pull's expiry that the check adds to it."""
+    """`WorkerConfig` does not import worker.tier (the client library imports worker.config for
+    its NATS settings, and may not load the tier), so the tier's timings are written in both:
+    they must agree, and `--ack-wait`'s help must give the pull's expiry that the check adds."""
     config = worker_config(parse())
     expected = replace(TierSettings(partitions=1), log_max_age_s=config.tier_retention_s)
     assert tier_settings(config) == expected
