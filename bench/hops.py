@@ -310,9 +310,10 @@ class CpuOf:
 class EchoSender:
     """Plays the engines against an echo responder: JetStream publish out, core NATS back."""
 
-    def __init__(self, url: str, prefix: str) -> None:
+    def __init__(self, url: str, prefix: str, responder: int) -> None:
         self.url = url
         self.prefix = prefix
+        self.responder = responder  # the responder's process id, for its CPU
         self.sent_at: dict[bytes, float] = {}
         self.hops: list[tuple[float, float]] = []
         self.ended: asyncio.Queue[float] = asyncio.Queue()
@@ -341,11 +342,10 @@ class EchoSender:
         self.hops.append((now, now - self.sent_at.pop(msg.data[:36])))
         self.ended.put_nowait(now)
 
-    async def level(self, level: int, total: int, responder: int) -> Level:
-        """`total` messages through the responder (process `responder`), `level` in flight."""
+    async def level(self, level: int, total: int) -> Level:
         self.hops.clear()
         assert self._publisher is not None
-        with CpuOf(responder) as cpu:
+        with CpuOf(self.responder) as cpu:
             ends = await closed_loop(self.ended, self.send, level, total, self._publisher.check)
         return cpu.level(steady_state(ends, self.hops), total)
 
@@ -443,7 +443,7 @@ def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
             children.append(bus)
             commit = EchoChild(url, scratch, "benchechodb", True, batch_size)
             children.append(commit)
-            asyncio.run(_latency_levels(url, worker, bus.pid, commit.pid, result))
+            asyncio.run(_latency_levels(url, worker, bus, commit, result))
             result.republished = worker.counter("kvhandoff_actions_republished_total")
             result.duplicates = worker.counter("kvhandoff_duplicate_inputs_total")
         finally:
@@ -453,25 +453,25 @@ def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
 
 
 async def _latency_levels(
-    url: str, worker: WorkerChild, bus_pid: int, commit_pid: int, result: Latency
+    url: str, worker: WorkerChild, bus_child: EchoChild, commit_child: EchoChild, result: Latency
 ) -> None:
     engines = TimedEngines(url)
-    bus = EchoSender(url, "benchecho")
-    commit = EchoSender(url, "benchechodb")
+    bus = EchoSender(url, "benchecho", bus_child.pid)
+    commit = EchoSender(url, "benchechodb", commit_child.pid)
     for client in (engines, bus, commit):
         await client.start()
     try:
         # Warm-ups: the worker's first batches, imports, JetStream's first stores.
         await worker_level(engines, worker, 16, 200)
-        await bus.level(16, 500, bus_pid)
-        await commit.level(16, 500, commit_pid)
+        await bus.level(16, 500)
+        await commit.level(16, 500)
         for level in result.levels:
             gc.collect()
             result.worker.append(await worker_level(engines, worker, level, result.handoffs))
             gc.collect()
-            result.bus.append(await bus.level(level, result.echo_hops, bus_pid))
+            result.bus.append(await bus.level(level, result.echo_hops))
             gc.collect()
-            result.bus_commit.append(await commit.level(level, result.echo_hops, commit_pid))
+            result.bus_commit.append(await commit.level(level, result.echo_hops))
     finally:
         for client in (engines, bus, commit):
             await client.close()
