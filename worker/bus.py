@@ -30,7 +30,8 @@ before it publishes, keeps the acks its `publish_stored` calls return, and calls
 
 Publishing. `publish` is core NATS, buffered and in order. `publish_durable` is a JetStream
 publish that returns once the stream stored the message; it retries with backoff while no
-stream answers (not created yet, NATS reconnecting) and raises `BusError` when its time is up.
+stream answers (not created yet, NATS reconnecting), while the stream elects a leader, and while
+its own earlier attempt is still being replicated, and raises `BusError` when its time is up.
 Every attempt of one call carries the same `Nats-Msg-Id`, so a retry after a lost
 acknowledgement is stored once (within the stream's duplicate window). `publish_stored` is the
 worker's pipelined JetStream publish, confirmed by the next `flush`: a core publish whose reply
@@ -970,7 +971,7 @@ _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 # replicated. Either way another writer got there first (nats-py's KV reads both the same way).
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 # "duplicate message id is in process": our own earlier attempt is still being replicated.
-_OWN_APPEND_IN_FLIGHT = 10158
+_OWN_ATTEMPT_IN_FLIGHT = 10158
 
 
 def partition_subject(prefix: str, partition: int) -> str:
@@ -1196,25 +1197,50 @@ class Bus:
         self, subject: str, payload: bytes, *, give_up_after_s: float = 5.0
     ) -> None:
         """JetStream publish: returns once the stream stored the message. Retried with backoff
-        while no stream answers; `BusError` after `give_up_after_s`, or at once on an error
-        that no retry can fix (the stream refused the message)."""
+        (see `_store`); `BusError` after `give_up_after_s`, or at once on an error that no retry
+        can fix (the stream refused the message)."""
+        headers = {"Nats-Msg-Id": uuid.uuid4().hex}
+        await self._store(
+            subject, payload, headers, give_up_after_s, f"durable publish to {subject}"
+        )
+
+    async def _store(
+        self, subject: str, payload: bytes, headers: dict[str, str], give_up_after_s: float,
+        what: str,
+    ) -> int:  # fmt: skip
+        """A JetStream publish of `payload`; the stored message's sequence. Every attempt carries
+        the one `Nats-Msg-Id` in `headers`, so the stream stores the message once however many
+        it takes. Retried with backoff while no stream answers, while the stream has no leader
+        for a moment (503: a node died, an election runs), and while an earlier attempt is still
+        being replicated (10158: a later one is answered as a duplicate). `Fenced` if the
+        stream refused the expected last sequence in `headers`; `BusError` naming `what` after
+        `give_up_after_s`, or at once on a refusal that no retry can fix."""
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + give_up_after_s
-        # One id for every attempt: the stream stores a retried message once.
-        headers = {"Nats-Msg-Id": uuid.uuid4().hex}
         backoff_s = _PUBLISH_BACKOFF_S[0]
         while True:
             attempt_s = max(min(_PUBLISH_ACK_TIMEOUT_S, give_up_at - loop.time()), 0.05)
             try:
-                await self._js.publish(subject, payload, timeout=attempt_s, headers=headers)
-                return
-            except _RETRYABLE as exc:
-                if loop.time() + backoff_s >= give_up_at:
-                    raise BusError(
-                        f"durable publish to {subject} failed for {give_up_after_s:g}s: {_why(exc)}"
+                ack = await self._js.publish(subject, payload, timeout=attempt_s, headers=headers)
+                return ack.seq
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in _WRONG_LAST_SEQUENCE:
+                    raise Fenced(
+                        f"{what} was refused: another writer appended first ({_why(exc)})"
                     ) from exc
+                if exc.err_code != _OWN_ATTEMPT_IN_FLIGHT and not isinstance(
+                    exc, (*_RETRYABLE, nats.js.errors.ServiceUnavailableError)
+                ):
+                    raise BusError(f"{what} failed: {_why(exc)}") from exc
+                failure: Exception = exc
+            except _RETRYABLE as exc:
+                failure = exc
             except nats.errors.Error as exc:
-                raise BusError(f"durable publish to {subject} failed: {_why(exc)}") from exc
+                raise BusError(f"{what} failed: {_why(exc)}") from exc
+            if loop.time() + backoff_s >= give_up_at:
+                raise BusError(
+                    f"{what} failed for {give_up_after_s:g}s: {_why(failure)}"
+                ) from failure
             await asyncio.sleep(backoff_s)
             backoff_s = min(2 * backoff_s, _PUBLISH_BACKOFF_S[1])
 
@@ -1622,39 +1648,10 @@ class Bus:
         """Append `payload` to `subject` only if the subject's last message is still at
         `last_seq` (0: it has none); the new message's sequence. `Fenced` if another writer
         appended first, `BusError` if no stream took it within `give_up_after_s`. Attempts
-        share one `Nats-Msg-Id` (see "Fencing"): an attempt made while an earlier one is still
-        being replicated (err_code 10158) is retried, and then answered as a duplicate."""
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + give_up_after_s
+        share one `Nats-Msg-Id` (see "Fencing" and `_store`)."""
         headers = {"Nats-Msg-Id": uuid.uuid4().hex, _EXPECTED_LAST_SUBJECT_SEQ: str(last_seq)}
-        backoff_s = _PUBLISH_BACKOFF_S[0]
-        while True:
-            attempt_s = max(min(_PUBLISH_ACK_TIMEOUT_S, give_up_at - loop.time()), 0.05)
-            try:
-                ack = await self._js.publish(subject, payload, timeout=attempt_s, headers=headers)
-                return ack.seq
-            except nats.js.errors.APIError as exc:
-                if exc.err_code in _WRONG_LAST_SEQUENCE:
-                    raise Fenced(
-                        f"append to {subject} expecting last sequence {last_seq} was refused: "
-                        f"another writer appended first ({_why(exc)})"
-                    ) from exc
-                # 503: the stream has no leader for a moment (a node died, an election runs).
-                if exc.err_code != _OWN_APPEND_IN_FLIGHT and not isinstance(
-                    exc, (*_RETRYABLE, nats.js.errors.ServiceUnavailableError)
-                ):
-                    raise BusError(f"append to {subject} failed: {_why(exc)}") from exc
-                failure: Exception = exc
-            except _RETRYABLE as exc:
-                failure = exc
-            except nats.errors.Error as exc:
-                raise BusError(f"append to {subject} failed: {_why(exc)}") from exc
-            if loop.time() + backoff_s >= give_up_at:
-                raise BusError(
-                    f"append to {subject} failed for {give_up_after_s:g}s: {_why(failure)}"
-                ) from failure
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(2 * backoff_s, _PUBLISH_BACKOFF_S[1])
+        what = f"append to {subject} expecting last sequence {last_seq}"
+        return await self._store(subject, payload, headers, give_up_after_s, what)
 
     async def announce(self, member: Member, tier: str) -> Membership:
         """Announce `member` of `tier` in `MEMBERS_BUCKET` (created if absent); keep it with
