@@ -84,7 +84,8 @@ async def test_a_deadline_times_the_handoff_out_and_a_second_timed_out_is_a_dupl
         assert engines.completions[h][0].completion is HandoffCompletion.CANCELED
         kinds = [type(a).__name__ for a in engines.actions_of(h)]
         assert kinds == ["SubmitPrefill", "CancelSource", "Complete"]
-        assert timeouts_logged(w1, h) == 1  # an input like any other: appended and logged
+        # An input like any other: appended and logged (the file commits behind the publishes).
+        await until(lambda: timeouts_logged(w1, h) == 1, "the TimedOut is in the file")
 
         # What an owner that was fenced publishes when its timer fires before it learns so:
         # the same input, so the same digest, acknowledged without a second effect.
