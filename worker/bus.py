@@ -972,6 +972,15 @@ _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 # "duplicate message id is in process": our own earlier attempt is still being replicated.
 _OWN_ATTEMPT_IN_FLIGHT = 10158
+# A roll-up: the stored message replaces every earlier one of its subject (never the stream's).
+_ROLLUP = "Nats-Rollup"
+_ROLLUP_SUBJECT = "sub"
+# JetStream's atomic batch publish (ADR-50, server 2.12+): every message of a batch names it
+# and its place; the last commits it, and only then is any of it stored.
+_BATCH_ID = "Nats-Batch-Id"
+_BATCH_SEQUENCE = "Nats-Batch-Sequence"
+_BATCH_COMMIT = "Nats-Batch-Commit"
+MAX_BATCH_MESSAGES = 1000  # the server's limit on one atomic batch
 
 
 def partition_subject(prefix: str, partition: int) -> str:
@@ -1509,6 +1518,9 @@ class Bus:
             max_age=max_age_s or None,
             duplicate_window=120.0,
             num_replicas=self.replicas,
+            # Snapshots roll a partition's subject up, as one message or one atomic batch.
+            allow_rollup_hdrs=True,
+            allow_atomic=True,
         )
         try:
             try:
@@ -1517,6 +1529,11 @@ class Bus:
                 await self._js.add_stream(config)
                 logger.info("created stream %s for %s, R%d", stream, config.subjects, self.replicas)
                 return
+            if not (info.config.allow_rollup_hdrs and info.config.allow_atomic):
+                # Made by a version from before snapshots: what they need is added in place.
+                info.config.allow_rollup_hdrs = info.config.allow_atomic = True
+                await self._js.update_stream(info.config)
+                logger.info("stream %s now takes snapshots (roll-ups, atomic batches)", stream)
             if (info.config.max_age or 0) != (config.max_age or 0):
                 # The retention is a setting of the tier, not of the stream's creator: the
                 # latest worker started sets it.
@@ -1643,15 +1660,69 @@ class Bus:
         return found
 
     async def append_expecting(
-        self, subject: str, payload: bytes, last_seq: int, *, give_up_after_s: float = 5.0
-    ) -> int:
+        self, subject: str, payload: bytes, last_seq: int, *, give_up_after_s: float = 5.0,
+        rollup: bool = False,
+    ) -> int:  # fmt: skip
         """Append `payload` to `subject` only if the subject's last message is still at
         `last_seq` (0: it has none); the new message's sequence. `Fenced` if another writer
         appended first, `BusError` if no stream took it within `give_up_after_s`. Attempts
-        share one `Nats-Msg-Id` (see "Fencing" and `_store`)."""
+        share one `Nats-Msg-Id` (see "Fencing" and `_store`). With `rollup`, the stream drops
+        the subject's earlier messages as it stores this one, in the same compare-and-set
+        (`Nats-Rollup: sub`: only this subject, never the stream)."""
         headers = {"Nats-Msg-Id": uuid.uuid4().hex, _EXPECTED_LAST_SUBJECT_SEQ: str(last_seq)}
+        if rollup:
+            headers[_ROLLUP] = _ROLLUP_SUBJECT
         what = f"append to {subject} expecting last sequence {last_seq}"
         return await self._store(subject, payload, headers, give_up_after_s, what)
+
+    async def roll_up_batch(
+        self, subject: str, payloads: Sequence[bytes], last_seq: int, *, timeout_s: float = 15.0
+    ) -> int:
+        """Store `payloads` on `subject` as one JetStream atomic batch (all or none), which
+        replaces the subject's earlier messages, only if its last message is still at
+        `last_seq`: a roll-up too large for one message. The batch's last sequence. `Fenced`
+        if another writer appended first (the whole batch is refused), `BusError` otherwise:
+        whether a batch whose commit went unanswered landed is unknown (a retry under a new
+        batch id would be refused as a stale write if it had), so it is not retried here; the
+        caller reads the log to learn it."""
+        if not payloads or len(payloads) > MAX_BATCH_MESSAGES:
+            raise BusError(
+                f"a batch to {subject} has {len(payloads)} messages; JetStream takes 1 to "
+                f"{MAX_BATCH_MESSAGES}"
+            )
+        batch_id = uuid.uuid4().hex
+        what = f"atomic batch of {len(payloads)} to {subject} expecting last sequence {last_seq}"
+        try:
+            async with asyncio.timeout(timeout_s):
+                for index, payload in enumerate(payloads, start=1):
+                    headers = {_BATCH_ID: batch_id, _BATCH_SEQUENCE: str(index)}
+                    if index == 1:
+                        headers[_ROLLUP] = _ROLLUP_SUBJECT
+                        headers[_EXPECTED_LAST_SUBJECT_SEQ] = str(last_seq)
+                    if index < len(payloads):
+                        # Only the commit is answered with the outcome; the first is asked
+                        # too, so that a stream that refuses batches says so at once.
+                        if index == 1:
+                            await self._nc.request(
+                                subject, payload, timeout=timeout_s, headers=headers
+                            )
+                        else:
+                            await self._nc.publish(subject, payload, headers=headers)
+                        continue
+                    headers[_BATCH_COMMIT] = "1"
+                    reply = await self._nc.request(
+                        subject, payload, timeout=timeout_s, headers=headers
+                    )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"{what} failed: {_why(exc)}") from exc
+        ack = _STORED_ACK.decode(reply.data)
+        if ack.error is not None:
+            if ack.error.err_code in _WRONG_LAST_SEQUENCE:
+                raise Fenced(
+                    f"{what} was refused: another writer appended first ({ack.error.description})"
+                )
+            raise BusError(f"{what} was refused: {ack.error.description}")
+        return ack.seq
 
     async def announce(self, member: Member, tier: str) -> Membership:
         """Announce `member` of `tier` in `MEMBERS_BUCKET` (created if absent); keep it with

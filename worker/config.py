@@ -104,6 +104,13 @@ class WorkerConfig:
     partitions: int = 1
     data_dir: Path | None = None
     priority_timeout_s: float = 3.0  # worker.tier.TierSettings'
+    # Snapshots of each partition's state in its replicated log (worker.partition_owner):
+    # every this many entries, or this long with any; 0 entries: never.
+    snapshot_every: int = 10_000
+    snapshot_interval_s: float = 60.0
+    # How long a handoff that ended is remembered by its tombstone, for a late input that
+    # names it (worker.planner): at least the longest deadline plus the bus's duplicate window.
+    tombstone_ttl_s: float = 300.0
 
     @property
     def tier_retention_s(self) -> float:
@@ -147,6 +154,12 @@ class WorkerConfig:
             raise ConfigError(f"--synchronous: {self.synchronous!r} is not FULL, NORMAL or EXTRA")
         if self.retention_s is not None and self.retention_s <= 0:
             raise ConfigError("--retention must be positive")
+        if self.snapshot_every < 0:
+            raise ConfigError("--snapshot-every must be 0 (never) or more")
+        if self.snapshot_interval_s <= 0:
+            raise ConfigError("--snapshot-interval must be positive")
+        if self.tombstone_ttl_s <= 0:
+            raise ConfigError("--tombstone-ttl must be positive")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port: {self.metrics_port} is not a port")
         # The environment fallbacks bypass argparse's `choices`, so check here too.
@@ -347,6 +360,33 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "partition waits before it is claimed: most of a failover "
         "(env KVHANDOFF_PRIORITY_TIMEOUT; default %(default)s)",
     )
+    tier.add_argument(
+        "--snapshot-every",
+        type=int,
+        metavar="ENTRIES",
+        default=env.get("KVHANDOFF_SNAPSHOT_EVERY", str(defaults.snapshot_every)),
+        help="snapshot a partition's state into its replicated log, replacing the entries "
+        "before it, every this many entries (and after each claim and at a hand-over); 0: "
+        "never, so that claims read the whole log (env KVHANDOFF_SNAPSHOT_EVERY; default "
+        "%(default)s)",
+    )
+    tier.add_argument(
+        "--snapshot-interval",
+        type=duration_arg,
+        metavar="DURATION",
+        default=env.get("KVHANDOFF_SNAPSHOT_INTERVAL", f"{defaults.snapshot_interval_s}s"),
+        help="and at least this often while entries are appended "
+        "(env KVHANDOFF_SNAPSHOT_INTERVAL; default %(default)s)",
+    )
+    tier.add_argument(
+        "--tombstone-ttl",
+        type=duration_arg,
+        metavar="DURATION",
+        default=env.get("KVHANDOFF_TOMBSTONE_TTL", f"{defaults.tombstone_ttl_s}s"),
+        help="how long an ended handoff's id is remembered after a snapshot dropped its rows, "
+        "so that a late input for it is answered as a duplicate or rejected, not started anew "
+        "(env KVHANDOFF_TOMBSTONE_TTL; default %(default)s)",
+    )
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -371,6 +411,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         partitions=args.partitions,
         data_dir=args.data_dir,
         priority_timeout_s=args.priority_timeout,
+        snapshot_every=args.snapshot_every,
+        snapshot_interval_s=args.snapshot_interval,
+        tombstone_ttl_s=args.tombstone_ttl,
     )
     config.validate()
     return config

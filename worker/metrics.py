@@ -110,6 +110,17 @@ class TierMetrics:
         self.catch_up_entries = Counter(
             "kvhandoff_catch_up_entries", "Entries of partition logs read at claims", registry=r
         )
+        self.snapshots = Counter(
+            "kvhandoff_snapshots",
+            "Snapshots written: each replaced its partition's log before it (a fenced roll-up)",
+            registry=r,
+        )
+        self.snapshot_bytes = Histogram(
+            "kvhandoff_snapshot_bytes",
+            "The partition state a snapshot holds, in bytes",
+            buckets=(1e3, 1e4, 1e5, 1e6, 1e7, 1e8),
+            registry=r,
+        )
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -12,10 +12,19 @@ writer last saw it, and JetStream refuses it if anyone appended since. The log's
     HandedOver(epoch, owner)        the owner gave the partition up cleanly (it acted on what
                                     it appended and gave back the rest): the next claim is a
                                     hand-over, not a takeover from an owner that died
+    Snapshot(epoch, owner, applied, records, claims)
+                                    the owner's summary of everything before it: the
+                                    partition's live state (opaque here), the applied inputs
+                                    that may still be delivered again, and the latest claims.
+                                    It is written as a roll-up, which drops every earlier entry
+                                    of the subject in the same compare-and-set; one too large
+                                    for a message goes as `SnapshotPart`s of one atomic batch
 
-A worker becomes the owner by `claim`: it reads the whole subject (catch-up: the epoch so far,
-every input ever applied, every record), then appends `Claimed(epoch + 1)` at the last sequence
-it read. From then on it appends at the sequence its previous append got. Invariants:
+A worker becomes the owner by `claim`: it reads the subject (catch-up: the last snapshot, if
+any, and the entries after it; the epoch so far, the inputs applied that may come again, every
+record), then appends `Claimed(epoch + 1)` at the last sequence it read. From then on it
+appends at the sequence its previous append got. So what a claim reads is bounded by the live
+state and the entries since the last snapshot, never by history. Invariants:
 
 - At most one writer appends at a time: the appends to the subject form one chain, and each
   link names the one before it. Whoever claimed last is the owner; every other writer's next
@@ -24,30 +33,34 @@ it read. From then on it appends at the sequence its previous append got. Invari
   itself, without asking NATS. It must claim anew (a new `PartitionLog`) to own the partition
   again, after catching up on what the others appended.
 - An input is applied once: its stream sequence is in at most one `Appended` entry, because an
-  owner learns every applied input at its claim and appends only inputs not yet applied (the
-  caller's duty; `PartitionOwner` does it), and a fenced writer appends nothing.
+  owner learns at its claim every applied input that can still be delivered (those of the
+  entries read, and a snapshot's `applied`, which its writer kept above the consumer's ack
+  floor) and appends only inputs not yet applied (the caller's duty; `PartitionOwner` does
+  it), and a fenced writer appends nothing.
+- A snapshot is fenced like an append: a zombie's roll-up is refused whole and drops nothing.
+  A roll-up that landed or not is all or nothing (one message, or one atomic batch), so a
+  reader finds either the previous snapshot and its tail or the new one.
 
 `read_claims` reads the `Claimed` entries alone, in order: who owned a partition when, for a
 report (the demo's failover times), not for owning it.
 
+`read_claims` reads the claims a snapshot kept (the last `CLAIMS_KEPT`) and those after it.
+
 What it does not do. It does not stop a fenced writer from acting on what it did not append:
 the caller must act (publish, acknowledge) only after its append returned, and stop at the
-first `Fenced` (see worker.partition_owner). The log grows without bound here; the stream's
-`max_age` (`Bus.open_partition_log`; `--retention`, see worker.service) bounds it, and
-must exceed the life of any open handoff
-and the longest time a partition goes without a claim, or a catch-up would miss what an open
-handoff needs (checkpoints of the open handoffs are the way to a tighter bound, not done yet).
+first `Fenced` (see worker.partition_owner), nor decide when to snapshot (the owner does).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import msgspec
 
-from kvhandoff.worker.bus import Bus, partition_log_subject
+from kvhandoff.worker.bus import MAX_BATCH_MESSAGES, Bus, partition_log_subject
 from kvhandoff.worker.errors import BusError, Fenced
 
 logger = logging.getLogger(__name__)
@@ -83,10 +96,39 @@ class HandedOver(msgspec.Struct, frozen=True, tag="handed_over", tag_field="entr
     at_ms: int
 
 
-Entry = Claimed | Appended | HandedOver
+class Snapshot(msgspec.Struct, frozen=True, tag="snapshot", tag_field="entry"):
+    """The owner of `epoch` summed up the partition's log before this entry, which replaced
+    it: `records`, the live state (opaque here, as the caller encodes it); `applied`, the input
+    stream sequences applied that the consumer may still deliver; `claims`, the latest
+    `Claimed` entries, oldest first (for `read_claims`)."""
+
+    epoch: int
+    owner: str
+    at_ms: int
+    applied: list[int]
+    records: bytes
+    claims: list[Claimed] = []
+
+
+class SnapshotPart(msgspec.Struct, frozen=True, tag="snapshot_part", tag_field="entry"):
+    """Part `index` of `count` of an encoded `Snapshot` too large for one message: the parts
+    are stored together or not at all (one atomic batch), the first rolling the subject up."""
+
+    index: int
+    count: int
+    data: bytes
+
+
+# What a reader of the log sees: a snapshot's parts are joined (`read_entries`).
+Entry = Claimed | Appended | HandedOver | Snapshot
+
+CLAIMS_KEPT = 32  # the claims a snapshot keeps for `read_claims`
+# What a snapshot's message leaves of the bus's largest message for its headers and framing.
+_PART_MARGIN = 16 * 1024
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(Entry)
+_DECODER = msgspec.msgpack.Decoder(Entry | SnapshotPart)
+_SNAPSHOT = msgspec.msgpack.Decoder(Snapshot)
 
 
 @dataclass
@@ -97,7 +139,58 @@ class CaughtUp:
     previous_owner: str | None
     handed_over: bool = False  # the log ends with the previous owner's `HandedOver`
     applied: set[int] = field(default_factory=set)  # input stream sequences
-    records: list[bytes] = field(default_factory=list)  # in log order
+    snapshot: bytes | None = None  # the records of the snapshot the log starts with, if any
+    records: list[bytes] = field(default_factory=list)  # of the entries after it, in order
+    claims: list[Claimed] = field(default_factory=list)  # the snapshot's and those after it
+    entries: int = 0  # log messages read
+
+    def take(self, entry: Entry) -> None:
+        """Read the next entry of the log."""
+        match entry:
+            case Claimed(epoch=epoch, owner=owner):
+                self.epoch = max(self.epoch, epoch + 1)
+                self.previous_owner = owner
+                self.claims.append(entry)
+            case Appended(inputs=inputs, records=records):
+                self.applied.update(inputs)
+                self.records.append(records)
+            case Snapshot():
+                # A roll-up replaced everything before it: it is the log's first entry.
+                self.epoch = max(self.epoch, entry.epoch + 1)
+                self.previous_owner = entry.owner
+                self.applied = set(entry.applied)
+                self.snapshot = entry.records
+                self.records = []
+                self.claims = list(entry.claims)
+        self.handed_over = isinstance(entry, HandedOver)
+
+
+def read_entries(partition: int, subject: str, entries: list[tuple[int, bytes]]) -> list[Entry]:
+    """The log's entries, a snapshot's parts joined; `BusError` naming the first entry this
+    build cannot read."""
+    found: list[Entry] = []
+    parts: list[bytes] = []
+    for seq, data in entries:
+        try:
+            entry = _DECODER.decode(data)
+            if isinstance(entry, SnapshotPart):
+                parts.append(entry.data)
+                if entry.index + 1 < entry.count:
+                    continue
+                entry = _SNAPSHOT.decode(b"".join(parts))
+                parts = []
+        except msgspec.DecodeError as exc:
+            raise BusError(
+                f"partition {partition}: entry {seq} of {subject} is not a log entry ({exc}); "
+                "refusing to own a log this build cannot read"
+            ) from exc
+        found.append(entry)
+    if parts:
+        raise BusError(
+            f"partition {partition}: {subject} ends inside a snapshot's parts, which are stored "
+            "all together or not at all; refusing to own a log this build cannot read"
+        )
+    return found
 
 
 class PartitionLog:
@@ -122,6 +215,7 @@ class PartitionLog:
         self._bus = bus
         self._stream = stream
         self._last_seq: int | None = None  # the subject's last entry, as of our last append
+        self._claims: list[Claimed] = []  # the latest, ours last: kept by each snapshot
         # Long enough to ride out the election of a new stream leader on a busy machine.
         self._append_timeout_s = append_timeout_s
 
@@ -141,23 +235,9 @@ class PartitionLog:
                 f"(epoch {self.epoch}, fenced {self.fenced})"
             )
         entries = await self._bus.read_subject(self._stream, self.subject)
-        caught = CaughtUp(epoch=1, previous_owner=None)
-        for seq, data in entries:
-            try:
-                entry = _DECODER.decode(data)
-            except msgspec.DecodeError as exc:
-                raise BusError(
-                    f"partition {self.partition}: entry {seq} of {self.subject} is not a log "
-                    f"entry ({exc}); refusing to own a log this build cannot read"
-                ) from exc
-            match entry:
-                case Claimed(epoch=epoch, owner=owner):
-                    caught.epoch = max(caught.epoch, epoch + 1)
-                    caught.previous_owner = owner
-                case Appended(inputs=inputs, records=records):
-                    caught.applied.update(inputs)
-                    caught.records.append(records)
-            caught.handed_over = isinstance(entry, HandedOver)
+        caught = CaughtUp(epoch=1, previous_owner=None, entries=len(entries))
+        for entry in read_entries(self.partition, self.subject, entries):
+            caught.take(entry)
         last = entries[-1][0] if entries else 0
         claim = Claimed(epoch=caught.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000)
         try:
@@ -168,6 +248,7 @@ class PartitionLog:
             self.fenced = True
             raise
         self.epoch = caught.epoch
+        self._claims = [*caught.claims, claim][-CLAIMS_KEPT:]
         logger.info(
             "partition %d: claimed as epoch %d by %s (after %s; %d inputs applied before)",
             self.partition, self.epoch, self.owner, caught.previous_owner or "nobody",
@@ -186,7 +267,36 @@ class PartitionLog:
         `Fenced`, for this and every later call, once another worker appended first."""
         return await self._append(Appended(epoch=self.epoch, inputs=inputs, records=records))
 
-    async def _append(self, entry: Appended | HandedOver) -> int:
+    async def snapshot(self, applied: list[int], records: bytes) -> int:
+        """Replace the partition's log by a snapshot of its state: `records`, as the caller
+        encodes them, and the applied inputs that may still be delivered. Fenced like an
+        append: the roll-up names the last entry this owner appended, and is refused whole if
+        another worker appended since. The snapshot's (last) sequence."""
+        entry = Snapshot(
+            self.epoch, self.owner, time.time_ns() // 1_000_000, applied, records, self._claims
+        )
+        encoded = _ENCODER.encode(entry)
+        room = self._bus.max_payload - _PART_MARGIN
+        if len(encoded) <= room:
+            return await self._append(entry, rollup=True)
+        count = -(-len(encoded) // room)
+        if count > MAX_BATCH_MESSAGES:
+            raise BusError(
+                f"partition {self.partition}: a snapshot of {len(encoded)} bytes would take "
+                f"{count} messages, more than one atomic batch holds ({MAX_BATCH_MESSAGES})"
+            )
+        parts = [
+            _ENCODER.encode(SnapshotPart(i, count, encoded[i * room : (i + 1) * room]))
+            for i in range(count)
+        ]
+        return await self._appended(
+            self._bus.roll_up_batch(
+                self.subject, parts, self._checked_last_seq(), timeout_s=self._append_timeout_s
+            )
+        )
+
+    def _checked_last_seq(self) -> int:
+        """The sequence the next append expects: claimed, and not fenced."""
         if self._last_seq is None:
             raise BusError(f"partition {self.partition}: append before claim by {self.owner}")
         if self.fenced:
@@ -194,13 +304,13 @@ class PartitionLog:
                 f"partition {self.partition}: {self.owner} (epoch {self.epoch}) was fenced "
                 "already; it appends nothing more"
             )
+        return self._last_seq
+
+    async def _appended(self, append: Awaitable[int]) -> int:
+        """The sequence `append` (a compare-and-set of this owner's) stored; `Fenced`, for
+        this and every later append, if another worker appended first."""
         try:
-            self._last_seq = await self._bus.append_expecting(
-                self.subject,
-                _ENCODER.encode(entry),
-                self._last_seq,
-                give_up_after_s=self._append_timeout_s,
-            )
+            self._last_seq = await append
         except Fenced:
             self.fenced = True
             logger.warning(
@@ -211,17 +321,24 @@ class PartitionLog:
             raise
         return self._last_seq
 
+    async def _append(
+        self, entry: Appended | HandedOver | Snapshot, *, rollup: bool = False
+    ) -> int:
+        last_seq = self._checked_last_seq()
+        return await self._appended(
+            self._bus.append_expecting(
+                self.subject, _ENCODER.encode(entry), last_seq,
+                give_up_after_s=self._append_timeout_s, rollup=rollup,
+            )
+        )  # fmt: skip
+
 
 async def read_claims(bus: Bus, stream: str, prefix: str, partition: int) -> list[Claimed]:
-    """The partition's `Claimed` entries, in log order; `BusError` if the log cannot be read
-    or holds an entry this build cannot decode."""
+    """The partition's latest claims, in log order: those its last snapshot kept (the last
+    `CLAIMS_KEPT`) and those after it; `BusError` if the log cannot be read or holds an entry
+    this build cannot decode."""
     subject = partition_log_subject(prefix, partition)
-    claims = []
-    for seq, data in await bus.read_subject(stream, subject):
-        try:
-            entry = _DECODER.decode(data)
-        except msgspec.DecodeError as exc:
-            raise BusError(f"entry {seq} of {subject} is not a log entry ({exc})") from exc
-        if isinstance(entry, Claimed):
-            claims.append(entry)
-    return claims
+    caught = CaughtUp(epoch=1, previous_owner=None)
+    for entry in read_entries(partition, subject, await bus.read_subject(stream, subject)):
+        caught.take(entry)
+    return caught.claims

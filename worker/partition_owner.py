@@ -74,6 +74,17 @@ partition to another worker), the owner finishes the batch in hand, gives back w
 as a hand-over, not a takeover) and releases the pin (`Bus.unpin`), so the next owner is
 pinned at once rather than after the priority timeout.
 
+Snapshots. Given a `snapshot` callback and a `SnapshotPolicy`, the owner replaces the
+partition's log by a snapshot of its state (`PartitionLog.snapshot`: a fenced roll-up) once
+after each claim, whenever `every_entries` entries were appended since the last one, or
+`every_s` passed with any appended, and at a clean hand-over (before `HandedOver`). It first
+acts on the batch in flight, so the snapshot follows every entry it sums up; the caller's
+callback makes the state (its local file, caught up with those entries), and the owner adds
+the applied inputs it remembers (see "Memory": exactly those the consumer may deliver again).
+So a claim reads one snapshot and at most an interval of entries after it, however long the
+partition's history. A snapshot that fails leaves the previous one and its tail in place: a
+refused one is a fence like any other, one in doubt is settled by claiming anew.
+
 Metrics (`worker.metrics.TierMetrics`, if given): each claim, by what the log said of the
 previous owner, and how long it took to be ready, the catch-up included; each fence; each
 hand-over.
@@ -152,6 +163,18 @@ Act = Callable[[Sequence[Inbound]], Awaitable[None]]
 OnClaim = Callable[[int, CaughtUp], Awaitable[None]]
 # Told that the owner stopped owning the partition (handed over, fenced, or failed).
 OnRelease = Callable[[int], None]
+# Asked for the partition's state as a snapshot holds it, once every batch appended so far was
+# acted on (see "Snapshots").
+Snapshotter = Callable[[int], Awaitable[bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotPolicy:
+    """When an owner snapshots its partition (see "Snapshots")."""
+
+    every_entries: int = 10_000
+    every_s: float = 60.0
+
 
 # How long an idle owner waits for inputs before its housekeeping (a vacant claim, `_forget`);
 # a stop request ends the wait at once (`_woken_by`).
@@ -220,8 +243,14 @@ class PartitionOwner:
         claim_vacant_after_s: float | None = None,
         forget_every_s: float = _FORGET_EVERY_S,
         metrics: TierMetrics | None = None,
+        snapshots: SnapshotPolicy | None = None,
     ) -> None:
         self._bus = bus
+        self._snapshots = snapshots
+        self._snapshot: Snapshotter | None = None
+        self._since_snapshot = 0  # entries appended since the last snapshot (or claim)
+        self._snapshot_at = 0.0  # when the last one was written (monotonic)
+        self._snapshot_due = False  # set by a claim: one follows it
         self._forget_every_s = forget_every_s
         self._claim_vacant_after_s = claim_vacant_after_s  # see "Vacant partitions"
         self._vacant_since: float | None = None  # since when nobody was seen pinned (monotonic)
@@ -253,6 +282,7 @@ class PartitionOwner:
         self.refused_pulls = 0  # 423: another worker held the pin
         self.fenced = False
         self.handed_over = False
+        self.snapshots = 0  # written
 
     @property
     def held(self) -> int:
@@ -261,14 +291,16 @@ class PartitionOwner:
 
     async def run(
         self, decide: Decide, act: Act, stop: asyncio.Event, on_claim: OnClaim | None = None,
-        on_release: OnRelease | None = None,
+        on_release: OnRelease | None = None, *, snapshot: Snapshotter | None = None,
     ) -> None:  # fmt: skip
         """Own the partition until another worker fences this one, or until `stop` is set:
         then the batch in hand is finished and the partition handed over (see "Hand-over").
         `on_claim`, if given, is awaited after each claim, before the next batch is decided;
         `on_release`, if given, is called once this owner acts no more (it returned, fenced or
-        handed over, or failed), so that nothing of the caller acts for the partition after."""
+        handed over, or failed), so that nothing of the caller acts for the partition after.
+        `snapshot`, if given with a `SnapshotPolicy`, makes the snapshots' records."""
         self._on_claim = on_claim
+        self._snapshot = snapshot if self._snapshots is not None else None
         try:
             await self._own(decide, act, stop)
         finally:
@@ -321,6 +353,7 @@ class PartitionOwner:
                             continue
                         if not self._claimed:
                             await self._claim_if_vacant()
+                        await self._snapshot_if_due()
                         await self._forget()
                         continue
                     if self._claimed_vacant:
@@ -332,6 +365,9 @@ class PartitionOwner:
                         await self._finish(act)  # a claim comes after the batch in flight
                         await self._claim(pull.pin_id, held=partial(_held, batch, pull))
                     await self._handle(batch, decide, act)
+                    if self._snapshot_due_now():
+                        await self._finish(act)
+                        await self._snapshot_if_due()
                     await self._forget()
                 except Fenced as exc:
                     self._fenced(exc)
@@ -378,6 +414,8 @@ class PartitionOwner:
             for seq, inbound in sorted(in_hand.items()):
                 await (inbound.ack() if seq in self._applied else inbound.nak())
             if self._claimed:
+                if self._since_snapshot:
+                    await self._write_snapshot()  # the next owner reads that, and no more
                 await self.log.hand_over()  # before the unpin: before the next claim
             await self._bus.unpin(self._stream, self._consumer)
         except BusError as exc:
@@ -418,6 +456,37 @@ class PartitionOwner:
         cut, self._floor = min(self._floor, floor), floor
         self._applied = {seq for seq in self._applied if seq > cut}
 
+    def _snapshot_due_now(self) -> bool:
+        """A snapshot is due (see "Snapshots")."""
+        if self._snapshot is None or self._snapshots is None or not self._claimed:
+            return False
+        if self._snapshot_due or self._since_snapshot >= self._snapshots.every_entries:
+            return True
+        elapsed_s = time.monotonic() - self._snapshot_at
+        return self._since_snapshot > 0 and elapsed_s >= self._snapshots.every_s
+
+    async def _snapshot_if_due(self) -> None:
+        """Write a snapshot if one is due; nothing may be in flight."""
+        if self._snapshot_due_now():
+            await self._write_snapshot()
+
+    async def _write_snapshot(self) -> None:
+        if self._snapshot is None:
+            return
+        assert self._in_flight is None, "a snapshot sums up only what was acted on"
+        records = await self._snapshot(self.log.partition)
+        seq = await self.log.snapshot(sorted(self._applied), records)
+        logger.info(
+            "partition %d: snapshot at %d by %s (%d bytes of state, %d entries since the last)",
+            self.log.partition, seq, self.log.owner, len(records), self._since_snapshot,
+        )  # fmt: skip
+        self.snapshots += 1
+        self._since_snapshot, self._snapshot_due = 0, False
+        self._snapshot_at = time.monotonic()
+        if self._metrics is not None:
+            self._metrics.snapshots.inc()
+            self._metrics.snapshot_bytes.observe(len(records))
+
     @property
     def remembered(self) -> int:
         """How many applied inputs it remembers (to drop their redeliveries)."""
@@ -457,6 +526,7 @@ class PartitionOwner:
         caught = await self.log.claim()
         self._applied = caught.applied
         self._claimed, self._claimed_under = True, pin_id
+        self._since_snapshot, self._snapshot_due = 0, True
         # Only now, with the old owner fenced, is what it left for good.
         left = await self._bus.unacknowledged(self._stream, self._consumer, held)
         orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
@@ -468,7 +538,7 @@ class PartitionOwner:
         if self._metrics is not None:
             self._metrics.claims.labels(self._claimed_after(caught)).inc()
             self._metrics.catch_up_seconds.observe(time.perf_counter() - began)
-            self._metrics.catch_up_entries.inc(len(caught.records))
+            self._metrics.catch_up_entries.inc(caught.entries)
 
     def _claimed_after(self, caught: CaughtUp) -> str:
         """What the claim followed, for `TierMetrics.claims`."""
@@ -518,6 +588,7 @@ class PartitionOwner:
             inputs = [inbound.stream_seq for inbound in fresh]
             append = asyncio.ensure_future(self.log.append(inputs, decided.records))
             self._applied.update(inputs)
+            self._since_snapshot += 1
         self._in_flight = _InFlight(settled, fresh, deferred, append)
 
     async def _finish(self, act: Act) -> None:

@@ -66,7 +66,7 @@ from kvhandoff.events.messages import (
 from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.events.replay import rebuild
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.rows import HandoffRow, Tombstone
 from kvhandoff.worker.schema import HandoffState
 from kvhandoff.worker.store import Batch, CorruptHandoff, Loaded
 
@@ -159,7 +159,7 @@ class Planner:
 
     def __init__(
         self, subjects: Subjects, defer_budget: int, ack_wait_s: float,
-        *, longest_deadline_ms: int | None = None,
+        *, longest_deadline_ms: int | None = None, tombstone_ttl_ms: int | None = None,
     ) -> None:  # fmt: skip
         self.subjects = subjects
         self.defer_budget = defer_budget
@@ -169,6 +169,11 @@ class Planner:
         self.longest_deadline_ms = longest_deadline_ms
         self.open: dict[UUID, OpenHandoff] = {}
         self.quarantined: set[UUID] = set()
+        # Handoffs that ended lately, for a late input that names one whose rows the local
+        # file lacks (it was caught up from a snapshot): see `_too_late`. The worker cuts it to
+        # its --tombstone-ttl (None: keeps none), oldest first.
+        self.tombstone_ttl_ms = tombstone_ttl_ms
+        self.tombstones: dict[UUID, Tombstone] = {}
         # Early inputs waiting for their redelivery: stream sequence -> when it is due back.
         self.deferred: dict[int, float] = {}
 
@@ -232,7 +237,32 @@ class Planner:
                 handoff_id = handoff.start.handoff_id
                 if self.open.pop(handoff_id, None) is not None:
                     r.plan.left_memory.append(handoff_id)
+                self._entomb(handoff, now_ms)
+        self._forget_tombstones(now_ms)
         return r.plan
+
+    def _entomb(self, handoff: OpenHandoff, now_ms: int) -> None:
+        """Keep the tombstone of a handoff that ended, for its life (see `tombstones`)."""
+        if self.tombstone_ttl_ms is None:
+            return
+        row = handoff.row
+        ended_ms = row.completed_at_ms or row.updated_at_ms
+        if ended_ms >= now_ms - self.tombstone_ttl_ms:
+            self.tombstones[handoff.start.handoff_id] = Tombstone(
+                handoff.start.handoff_id, row.state_name, ended_ms, sorted(handoff.digests)
+            )
+
+    def _forget_tombstones(self, now_ms: int) -> None:
+        """Drop the tombstones past their life, the oldest first (they are kept in the order
+        their handoffs ended, so this stops at the first one still alive)."""
+        if self.tombstone_ttl_ms is None:
+            return
+        cut = now_ms - self.tombstone_ttl_ms
+        while self.tombstones:
+            oldest = next(iter(self.tombstones.values()))
+            if oldest.completed_at_ms >= cut:
+                return
+            del self.tombstones[oldest.handoff_id]
 
     # --- Handoffs in and out of memory ----------------------------------------------------
 
@@ -279,6 +309,9 @@ class Planner:
             self._reject(r, index, handoff_id, "handoff is quarantined", label="quarantined")
             return None
         handoff = self.open.get(handoff_id)
+        if handoff is None and (tombstone := self.tombstones.get(handoff_id)) is not None:
+            self._too_late(r, index, message, tombstone)
+            return None
         if handoff is None:
             if not isinstance(message, StartHandoff):
                 reason = "no such handoff (not started)"
@@ -332,6 +365,21 @@ class Planner:
         _project(handoff, seq, r.now_ms)
         plan.acks.append(index)
         return handoff
+
+    def _too_late(self, r: _Round, index: int, message: Input, tombstone: Tombstone) -> None:
+        """An input for a handoff that ended and is known by its tombstone alone: answered as
+        its whole log would answer it, a duplicate of an input it accepted as a duplicate, and
+        anything else (a start again, a late outcome) rejected, as a handoff that ended
+        accepts nothing that would start it anew."""
+        if input_digest(message) in tombstone.digests:
+            r.plan.duplicates += 1
+            r.plan.acks.append(index)
+            return
+        reason = (
+            f"handoff {tombstone.handoff_id} ended ({tombstone.state}) at "
+            f"{tombstone.completed_at_ms} ms; it accepts no more inputs"
+        )
+        self._reject(r, index, message.handoff_id, reason, label="ended")
 
     def _open_new(self, plan: Plan, start: StartHandoff, now_ms: int) -> OpenHandoff:
         row = HandoffRow(

@@ -82,6 +82,16 @@ class HandoffRow(Struct, omit_defaults=True):
         return "unknown" if self.unknown_state is None else self.unknown_state
 
 
+class Tombstone(Struct, frozen=True):
+    """A handoff that ended, as long as a late input for it may come: enough to answer that
+    input as its whole log would (a duplicate by its digest, anything else as too late)."""
+
+    handoff_id: UUID
+    state: str
+    completed_at_ms: int
+    digests: list[bytes]  # `events.codec.input_digest` of each input it accepted
+
+
 class LoggedEvent(Struct, frozen=True):
     """One decoded entry of a handoff's log.
 

@@ -73,6 +73,17 @@ RECORD_TYPES = [
     (code, tag, "input" if code in INPUT_TYPES else "action") for tag, code in TYPE_CODES.items()
 ]
 
+# Handoffs that ended, known from a snapshot of the partition's replicated log rather than by
+# their rows (a file caught up on another machine): what a late input for one is answered with.
+# Added to layout 2 without a new version: the writer creates it in an older file, and no
+# reader needs it.
+TOMBSTONES = """CREATE TABLE IF NOT EXISTS tombstones (
+    handoff_id      TEXT PRIMARY KEY,
+    state           TEXT NOT NULL,
+    completed_at_ms INTEGER NOT NULL,
+    digests         BLOB NOT NULL
+) WITHOUT ROWID"""
+
 # One statement each: the writer also runs them inside its conversion of a layout-1 log, where
 # sqlite3's executescript would commit the transaction first.
 TABLES = (
@@ -116,6 +127,7 @@ TABLES = (
     payload    BLOB NOT NULL
 )""",
     "CREATE INDEX IF NOT EXISTS rejections_handoff ON rejections (handoff_id)",
+    TOMBSTONES,
 )
 # The outbox index holds the handoffs whose last events may be unpublished actions: recovery
 # finds its backlog there instead of reading every handoff.

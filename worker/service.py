@@ -114,10 +114,17 @@ from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
 from kvhandoff.worker.metrics import Metrics, TierMetrics
 from kvhandoff.worker.ownership import CaughtUp
-from kvhandoff.worker.partition_owner import Decided
+from kvhandoff.worker.partition_owner import Decided, SnapshotPolicy
 from kvhandoff.worker.planner import Plan, Planner
-from kvhandoff.worker.rows import HandoffRow
-from kvhandoff.worker.store import Batch, Committed, CorruptHandoff, EventLog, WriterLock
+from kvhandoff.worker.rows import HandoffLog, HandoffRow, Tombstone
+from kvhandoff.worker.store import (
+    Batch,
+    Committed,
+    CorruptHandoff,
+    EventLog,
+    LiveState,
+    WriterLock,
+)
 from kvhandoff.worker.tier import Tier, TierSettings
 from kvhandoff.worker.timers import HandoffTimers
 
@@ -150,6 +157,9 @@ async def publish_action(
 
 def tier_settings(config: WorkerConfig) -> TierSettings:
     """The tier's settings as `kvhandoff run` gives them from its configuration."""
+    snapshots = None
+    if config.snapshot_every:
+        snapshots = SnapshotPolicy(config.snapshot_every, config.snapshot_interval_s)
     return TierSettings(
         partitions=config.partitions, prefix=config.nats.subject_prefix,
         stream=config.stream, consumer=config.consumer,
@@ -157,7 +167,7 @@ def tier_settings(config: WorkerConfig) -> TierSettings:
         done_stream=config.done_stream,
         completion_ttl_s=config.completion_ttl_s, priority_timeout_s=config.priority_timeout_s,
         ack_wait_s=config.ack_wait_s,
-        batch_size=config.batch_size,
+        batch_size=config.batch_size, snapshots=snapshots,
     )  # fmt: skip
 
 
@@ -197,8 +207,24 @@ class LoggedRows(msgspec.Struct, frozen=True, tag="rows", tag_field="kind"):
             batch.meta[MARK_KEY] = str(self.inputs[0])
 
 
+class LoggedState(msgspec.Struct, frozen=True, tag="state", tag_field="kind"):
+    """A partition's live state, as a snapshot of its replicated log holds it
+    (`worker.ownership.Snapshot.records`): a `worker.store.LiveState`, and the mark of the last
+    entry it sums up, so that a file that holds that entry already takes none of it."""
+
+    mark: int | None  # the local file's mark after that entry (`MARK_KEY`)
+    handoffs: list[HandoffRow]
+    marks: list[tuple[UUID, int, int | None]]
+    events: list[tuple[str, int, int, int, bytes]]
+    tombstones: list[Tombstone]
+
+    def live_state(self) -> LiveState:
+        return LiveState(self.handoffs, self.marks, self.events, self.tombstones)
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(LoggedRows)
+_STATE_DECODER = msgspec.msgpack.Decoder(LoggedState)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +293,7 @@ class Worker:
         self._inputs_of = f"{config.nats.subject_prefix}.inp."
         self.tier = Tier(
             bus, settings, self.decide, self.act, label,
-            on_claim=self.on_claim, on_release=self.on_release,
+            on_claim=self.on_claim, on_release=self.on_release, snapshot=self.snapshot,
             metrics=TierMetrics(metrics.registry),
         )  # fmt: skip
 
@@ -328,6 +354,14 @@ class Worker:
         marked = [i for i, entry in enumerate(entries) if entry.inputs[:1] == [_int(mark)]]
         missing = entries[marked[-1] + 1 :] if marked else entries
         catch_up = Batch()
+        if not marked and caught.snapshot is not None:
+            # The file's last entry is not after the snapshot: it holds what the snapshot sums
+            # up, if its mark is the snapshot's, and otherwise takes the snapshot's state.
+            state = self._logged_state(partition, caught.snapshot)
+            if mark is None or state.mark != int(mark):
+                catch_up.merge = state.live_state()
+                if state.mark is not None:
+                    catch_up.meta[MARK_KEY] = str(state.mark)
         for entry in missing:
             entry.add_to(catch_up)
         # Marks of this worker's earlier tenure; those not confirmed yet are republished.
@@ -343,11 +377,48 @@ class Worker:
         await self._rebuild(part)
         elapsed = time.perf_counter() - began
         logger.info(
-            "partition %d: caught %s up with %d of %d entries (mark %s) and recovered %d open "
+            "partition %d: caught %s up with %s%d of %d entries (mark %s) and recovered %d open "
             "handoffs in %.3fs",
-            partition, part.log.path, len(missing), len(entries), mark, len(part.planner.open),
-            elapsed,
+            partition, part.log.path, "a snapshot and " if catch_up.merge else "", len(missing),
+            len(entries), mark, len(part.planner.open), elapsed,
         )  # fmt: skip
+
+    @staticmethod
+    def _logged_state(partition: int, records: bytes) -> LoggedState:
+        try:
+            return _STATE_DECODER.decode(records)
+        except msgspec.DecodeError as exc:
+            raise StoreCorrupt(
+                f"partition {partition}: the snapshot its replicated log starts with is not a "
+                f"partition's state ({exc}); refusing to catch the local file up from it"
+            ) from exc
+
+    async def snapshot(self, partition: int) -> bytes:
+        """The partition's live state as its next snapshot holds it (`LoggedState`): its file
+        once every queued commit ended (every appended batch was acted on: see
+        worker.partition_owner), and the tombstones of the handoffs that ended lately."""
+        part = self._partitions[partition]
+        await self._all_committed(part)
+        state = await part.log.live_state()
+        mark = _int(await part.log.meta(MARK_KEY))
+        tombstones = list(part.planner.tombstones.values())
+        return _ENCODER.encode(
+            LoggedState(mark, state.handoffs, state.marks, state.events, tombstones)
+        )
+
+    async def _tombstones(self, part: _Partition) -> dict[UUID, Tombstone]:
+        """The tombstones a claim starts with, oldest first: those the file got from snapshots,
+        and those of the handoffs whose rows it holds that ended within --tombstone-ttl."""
+        since_ms = now_ms() - int(self._config.tombstone_ttl_s * 1000)
+        tombstones = await part.log.tombstones(since_ms)
+        for loaded in (await part.log.load(await part.log.ended_since(since_ms))).values():
+            if isinstance(loaded, HandoffLog):
+                row = loaded.handoff
+                digests = sorted({e.digest for e in loaded.events if e.digest is not None})
+                ended_ms = row.completed_at_ms or row.updated_at_ms
+                tombstones.append(Tombstone(row.handoff_id, row.state_name, ended_ms, digests))
+        tombstones.sort(key=lambda tombstone: tombstone.completed_at_ms)
+        return {tombstone.handoff_id: tombstone for tombstone in tombstones}
 
     def on_release(self, partition: int) -> None:
         """The partition's owner stopped (handed over, fenced or failed): this worker times
@@ -359,6 +430,7 @@ class Worker:
         part.timers.clear()
         part.planner.open.clear()
         part.planner.quarantined = set()  # read from the file again at the next claim
+        part.planner.tombstones = {}
         part.decided.clear()
         part.tenure += 1  # what it published and is not confirmed is the next owner's to publish
         self._count_in_memory()
@@ -492,6 +564,7 @@ class Worker:
         planner = Planner(
             self._subjects, self._config.batch_size, self._config.ack_wait_s,
             longest_deadline_ms=int(self._config.tier_retention_s * 1000 / 2),
+            tombstone_ttl_ms=int(self._config.tombstone_ttl_s * 1000),
         )  # fmt: skip
         timers = HandoffTimers(
             planner, self._bus, self._subjects, self._metrics,
@@ -509,6 +582,7 @@ class Worker:
         planner.open.clear()
         planner.deferred.clear()
         planner.quarantined = await part.log.quarantined()
+        planner.tombstones = await self._tombstones(part)
         quarantines = Batch()
         loaded = await part.log.open_handoffs()
         try:

@@ -78,6 +78,7 @@ from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 from uuid import UUID
 
 import aiosqlite
+import msgspec
 
 from kvhandoff.events.codec import split_record
 from kvhandoff.events.errors import LogCorrupt
@@ -87,6 +88,7 @@ from kvhandoff.worker.rows import (
     HandoffLog,
     HandoffRow,
     LoggedEvent,
+    Tombstone,
     read_event,
     read_record,
     read_row,
@@ -102,6 +104,7 @@ from kvhandoff.worker.schema import (
     RECORD_TYPE_VALUES,
     SELECT_EVENTS,
     TABLES,
+    TOMBSTONES,
     HandoffState,
 )
 
@@ -137,6 +140,19 @@ class UnpublishedAction:
 
 
 @dataclass(slots=True)
+class LiveState:
+    """A partition file's live part, as a snapshot of the partition carries it to another
+    file: every row that rebuilding its open and quarantined handoffs reads, and the
+    tombstones of those that ended lately. `merge` it into a `Batch`."""
+
+    handoffs: list[HandoffRow] = field(default_factory=list)  # open and quarantined
+    # (handoff id, published seq, when): their outbox marks
+    marks: list[tuple[UUID, int, int | None]] = field(default_factory=list)
+    events: list[tuple[str, int, int, int, bytes]] = field(default_factory=list)  # as `Batch`
+    tombstones: list[Tombstone] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Batch:
     """Everything one group commit writes, already encoded as rows."""
 
@@ -149,6 +165,11 @@ class Batch:
     quarantined: list[tuple[int, str]] = field(default_factory=list)
     # meta key -> value, set in the same transaction (the partitioned worker's catch-up mark).
     meta: dict[str, str] = field(default_factory=dict)
+    # A snapshot's live state, written first: its handoffs' rows and events are added where
+    # the file lacks them, and what the file holds open that the snapshot does not is ended
+    # (as its tombstone says) or, if the snapshot does not know it, dropped: it ended where
+    # the file never saw, more than a tombstone's life ago.
+    merge: LiveState | None = None
 
     def append_input(self, seq: int, record: InputRecord, key: str | None = None) -> None:
         """Log the input at `seq` of its handoff; `key`, the handoff id as text, if the caller
@@ -193,6 +214,7 @@ class Batch:
             or self.rejections
             or self.quarantined
             or self.meta
+            or self.merge is not None
         )
 
 
@@ -214,6 +236,19 @@ _MARK_PUBLISHED = """
 UPDATE handoffs SET published_seq = ?1, published_at_ms = ?2
 WHERE handoff_id = ?3 AND published_seq < ?1
 """
+_MERGE_EVENT = """
+INSERT OR IGNORE INTO events (handoff_key, seq, type, at_ms, record)
+VALUES ((SELECT handoff_key FROM handoffs WHERE handoff_id = ?), ?, ?, ?, ?)
+"""
+_PUT_TOMBSTONE = """
+INSERT INTO tombstones (handoff_id, state, completed_at_ms, digests) VALUES (?, ?, ?, ?)
+ON CONFLICT (handoff_id) DO NOTHING
+"""
+# A handoff the file holds open that ended in entries it never had.
+_END_BY_TOMBSTONE = """
+UPDATE handoffs SET state = ?, completed_at_ms = ?, updated_at_ms = ?
+WHERE handoff_id = ? AND state = 'open'
+"""
 _QUARANTINE = (
     f"UPDATE handoffs SET state = '{HandoffState.QUARANTINED}', updated_at_ms = ?"
     " WHERE handoff_id = ?"
@@ -226,6 +261,8 @@ _SET_META = (
     " ON CONFLICT (key) DO UPDATE SET value = excluded.value"
 )
 _LOADED_COLUMNS = f"{HANDOFF_COLUMNS}, published_seq, published_at_ms"
+_DIGESTS_ENCODER = msgspec.msgpack.Encoder()
+_DIGESTS_DECODER = msgspec.msgpack.Decoder(list[bytes])
 _EVENT_COLUMNS = "h.handoff_id, e.seq, e.type, e.at_ms, e.record"
 # The backlog: actions past their handoff's mark (and records kept whole, which may be actions).
 _UNPUBLISHED = f"""
@@ -691,6 +728,45 @@ class EventLog:
                 backlog.append(UnpublishedAction(row, seq, event.record))
         return backlog
 
+    async def live_state(self) -> LiveState:
+        """The rows a snapshot carries (see `LiveState`), less its tombstones, which the
+        caller keeps (`tombstones`, and the handoffs it saw end)."""
+        live = "state IN ('open', 'quarantined')"
+        state = LiveState()
+        for values in await self._fetch(f"SELECT {_LOADED_COLUMNS} FROM handoffs WHERE {live}"):
+            row = read_row(values[:-2])
+            state.handoffs.append(row)
+            state.marks.append((row.handoff_id, values[-2], values[-1]))
+        events = await self._fetch(
+            "SELECT h.handoff_id, e.seq, e.type, e.at_ms, e.record"
+            f" FROM handoffs h JOIN events e USING (handoff_key) WHERE h.{live}"
+            " ORDER BY h.handoff_key, e.seq"
+        )
+        state.events = [tuple(values) for values in events]
+        return state
+
+    async def tombstones(self, since_ms: int) -> list[Tombstone]:
+        """The tombstones this file got from snapshots, of handoffs that ended at `since_ms`
+        or later."""
+        rows = await self._fetch(
+            "SELECT handoff_id, state, completed_at_ms, digests FROM tombstones"
+            " WHERE completed_at_ms >= ?",
+            (since_ms,),
+        )
+        return [
+            Tombstone(UUID(hid), state, at_ms, _DIGESTS_DECODER.decode(digests))
+            for hid, state, at_ms, digests in rows
+        ]
+
+    async def ended_since(self, since_ms: int) -> list[UUID]:
+        """The handoffs whose rows the file holds that ended at `since_ms` or later."""
+        rows = await self._fetch(
+            "SELECT handoff_id FROM handoffs WHERE state IN ('succeeded', 'canceled')"
+            " AND completed_at_ms >= ?",
+            (since_ms,),
+        )
+        return [UUID(hid) for (hid,) in rows]
+
     async def events_of(self, handoff_id: UUID) -> list[LoggedEvent]:
         rows = await self._fetch(SELECT_EVENTS, (str(handoff_id),))
         raw = handoff_id.bytes
@@ -806,6 +882,7 @@ def _connect_writer(path: Path, synchronous: str, migrate: bool) -> sqlite3.Conn
             )
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={synchronous}")
+        db.execute(TOMBSTONES)  # a file of layout 2 from before snapshots lacks it
         # The numbers of message types this build knows, for people reading the file.
         db.execute(INSERT_RECORD_TYPES, RECORD_TYPE_VALUES)
     except BaseException:
@@ -854,6 +931,8 @@ def _commit(db: sqlite3.Connection, batch: Batch) -> None:
 
 def _write_batch(db: sqlite3.Connection, batch: Batch) -> None:
     """A batch's statements, inside the caller's transaction."""
+    if batch.merge is not None:
+        _merge(db, batch.merge)
     if batch.handoffs:
         db.executemany(_UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()])
     if batch.events:
@@ -870,6 +949,47 @@ def _write_batch(db: sqlite3.Connection, batch: Batch) -> None:
         db.executemany(_SET_META, batch.meta.items())
 
 
+def _merge(db: sqlite3.Connection, state: LiveState) -> None:
+    """`Batch.merge`, inside the caller's transaction."""
+    known = {str(row.handoff_id) for row in state.handoffs}
+    ended = {str(t.handoff_id): t for t in state.tombstones}
+    stale = [
+        hid
+        for (hid,) in db.execute("SELECT handoff_id FROM handoffs WHERE state = 'open'")
+        if hid not in known
+    ]
+    for hid in stale:
+        tombstone = ended.get(hid)
+        if tombstone is not None:
+            at = tombstone.completed_at_ms
+            db.execute(_END_BY_TOMBSTONE, (tombstone.state, at, at, hid))
+            continue
+        db.execute(
+            "DELETE FROM events WHERE handoff_key = "
+            "(SELECT handoff_key FROM handoffs WHERE handoff_id = ?)",
+            (hid,),
+        )
+        db.execute("DELETE FROM handoffs WHERE handoff_id = ?", (hid,))
+    if stale:
+        logger.info(
+            "%d handoffs this file held open ended in entries it never had (%d known by their "
+            "tombstones)",
+            len(stale), sum(hid in ended for hid in stale),
+        )  # fmt: skip
+    db.executemany(_UPSERT_HANDOFF, [_row_values(row) for row in state.handoffs])
+    db.executemany(_MERGE_EVENT, state.events)
+    db.executemany(
+        _MARK_PUBLISHED, [(seq, at, str(h)) for h, seq, at in state.marks if at is not None]
+    )
+    db.executemany(
+        _PUT_TOMBSTONE,
+        [
+            (str(t.handoff_id), t.state, t.completed_at_ms, _DIGESTS_ENCODER.encode(t.digests))
+            for t in state.tombstones
+        ],
+    )
+
+
 def _compact(db: sqlite3.Connection, before_ms: int) -> Compacted:
     """`EventLog.compact`, on the writer's thread."""
     with _transaction(db):
@@ -881,4 +1001,5 @@ def _compact(db: sqlite3.Connection, before_ms: int) -> Compacted:
             "DELETE FROM handoffs WHERE handoff_key IN (SELECT handoff_key FROM doomed)"
         )
         rejections = db.execute(_DELETE_REJECTIONS, (before_ms,))
+        db.execute("DELETE FROM tombstones WHERE completed_at_ms < ?", (before_ms,))
     return Compacted(handoffs.rowcount, rejections.rowcount)

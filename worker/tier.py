@@ -48,7 +48,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Member, Membership
@@ -61,6 +61,8 @@ from kvhandoff.worker.partition_owner import (
     OnClaim,
     OnRelease,
     PartitionOwner,
+    SnapshotPolicy,
+    Snapshotter,
     max_ack_pending,
 )
 from kvhandoff.worker.partitions import rebalance
@@ -90,6 +92,9 @@ class TierSettings:
     priority_timeout_s: float = 3.0
     batch_size: int = 512  # inputs an owner pulls and appends at most at once
     rebalance_s: float = 1.0
+    # When owners snapshot their partitions (worker.partition_owner); None: never, so that
+    # claims read the whole log (a measure's baseline, bench/catchup.py).
+    snapshots: SnapshotPolicy | None = field(default_factory=SnapshotPolicy)
 
     @property
     def max_pending(self) -> int:
@@ -112,7 +117,7 @@ class Tier:
     def __init__(
         self, bus: Bus, settings: TierSettings, decide: Decide, act: Act, label: str,
         *, on_claim: OnClaim | None = None, on_release: OnRelease | None = None,
-        metrics: TierMetrics | None = None,
+        snapshot: Snapshotter | None = None, metrics: TierMetrics | None = None,
     ) -> None:  # fmt: skip
         self._bus = bus
         self._metrics = metrics
@@ -121,6 +126,7 @@ class Tier:
         self._act = act
         self._on_claim = on_claim  # see PartitionOwner.run
         self._on_release = on_release
+        self._snapshot = snapshot
         self.member = Member.this_process()
         self.owner_name = f"{label}/{self.member.instance}"  # in the log's Claimed records
         self._running: dict[int, tuple[PartitionOwner, asyncio.Task[None], asyncio.Event]] = {}
@@ -249,10 +255,18 @@ class Tier:
             batch=settings.batch_size, expires_s=settings.pull_expires_s,
             heartbeat_s=settings.pull_expires_s / 4,
             claim_vacant_after_s=settings.priority_timeout_s, metrics=self._metrics,
+            snapshots=settings.snapshots,
         )  # fmt: skip
         stop = asyncio.Event()
         task = asyncio.create_task(
-            owner.run(self._decide, self._act, stop, self._on_claim, self._on_release),
+            owner.run(
+                self._decide,
+                self._act,
+                stop,
+                self._on_claim,
+                self._on_release,
+                snapshot=self._snapshot,
+            ),
             name=f"kvhandoff-partition-{partition}",
         )
         self._running[partition] = (owner, task, stop)

@@ -60,7 +60,7 @@ from kvhandoff.worker.config import partition_path
 from kvhandoff.worker.healthy import success_script
 from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
-from kvhandoff.worker.ownership import Appended, Claimed, Entry
+from kvhandoff.worker.ownership import Appended, Claimed, Entry, Snapshot
 from kvhandoff.worker.partitions import assign, partition_of
 from kvhandoff.worker.schema import HandoffState
 from kvhandoff.worker.tier import TierSettings
@@ -134,12 +134,15 @@ async def check_each_stored_input_applied_once(
 
 def check_appends_follow_their_claim(log: dict[int, list[Entry]]) -> None:
     """Every append of a partition's log is by the owner of its latest claim: no owner appended
-    after another claimed the partition (the fence)."""
+    after another claimed the partition (the fence). A snapshot that begins the log sums up
+    the claims before it, its writer's last."""
     for partition, entries in log.items():
         epoch = 0
-        for entry in entries:
+        for index, entry in enumerate(entries):
             if isinstance(entry, Claimed):
                 assert entry.epoch == epoch + 1, f"partition {partition}: {entry}"
+                epoch = entry.epoch
+            elif isinstance(entry, Snapshot) and index == 0:
                 epoch = entry.epoch
             else:
                 assert entry.epoch == epoch, f"partition {partition}: append of {entry.epoch}"

@@ -16,12 +16,12 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.ownership import Appended, Claimed, Entry
+from kvhandoff.worker.ownership import Appended, Claimed, Entry, read_entries
 from kvhandoff.worker.partitions import partition_of
 from tests.cluster.conftest import WITHIN_S, Acted, StatusChild, publish, until
 from tests.cluster.tier_process import KILL_BEFORE_ACTING, PARTITIONS, SETTINGS
@@ -71,17 +71,22 @@ class Load:
 
 
 async def the_log(js: JetStreamContext) -> dict[int, list[Entry]]:
-    """Each partition's log entries, in order."""
-    decoder = msgspec.msgpack.Decoder(Entry)
+    """Each partition's log entries, in order (a snapshot's parts joined)."""
     info = await js.stream_info(SETTINGS.log_stream)
-    found: dict[int, list[Entry]] = defaultdict(list)
+    raw: dict[str, list[tuple[int, bytes]]] = defaultdict(list)
     if not info.state.messages:
-        return found
+        return {}
     for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        message = await js.get_msg(SETTINGS.log_stream, seq)
+        try:
+            message = await js.get_msg(SETTINGS.log_stream, seq)
+        except NotFoundError:
+            continue  # rolled up by a snapshot
         assert message.subject is not None and message.data is not None
-        found[int(message.subject.rpartition(".")[2])].append(decoder.decode(message.data))
-    return found
+        raw[message.subject].append((seq, message.data))
+    return {
+        int(subject.rpartition(".")[2]): read_entries(0, subject, messages)
+        for subject, messages in raw.items()
+    }
 
 
 def check_applied_once_in_order(log: dict[int, list[Entry]], load: Load) -> dict[str, Counter[int]]:
