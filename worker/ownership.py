@@ -250,8 +250,10 @@ class PartitionLog:
         self.epoch = caught.epoch
         self._claims = [*caught.claims, claim][-CLAIMS_KEPT:]
         logger.info(
-            "partition %d: claimed as epoch %d by %s (after %s; %d inputs applied before)",
+            "partition %d: claimed as epoch %d by %s (after %s; read %d entries%s of its log, "
+            "%d applied inputs that may come again)",
             self.partition, self.epoch, self.owner, caught.previous_owner or "nobody",
+            caught.entries, ", a snapshot first" if caught.snapshot is not None else "",
             len(caught.applied),
         )  # fmt: skip
         return caught

@@ -222,6 +222,7 @@ class Planner:
         """Apply the decoded batch. With `into`, the plan's rows are added to that batch (of
         a plan made just before, whose commit this one shares) instead of a new one."""
         r = _Round(Plan() if into is None else Plan(batch=into), deliveries, now_ms, now_s)
+        self._forget_tombstones(now_ms)
         # Handoffs loaded only to check an input against their log leave memory again.
         visiting = self.adopt(loaded.values(), r.plan.batch, now_ms)
         touched: dict[UUID, OpenHandoff] = {}
@@ -238,7 +239,6 @@ class Planner:
                 if self.open.pop(handoff_id, None) is not None:
                     r.plan.left_memory.append(handoff_id)
                 self._entomb(handoff, now_ms)
-        self._forget_tombstones(now_ms)
         return r.plan
 
     def _entomb(self, handoff: OpenHandoff, now_ms: int) -> None:

@@ -21,6 +21,10 @@ the engines were sent the same each time it was sent, one completion per handoff
 partition file, including those a worker built from the replicated log alone, a log that
 `kvhandoff verify` passes; the last owner's file of each partition holds every handoff of the
 partition, succeeded, each transition once (15 events: 9 inputs, 6 actions).
+
+Those checks read the replicated log's whole history, which snapshots replace: the workers
+here take none (`--snapshot-every 0`). tests/cluster/test_snapshot_run.py runs the faults with
+snapshots, and checks what a snapshot leaves to check.
 """
 
 from __future__ import annotations
@@ -75,6 +79,17 @@ SETTINGS = TierSettings(partitions=PARTITIONS)  # what `kvhandoff run` gives its
 LOG_STREAM = SETTINGS.log_stream
 INPUT_STREAM = "KVHANDOFF_IN"  # `kvhandoff run --stream`'s default
 SUCCESS_EVENTS = 15  # a success handoff's log: 9 inputs and the 6 actions they issue
+
+
+def whole_history_worker(
+    url: str, name: str, tmp: Path, *extra: str, partitions: int = PARTITIONS,
+    data_dir: Path | None = None,
+) -> TierWorker:  # fmt: skip
+    """A `TierWorker` that keeps the replicated log's whole history: it takes no snapshots."""
+    return TierWorker(
+        url, name, tmp, "--snapshot-every", "0", *extra, partitions=partitions,
+        data_dir=data_dir,
+    )  # fmt: skip
 
 
 def start(n: int) -> StartHandoff:
@@ -206,7 +221,7 @@ async def two_sharing(
     """w1, which takes every partition, then w2, once w2 took its share (w1 hands it over at
     its next round; the pins move at the first pulls), or, with `handed_over`, once w1 logged
     that it handed it over."""
-    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
+    w1, w2 = whole_history_worker(url, "w1", tmp_path), whole_history_worker(url, "w2", tmp_path)
     workers += [w1, w2]
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")
@@ -301,7 +316,7 @@ async def test_a_worker_that_owns_a_partition_again_catches_its_file_up_from_its
     lack what w2 appended meanwhile, and w1 commits exactly that (the entries after its mark)
     when it claims them again."""
     url = nats_cluster.url
-    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
+    w1, w2 = whole_history_worker(url, "w1", tmp_path), whole_history_worker(url, "w2", tmp_path)
     workers += [w1, w2]
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")
@@ -356,7 +371,7 @@ async def test_the_retention_bounds_the_replicated_log_and_refuses_deadlines_pas
     a start whose deadline is longer than half of it is rejected, while one within it
     completes."""
     url = nats_cluster.url
-    w1 = TierWorker(url, "w1", tmp_path, "--retention", "2h")
+    w1 = whole_history_worker(url, "w1", tmp_path, "--retention", "2h")
     workers.append(w1)
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")
@@ -374,7 +389,7 @@ async def test_the_retention_bounds_the_replicated_log_and_refuses_deadlines_pas
     finally:
         await engines.close()
     await asyncio.wait_for(asyncio.to_thread(w1.terminate, 2 * WITHIN_S), 3 * WITHIN_S)
-    w2 = TierWorker(url, "w2", tmp_path, "--retention", "3h")
+    w2 = whole_history_worker(url, "w2", tmp_path, "--retention", "3h")
     workers.append(w2)
     w2.start(timeout_s=2 * WITHIN_S)
     await until(w2.took_a_share, "w2 takes the partitions")
@@ -386,7 +401,7 @@ async def test_an_early_fact_is_deferred_until_its_precondition_holds(
 ) -> None:
     """As the single worker does (tests/worker/test_handoffs.py): a fact that comes before the
     action it answers is given back, comes again, and is applied once it may be."""
-    w1 = TierWorker(nats_cluster.url, "w1", tmp_path)
+    w1 = whole_history_worker(nats_cluster.url, "w1", tmp_path)
     workers.append(w1)
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")
@@ -497,7 +512,7 @@ async def test_a_full_disk_stops_a_partitions_owner_until_there_is_room_and_lose
     url = nats_cluster.url
     # Room for SQLite's WAL to reach its checkpoint (1,000 pages) once the filler is gone.
     with small_filesystem(tmp_path, size_kib=16384) as disk:
-        w1 = TierWorker(url, "w1", tmp_path, data_dir=disk / "w1")
+        w1 = whole_history_worker(url, "w1", tmp_path, data_dir=disk / "w1")
         workers.append(w1)
         w1.start(timeout_s=2 * WITHIN_S)
         await until(w1.took_a_share, "w1 takes the partitions")
@@ -544,7 +559,7 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
 ) -> None:
     """`--partitions 1`: the tier is one owner at a time, and the other worker a standby."""
     url = nats_cluster.url
-    w1, w2 = (TierWorker(url, name, tmp_path, partitions=1) for name in ("w1", "w2"))
+    w1, w2 = (whole_history_worker(url, name, tmp_path, partitions=1) for name in ("w1", "w2"))
     workers += [w1, w2]
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partition")
@@ -604,7 +619,7 @@ async def test_actions_written_to_a_connection_that_dies_are_published_again(
     # The worker's one node: what the worker wrote to it and it did not read dies with it, and
     # the worker waits for it to come back. The engines are elsewhere, so lose nothing.
     node, elsewhere = nats_cluster.nodes[0], nats_cluster.nodes[1]
-    w1 = TierWorker(node.url, "w1", tmp_path)
+    w1 = whole_history_worker(node.url, "w1", tmp_path)
     workers.append(w1)
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")
@@ -750,7 +765,7 @@ async def test_a_worker_that_joins_mid_load_takes_its_share_by_clean_hand_overs(
     tmp_path: Path,
 ) -> None:
     url = nats_cluster.url
-    w1, w2 = TierWorker(url, "w1", tmp_path), TierWorker(url, "w2", tmp_path)
+    w1, w2 = whole_history_worker(url, "w1", tmp_path), whole_history_worker(url, "w2", tmp_path)
     workers += [w1, w2]
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")

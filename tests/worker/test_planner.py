@@ -244,3 +244,43 @@ def test_a_start_with_a_deadline_past_the_bound_is_rejected_and_one_within_it_op
     assert plan.reasons == {"deadline": 1}
     assert set(planner.open) == {within.handoff_id}
     assert {UUID(event[0]) for event in plan.batch.events} == {within.handoff_id}
+
+
+def test_a_late_input_for_a_handoff_known_by_its_tombstone_is_answered_as_its_log_would() -> None:
+    """A handoff that ended and left its rows behind (a file caught up from a snapshot lacks
+    them) is known by its tombstone: an exact duplicate of an input it accepted is a duplicate,
+    anything else (the same id started differently, a late outcome) is rejected, and nothing
+    starts it anew; past --tombstone-ttl the tombstone is forgotten."""
+    start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+    inputs = success_inputs(start, cancel_at=None)
+    ttl_ms = 300_000
+    ended = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+    log = MemoryLog()
+    stream = [
+        Delivery(encode(m), SUBJECTS.input(start.handoff_id), 1, n) for n, m in enumerate(inputs)
+    ]
+    log.commit(ended.plan(stream, ended.decode(stream), {}, NOW_MS, NOW_MS / 1000).batch)
+    tombstone = ended.tombstones[start.handoff_id]
+    assert tombstone.state == "succeeded" and len(tombstone.digests) == len(inputs)
+
+    # A new owner whose file has no rows of it: only the tombstone.
+    planner = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+    planner.tombstones = dict(ended.tombstones)
+    restart = StartHandoff(start.handoff_id, EngineType.SGLANG, "prefill-1", "decode-1", 60_000)
+    late = [
+        Delivery(encode(start), SUBJECTS.input(start.handoff_id), 1, 100),  # a retried start
+        Delivery(encode(inputs[-1]), SUBJECTS.input(start.handoff_id), 1, 101),  # a redelivery
+        Delivery(encode(restart), SUBJECTS.input(start.handoff_id), 1, 102),
+    ]
+    plan = planner.plan(late, planner.decode(late), {}, NOW_MS + 1000, NOW_MS / 1000 + 1)
+    assert plan.duplicates == 2 and plan.acks == [0, 1]
+    assert [index for index, _ in plan.terms] == [2]
+    assert "ended (succeeded)" in plan.terms[0][1].reason
+    assert not plan.publish and not plan.batch.events and not planner.open
+
+    # Past its life, the tombstone is gone: a start is a new handoff (the README says so).
+    later_ms = NOW_MS + ttl_ms + 1
+    again = [Delivery(encode(start), SUBJECTS.input(start.handoff_id), 1, 103)]
+    plan = planner.plan(again, planner.decode(again), {}, later_ms, later_ms / 1000)
+    assert start.handoff_id not in planner.tombstones
+    assert [type(action).__name__ for _, _, action in plan.publish] == ["SubmitPrefill"]
