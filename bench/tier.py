@@ -283,7 +283,7 @@ async def appends(cluster: Cluster, payload: bytes, count: int, round_: int) -> 
         )
     bus = cluster.bus
     try:
-        await bus.open_partition_log("BENCH_LOG", "benchtier", max_age_s=0)
+        await bus.open_partition_log("BENCH_LOG", "benchtier")
         subject = "benchtier.log.0"
         last = 0
 

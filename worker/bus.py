@@ -1497,18 +1497,20 @@ class Bus:
             raise BusError(f"{what}: {_why(refusal)}") from refusal
         return answer
 
-    async def open_partition_log(self, stream: str, prefix: str, max_age_s: float) -> None:
+    async def open_partition_log(self, stream: str, prefix: str) -> None:
         """Create the replicated stream of the partitions' logs if absent: one subject per
-        partition (`partition_log_subject`), appended with `append_expecting`. `max_age_s` bounds
-        it (0: unbounded; a stream there is updated to it); it must exceed the longest life of
-        a handoff."""
+        partition (`partition_log_subject`), appended with `append_expecting`. It keeps every
+        entry until a snapshot rolls its subject up (`Nats-Rollup: sub`), so it takes rollup
+        headers and atomic batches. A stream of an earlier version (an age limit, no rollups,
+        no batches) is updated in place."""
         config = StreamConfig(
             name=stream,
             subjects=[f"{prefix}.log.*"],
             retention=RetentionPolicy.LIMITS,
-            max_age=max_age_s or None,
             duplicate_window=120.0,
             num_replicas=self.replicas,
+            allow_rollup_hdrs=True,
+            allow_atomic=True,
         )
         try:
             try:
@@ -1517,12 +1519,12 @@ class Bus:
                 await self._js.add_stream(config)
                 logger.info("created stream %s for %s, R%d", stream, config.subjects, self.replicas)
                 return
-            if (info.config.max_age or 0) != (config.max_age or 0):
-                # The retention is a setting of the tier, not of the stream's creator: the
-                # latest worker started sets it.
-                info.config.max_age = config.max_age
-                await self._js.update_stream(info.config)
-                logger.info("stream %s now keeps entries for %ss", stream, config.max_age or "ever")
+            old = info.config
+            if old.max_age or not old.allow_rollup_hdrs or not old.allow_atomic:
+                # An age limit would drop an open handoff's entries that no snapshot holds yet.
+                old.max_age, old.allow_rollup_hdrs, old.allow_atomic = None, True, True
+                await self._js.update_stream(old)
+                logger.info("stream %s now keeps its entries until rolled up", stream)
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot open partition log stream {stream}: {_why(exc)}") from exc
 

@@ -107,10 +107,8 @@ class WorkerConfig:
 
     @property
     def tier_retention_s(self) -> float:
-        """How long the tier keeps its replicated log's entries, and its files' completed
-        handoffs: `--retention`, or a week (the replicated log is on every node: it is bounded
-        by default). An open handoff must outlive none of its entries, so a start may ask for at
-        most half of it as its deadline (worker.service)."""
+        """How long the files keep their completed handoffs and rejections: `--retention`, or a
+        week. The replicated log has no age limit (worker.service's "Retention")."""
         return TIER_RETENTION_S if self.retention_s is None else self.retention_s
 
     def validate(self) -> None:
@@ -300,9 +298,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         type=duration_arg,
         metavar="DURATION",
         default=env.get("KVHANDOFF_RETENTION"),
-        help="delete completed handoffs older than this, hourly (env KVHANDOFF_RETENTION); "
-        "with --partitions also the replicated log's age limit, a week unless given, and a "
-        "start's deadline may be at most half of it",
+        help="delete completed handoffs and rejections older than this from the files, hourly "
+        "(env KVHANDOFF_RETENTION; a week unless given)",
     )
     group.add_argument(
         "--metrics-host",

@@ -32,11 +32,9 @@ report (the demo's failover times), not for owning it.
 
 What it does not do. It does not stop a fenced writer from acting on what it did not append:
 the caller must act (publish, acknowledge) only after its append returned, and stop at the
-first `Fenced` (see worker.partition_owner). The log grows without bound here; the stream's
-`max_age` (`Bus.open_partition_log`; `--retention`, see worker.service) bounds it, and
-must exceed the life of any open handoff
-and the longest time a partition goes without a claim, or a catch-up would miss what an open
-handoff needs (checkpoints of the open handoffs are the way to a tighter bound, not done yet).
+first `Fenced` (see worker.partition_owner). The log grows without bound here: the stream has
+no age limit (`Bus.open_partition_log`), since a catch-up must find everything an open handoff
+needs; snapshots that roll a subject up are the way to bound it.
 """
 
 from __future__ import annotations

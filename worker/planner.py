@@ -157,16 +157,10 @@ class _Round:
 class Planner:
     """The handoffs in memory and the rules that apply a batch of inputs to them."""
 
-    def __init__(
-        self, subjects: Subjects, defer_budget: int, ack_wait_s: float,
-        *, longest_deadline_ms: int | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, subjects: Subjects, defer_budget: int, ack_wait_s: float) -> None:
         self.subjects = subjects
         self.defer_budget = defer_budget
         self.ack_wait_s = ack_wait_s
-        # A start with a longer deadline is rejected: its log would not be kept while it is
-        # open (the tier's replicated log keeps entries for a bounded time; worker.service).
-        self.longest_deadline_ms = longest_deadline_ms
         self.open: dict[UUID, OpenHandoff] = {}
         self.quarantined: set[UUID] = set()
         # Early inputs waiting for their redelivery: stream sequence -> when it is due back.
@@ -283,14 +277,6 @@ class Planner:
             if not isinstance(message, StartHandoff):
                 reason = "no such handoff (not started)"
                 self._early(r, index, handoff_id, reason, label="unknown")
-                return None
-            longest = self.longest_deadline_ms
-            if longest is not None and message.deadline_ms > longest:
-                reason = (
-                    f"deadline_ms {message.deadline_ms} is longer than this worker keeps an open "
-                    f"handoff's log (at most {longest} ms: half its --retention)"
-                )
-                self._reject(r, index, handoff_id, reason, label="deadline")
                 return None
             handoff = self._open_new(plan, message, r.now_ms)
         try:

@@ -80,7 +80,6 @@ class TierSettings:
     stream: str = "KVHANDOFF_IN"
     log_stream: str = "KVHANDOFF_LOG"
     consumer: str = "kvhandoff-worker"
-    log_max_age_s: float = 0.0
     done_stream: str = "KVHANDOFF_DONE"  # the completions a frontend reads (worker.service)
     completion_ttl_s: float = 3600.0
     # The ack wait is shorter than the priority timeout less the pull expiry, so that a new
@@ -197,9 +196,7 @@ class Tier:
             settings.done_stream, Subjects(settings.prefix).completions, settings.completion_ttl_s
         )
         await self._bus.open_partitions(settings.stream, settings.prefix, settings.partitions)
-        await self._bus.open_partition_log(
-            settings.log_stream, settings.prefix, settings.log_max_age_s
-        )
+        await self._bus.open_partition_log(settings.log_stream, settings.prefix)
         for partition in range(settings.partitions):
             self._consumers[partition] = await self._bus.open_partition_consumer(
                 settings.stream, settings.prefix, settings.consumer, partition,
