@@ -184,6 +184,7 @@ from kvhandoff.worker.errors import (
     Fenced,
     PartitionsMismatch,
     PinMismatch,
+    StreamMismatch,
 )
 from kvhandoff.worker.stoppable import cancel_until_done, unless_stopped
 
@@ -972,6 +973,31 @@ _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 # "duplicate message id is in process": our own earlier attempt is still being replicated.
 _OWN_ATTEMPT_IN_FLIGHT = 10158
+# "subjects overlap with an existing stream": another stream captures what we would.
+_SUBJECTS_OVERLAP = 10065
+
+
+def _captures(config: StreamConfig) -> str:
+    # nats-py leaves a stream info's retention as the server's string.
+    retention = RetentionPolicy(config.retention or RetentionPolicy.LIMITS).value
+    return f"{', '.join(config.subjects or []) or 'nothing'} ({retention} retention)"
+
+
+def _check_stream(held: StreamConfig, wanted: StreamConfig, role: str, flag: str) -> None:
+    """`StreamMismatch` unless the stream there captures the subjects this tier's `role`
+    does, with its retention: it is another tier's (or made by hand), which an update or our
+    appends would break, and which would never hold what we store."""
+    if (
+        sorted(held.subjects or []) == sorted(wanted.subjects or [])
+        and held.retention == wanted.retention
+    ):
+        return
+    others = "" if flag == "--stream" else ", or give the tier its own --stream, which names it"
+    raise StreamMismatch(
+        f"stream {wanted.name} captures {_captures(held)}, not {_captures(wanted)} as this "
+        f"tier's {role}: it is another tier's, or made by hand; name this tier's {role} with "
+        f"{flag}{others}"
+    )
 
 
 def partition_subject(prefix: str, partition: int) -> str:
@@ -1318,14 +1344,30 @@ class Bus:
         )
         try:
             try:
-                await self._js.stream_info(stream)
+                info = await self._js.stream_info(stream)
             except nats.js.errors.NotFoundError:
-                await self._js.add_stream(config)
+                await self._create_stream(config, "completion stream", "--done-stream")
                 logger.info("created stream %s for %s", stream, subjects)
             else:
+                _check_stream(info.config, config, "completion stream", "--done-stream")
                 await self._js.update_stream(config)
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot open completion stream {stream}: {exc}") from exc
+
+    async def _create_stream(self, config: StreamConfig, role: str, flag: str) -> None:
+        """Create the stream; `StreamMismatch` if another stream captures its subjects (another
+        tier's of the same subject prefix, most likely)."""
+        try:
+            await self._js.add_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != _SUBJECTS_OVERLAP:
+                raise
+            raise StreamMismatch(
+                f"cannot create stream {config.name} for {', '.join(config.subjects or [])} as "
+                f"this tier's {role}: another stream captures them (another tier's, of this "
+                f"--subject-prefix?); give this tier its own --subject-prefix, or name that "
+                f"stream with {flag}"
+            ) from exc
 
     # --- Scale-out: partitions, pins, fencing, membership (see the module docstring) --------
 
@@ -1383,7 +1425,7 @@ class Bus:
             except nats.js.errors.NotFoundError:
                 config.num_replicas = self.replicas
                 config.metadata = {PARTITIONS_METADATA: str(partitions), CONSUMER_METADATA: "tier"}
-                await self._js.add_stream(config)
+                await self._create_stream(config, "input stream", "--stream")
                 logger.info(
                     "created stream %s for %s: %d partition(s), R%d",
                     stream, config.subjects, partitions, config.num_replicas,
@@ -1400,6 +1442,7 @@ class Bus:
                 "earlier kvhandoff, whose log is its local file and in no replicated log: let "
                 "that version finish its open handoffs, then delete the stream"
             )
+        _check_stream(info.config, config, "input stream", "--stream")
         if stored != str(partitions):
             raise PartitionsMismatch(
                 f"stream {stream} has {stored} partition(s) and this worker was started with"
@@ -1516,10 +1559,11 @@ class Bus:
             try:
                 info = await self._js.stream_info(stream)
             except nats.js.errors.NotFoundError:
-                await self._js.add_stream(config)
+                await self._create_stream(config, "log stream", "--log-stream")
                 logger.info("created stream %s for %s, R%d", stream, config.subjects, self.replicas)
                 return
             old = info.config
+            _check_stream(old, config, "log stream", "--log-stream")
             if old.max_age or not old.allow_rollup_hdrs or not old.allow_atomic:
                 # An age limit would drop an open handoff's entries that no snapshot holds yet.
                 old.max_age, old.allow_rollup_hdrs, old.allow_atomic = None, True, True

@@ -71,6 +71,30 @@ class NatsSettings:
 
 TIER_RETENTION_S = 7 * 24 * 3600.0
 
+DEFAULT_STREAM = "KVHANDOFF_IN"
+
+
+def tier_stream(input_stream: str, role: str) -> str:
+    """The name of a stream of the tier whose input stream is `input_stream`, unless its flag
+    names another: `<input stream less _IN>_<role>`. Tiers on one account are told apart by
+    their input streams (and subject prefixes), so naming the others after it lets a second
+    tier run with only `--subject-prefix` and `--stream` given, while the default tier keeps
+    the names it always had (`KVHANDOFF_LOG`, `KVHANDOFF_DONE`)."""
+    return f"{input_stream.removesuffix('_IN')}_{role}"
+
+
+def done_stream_of(input_stream: str) -> str:
+    """The tier's completion stream, which a frontend reads (`--done-stream`'s default)."""
+    return tier_stream(input_stream, "DONE")
+
+
+def log_stream_of(input_stream: str) -> str:
+    """The tier's stream of replicated partition logs (`--log-stream`'s default)."""
+    return tier_stream(input_stream, "LOG")
+
+
+DEFAULT_DONE_STREAM = done_stream_of(DEFAULT_STREAM)
+
 
 def partition_path(data_dir: Path, partition: int) -> Path:
     """The local event log of one partition (the offline tools read `partition-*.db`)."""
@@ -81,10 +105,11 @@ def partition_path(data_dir: Path, partition: int) -> Path:
 class WorkerConfig:
     nats: NatsSettings
     db_path: Path
-    stream: str = "KVHANDOFF_IN"
+    stream: str = DEFAULT_STREAM
     consumer: str = "kvhandoff-worker"
-    done_stream: str = "KVHANDOFF_DONE"
-    log_stream: str = "KVHANDOFF_LOG"  # the partitions' replicated logs (worker.service)
+    # Empty: the tier's, named after `stream` (`done_stream_of`, `log_stream_of`).
+    done_stream: str = ""
+    log_stream: str = ""  # the partitions' replicated logs (worker.service)
     completion_ttl_s: float = 3600.0
     batch_size: int = 512
     retry_interval_s: float = 5.0
@@ -104,6 +129,13 @@ class WorkerConfig:
     partitions: int = 1
     data_dir: Path | None = None
     priority_timeout_s: float = 3.0  # worker.tier.TierSettings'
+
+    def __post_init__(self) -> None:
+        # Frozen: the derived names are set once, here, so every reader sees them.
+        if not self.done_stream:
+            object.__setattr__(self, "done_stream", done_stream_of(self.stream))
+        if not self.log_stream:
+            object.__setattr__(self, "log_stream", log_stream_of(self.stream))
 
     @property
     def tier_retention_s(self) -> float:
@@ -251,15 +283,17 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--done-stream",
-        default=env.get("KVHANDOFF_DONE_STREAM", defaults.done_stream),
+        default=env.get("KVHANDOFF_DONE_STREAM", ""),
         help="JetStream stream keeping each handoff's last completion, created if absent "
-        "(env KVHANDOFF_DONE_STREAM; default %(default)s)",
+        f"(env KVHANDOFF_DONE_STREAM; default the input stream's name with _DONE for _IN: "
+        f"{defaults.done_stream})",
     )
     group.add_argument(
         "--log-stream",
-        default=env.get("KVHANDOFF_LOG_STREAM", defaults.log_stream),
+        default=env.get("KVHANDOFF_LOG_STREAM", ""),
         help="JetStream stream of the partitions' replicated event logs, created if absent "
-        "(env KVHANDOFF_LOG_STREAM; default %(default)s)",
+        f"(env KVHANDOFF_LOG_STREAM; default the input stream's name with _LOG for _IN: "
+        f"{defaults.log_stream})",
     )
     group.add_argument(
         "--completion-ttl",

@@ -65,6 +65,20 @@ def test_defaults() -> None:
     )
 
 
+def test_the_tiers_streams_are_named_after_its_input_stream_unless_told() -> None:
+    """The default tier keeps the names it always had; another input stream names its own, so
+    that a second tier on the account needs only `--subject-prefix` and `--stream`."""
+    default = worker_config(parse())
+    assert (default.done_stream, default.log_stream) == ("KVHANDOFF_DONE", "KVHANDOFF_LOG")
+    other = worker_config(parse("--stream", "TIERB_IN"))
+    assert (other.done_stream, other.log_stream) == ("TIERB_DONE", "TIERB_LOG")
+    bare = worker_config(parse("--stream", "tierb"))
+    assert (bare.done_stream, bare.log_stream) == ("tierb_DONE", "tierb_LOG")
+    told = worker_config(parse("--stream", "TIERB_IN", "--done-stream", "D", "--log-stream", "L"))
+    assert (told.done_stream, told.log_stream) == ("D", "L")
+    assert tier_settings(other) == TierSettings(partitions=1, stream="TIERB_IN")
+
+
 def test_the_log_is_kept_a_week_unless_told_and_the_default_is_one_partition_in_db(
     tmp_path: Path,
 ) -> None:
@@ -120,6 +134,7 @@ def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     )
     assert config.db_path == Path("logs/worker.db")
     assert (config.stream, config.consumer) == ("PROD_IN", "worker-a")
+    assert (config.done_stream, config.log_stream) == ("PROD_DONE", "PROD_LOG")
     assert config.retry_interval_s == pytest.approx(0.25)
     assert config.synchronous == "NORMAL"
     assert config.retention_s == 7 * 86_400

@@ -37,9 +37,9 @@ from kvhandoff.worker.errors import (
     BusRefused,
     ConfigError,
     LogDiverges,
-    PartitionsMismatch,
     StoreError,
     StoreLocked,
+    StreamMismatch,
 )
 from kvhandoff.worker.logs import configure_logging
 from kvhandoff.worker.metrics import Metrics, MetricsServer
@@ -76,7 +76,7 @@ def execute(args: argparse.Namespace) -> int:
     with lock:
         try:
             return asyncio.run(serve(config))
-        except (BusRefused, ConfigError, LogDiverges, PartitionsMismatch) as exc:
+        except (BusRefused, ConfigError, LogDiverges, StreamMismatch) as exc:
             logger.error("cannot start: %s", exc)
             return 2
         except (StoreError, BusError) as exc:
