@@ -201,13 +201,30 @@ class WorkerConfig:
     def _validate_tier(self) -> None:
         if not 1 <= self.partitions <= 1024:
             raise ConfigError(f"--partitions: {self.partitions} is not in 1..1024")
+        if self.data_dir is None and self.partitions > 1:
+            raise ConfigError(
+                "--partitions above 1 needs --data-dir: one file per partition it owns"
+            )
+
+    def make_data_dir(self) -> None:
+        """Create the data directory if absent, with any missing parents, each of mode 0700
+        (the partition files are the tier's history; nats-server makes its store directory
+        the same way); `ConfigError` naming it if it cannot be used: a file in the way, no
+        permission. `run` calls it before it takes the directory's writer lock."""
         if self.data_dir is None:
-            if self.partitions > 1:
-                raise ConfigError(
-                    "--partitions above 1 needs --data-dir: one file per partition it owns"
-                )
-        elif not self.data_dir.is_dir():
-            raise ConfigError(f"--data-dir: {self.data_dir} is not a directory")
+            return
+        path = self.data_dir
+        try:
+            for missing in reversed([p for p in (path, *path.parents) if not p.is_dir()]):
+                missing.mkdir(mode=0o700, exist_ok=True)
+        except FileExistsError as exc:
+            raise ConfigError(
+                f"--data-dir: {exc.filename} is in the way of {path}: it is not a directory"
+            ) from exc
+        except OSError as exc:
+            raise ConfigError(f"--data-dir: cannot create {path}: {exc.strerror}") from exc
+        if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+            raise ConfigError(f"--data-dir: {path} is not readable and writable by this user")
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
@@ -366,8 +383,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-dir",
         type=Path,
         default=env.get("KVHANDOFF_DATA_DIR"),
-        help="directory of the owned partitions' event logs, partition-<p>.db "
-        "(env KVHANDOFF_DATA_DIR); replaces --db, which is the one partition's file without it",
+        help="directory of the owned partitions' event logs, partition-<p>.db, created (mode "
+        "0700) if absent (env KVHANDOFF_DATA_DIR); replaces --db, which is the one partition's "
+        "file without it",
     )
     tier.add_argument(
         "--priority-timeout",

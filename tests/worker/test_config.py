@@ -213,7 +213,6 @@ INVALID = [
     Invalid([], "--partitions above 1 needs --data-dir", env={"KVHANDOFF_PARTITIONS": "4"}),
     Invalid(["--partitions", "0", "--data-dir", "."], "--partitions: 0 is not in 1..1024"),
     Invalid(["--partitions", "1025", "--data-dir", "."], "--partitions: 1025 is not in 1..1024"),
-    Invalid(["--partitions", "4", "--data-dir", "missing"], "--data-dir: missing is not a dir"),
 ]
 
 
@@ -229,6 +228,24 @@ def test_each_invalid_setting_is_named(
 
     with pytest.raises(ConfigError, match=f"^{re.escape(case.error)}"):
         worker_config(args)
+
+
+def test_a_missing_data_dir_is_made_private_with_its_parents(tmp_path: Path) -> None:
+    config = worker_config(parse("--partitions", "4", "--data-dir", "tier/data"))
+    config.make_data_dir()
+    config.make_data_dir()  # and found there the next time
+    for made in (tmp_path / "tier", tmp_path / "tier/data"):
+        assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700, made
+
+
+@pytest.mark.parametrize("data_dir", ["taken", "taken/data"])
+def test_a_data_dir_with_a_file_in_the_way_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], data_dir: str
+) -> None:
+    (tmp_path / "taken").touch()
+    assert main(["run", "--partitions", "4", "--data-dir", data_dir]) == 2
+    error = capsys.readouterr().err
+    assert f"--data-dir: taken is in the way of {data_dir}: it is not a directory" in error
 
 
 def test_a_creds_file_needs_nkeys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

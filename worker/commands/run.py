@@ -59,6 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace) -> int:
     try:
         config = worker_config(args)
+        config.make_data_dir()
     except ConfigError as exc:
         print(f"kvhandoff run: {exc}", file=sys.stderr)
         return 2
