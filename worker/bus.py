@@ -105,7 +105,10 @@ consumes the stream (`kvhandoff.consumer`): `tier`. Earlier versions ran a singl
 a lease instead of pins and its local file for the authority, on a stream of one partition
 without a transform, marked `single` (or, before that, without the metadata at all); a tier
 must not take such a stream over, since the single worker's history is in no replicated log,
-so it gets `PartitionsMismatch` too. Streams and buckets are R3 when the server we
+so it gets `PartitionsMismatch` too. A stream of the tier (input, completion, log) that exists
+with other subjects or retention than the tier's, another tier's most likely, or whose subjects
+another stream captures, is `StreamMismatch` (exit 2 too): updating or appending to it would
+break the other tier. Streams and buckets are R3 when the server we
 reached is in a cluster (its INFO names one), R1 alone.
 
 Pins. Each partition has one durable pull consumer (`<consumer>-p<p>`, filtering that
