@@ -1365,11 +1365,15 @@ class Bus:
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code != _SUBJECTS_OVERLAP:
                 raise
+            subjects = config.subjects or []
+            try:
+                other = await self._js.find_stream_name_by_subject(subjects[0])
+            except nats.js.errors.NotFoundError:
+                other = "another stream"  # it went away meanwhile: the next start will tell
             raise StreamMismatch(
-                f"cannot create stream {config.name} for {', '.join(config.subjects or [])} as "
-                f"this tier's {role}: another stream captures them (another tier's, of this "
-                f"--subject-prefix?); give this tier its own --subject-prefix, or name that "
-                f"stream with {flag}"
+                f"cannot create stream {config.name} for {', '.join(subjects)} as this tier's "
+                f"{role}: {other} captures them (another tier's, of this --subject-prefix?); "
+                f"give this tier its own --subject-prefix, or name that stream with {flag}"
             ) from exc
 
     # --- Scale-out: partitions, pins, fencing, membership (see the module docstring) --------

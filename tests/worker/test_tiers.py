@@ -83,7 +83,7 @@ async def test_two_tiers_differing_only_in_prefix_and_input_stream_both_complete
         (
             ("--stream", "OTHER_IN"),
             "cannot create stream OTHER_IN for kvhandoff.in.* as this tier's input stream: "
-            "another stream captures them (another tier's, of this --subject-prefix?); give "
+            "KVHANDOFF_IN captures them (another tier's, of this --subject-prefix?); give "
             "this tier its own --subject-prefix, or name that stream with --stream",
         ),
     ],
@@ -103,3 +103,26 @@ def test_a_worker_whose_streams_are_another_tiers_exits_2_naming_the_stream_and_
             second.stop()
         assert refusal in second.logs()
         assert first.running(), first.logs()
+
+
+def test_a_tier_of_its_own_stream_whose_others_had_the_old_defaults_is_told_to_name_them(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """Before the names followed the input stream, a tier given `--stream PROD_IN` alone used
+    `KVHANDOFF_DONE` and `KVHANDOFF_LOG`. Upgraded, it must not start on a new, empty log: the
+    new names' subjects are the old streams', so it exits 2 naming the one to give."""
+    old_names = ("--done-stream", "KVHANDOFF_DONE", "--log-stream", "KVHANDOFF_LOG")
+    with WorkerProcess(nats_server.url, tmp_path / "a.db", "--stream", "PROD_IN", *old_names) as a:
+        a.start()
+    upgraded = WorkerProcess(nats_server.url, tmp_path / "a.db", "--stream", "PROD_IN")
+    upgraded.launch()
+    assert upgraded.process is not None
+    try:
+        assert upgraded.process.wait(timeout=60) == 2, upgraded.logs()
+    finally:
+        upgraded.stop()
+    assert (
+        "cannot create stream PROD_DONE for kvhandoff.done.* as this tier's completion stream: "
+        "KVHANDOFF_DONE captures them" in upgraded.logs()
+    )
+    assert "name that stream with --done-stream" in upgraded.logs()
