@@ -26,7 +26,8 @@ Invariants.
 - The replicated log is the authority; the local file is a prefix of it. Each local commit of
   an entry carries, in the file's meta table and in the same transaction, the entry's mark (the
   stream sequence of its first input: an input is applied once, so it names one entry). A
-  catch-up applies the entries after the marked one, in log order, in one transaction.
+  catch-up applies the entries after the marked one, in log order, in one transaction. A mark
+  that the log no longer holds means every entry left is newer.
 - Nothing is published before its rows are in the replicated log (the owner appends between
   `decide` and `act`). The local commit is queued (`EventLog.queue`) and not waited for: the
   publishes, the acks and the next batch's `decide` and append go on while the file's writer
