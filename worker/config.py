@@ -71,6 +71,30 @@ class NatsSettings:
 
 TIER_RETENTION_S = 7 * 24 * 3600.0
 
+DEFAULT_STREAM = "KVHANDOFF_IN"
+
+
+def tier_stream(input_stream: str, role: str) -> str:
+    """The name of a stream of the tier whose input stream is `input_stream`, unless its flag
+    names another: `<input stream less _IN>_<role>`. Tiers on one account are told apart by
+    their input streams (and subject prefixes), so naming the others after it lets a second
+    tier run with only `--subject-prefix` and `--stream` given, while the default tier keeps
+    the names it always had (`KVHANDOFF_LOG`, `KVHANDOFF_DONE`)."""
+    return f"{input_stream.removesuffix('_IN')}_{role}"
+
+
+def done_stream_of(input_stream: str) -> str:
+    """The tier's completion stream, which a frontend reads (`--done-stream`'s default)."""
+    return tier_stream(input_stream, "DONE")
+
+
+def log_stream_of(input_stream: str) -> str:
+    """The tier's stream of replicated partition logs (`--log-stream`'s default)."""
+    return tier_stream(input_stream, "LOG")
+
+
+DEFAULT_DONE_STREAM = done_stream_of(DEFAULT_STREAM)
+
 
 def partition_path(data_dir: Path, partition: int) -> Path:
     """The local event log of one partition (the offline tools read `partition-*.db`)."""
@@ -81,10 +105,11 @@ def partition_path(data_dir: Path, partition: int) -> Path:
 class WorkerConfig:
     nats: NatsSettings
     db_path: Path
-    stream: str = "KVHANDOFF_IN"
+    stream: str = DEFAULT_STREAM
     consumer: str = "kvhandoff-worker"
-    done_stream: str = "KVHANDOFF_DONE"
-    log_stream: str = "KVHANDOFF_LOG"  # the partitions' replicated logs (worker.service)
+    # Empty: the tier's, named after `stream` (`done_stream_of`, `log_stream_of`).
+    done_stream: str = ""
+    log_stream: str = ""  # the partitions' replicated logs (worker.service)
     completion_ttl_s: float = 3600.0
     batch_size: int = 512
     retry_interval_s: float = 5.0
@@ -112,12 +137,17 @@ class WorkerConfig:
     # names it (worker.planner): at least the longest deadline plus the bus's duplicate window.
     tombstone_ttl_s: float = 300.0
 
+    def __post_init__(self) -> None:
+        # Frozen: the derived names are set once, here, so every reader sees them.
+        if not self.done_stream:
+            object.__setattr__(self, "done_stream", done_stream_of(self.stream))
+        if not self.log_stream:
+            object.__setattr__(self, "log_stream", log_stream_of(self.stream))
+
     @property
     def tier_retention_s(self) -> float:
-        """How long the tier keeps its replicated log's entries, and its files' completed
-        handoffs: `--retention`, or a week (the replicated log is on every node: it is bounded
-        by default). An open handoff must outlive none of its entries, so a start may ask for at
-        most half of it as its deadline (worker.service)."""
+        """How long the files keep their completed handoffs and rejections: `--retention`, or a
+        week. The replicated log has no age limit (worker.service's "Retention")."""
         return TIER_RETENTION_S if self.retention_s is None else self.retention_s
 
     def validate(self) -> None:
@@ -184,13 +214,30 @@ class WorkerConfig:
     def _validate_tier(self) -> None:
         if not 1 <= self.partitions <= 1024:
             raise ConfigError(f"--partitions: {self.partitions} is not in 1..1024")
+        if self.data_dir is None and self.partitions > 1:
+            raise ConfigError(
+                "--partitions above 1 needs --data-dir: one file per partition it owns"
+            )
+
+    def make_data_dir(self) -> None:
+        """Create the data directory if absent, with any missing parents, each of mode 0700
+        (the partition files are the tier's history; nats-server makes its store directory
+        the same way); `ConfigError` naming it if it cannot be used: a file in the way, no
+        permission. `run` calls it before it takes the directory's writer lock."""
         if self.data_dir is None:
-            if self.partitions > 1:
-                raise ConfigError(
-                    "--partitions above 1 needs --data-dir: one file per partition it owns"
-                )
-        elif not self.data_dir.is_dir():
-            raise ConfigError(f"--data-dir: {self.data_dir} is not a directory")
+            return
+        path = self.data_dir
+        try:
+            for missing in reversed([p for p in (path, *path.parents) if not p.is_dir()]):
+                missing.mkdir(mode=0o700, exist_ok=True)
+        except FileExistsError as exc:
+            raise ConfigError(
+                f"--data-dir: {exc.filename} is in the way of {path}: it is not a directory"
+            ) from exc
+        except OSError as exc:
+            raise ConfigError(f"--data-dir: cannot create {path}: {exc.strerror}") from exc
+        if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+            raise ConfigError(f"--data-dir: {path} is not readable and writable by this user")
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser) -> None:
@@ -266,15 +313,17 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--done-stream",
-        default=env.get("KVHANDOFF_DONE_STREAM", defaults.done_stream),
+        default=env.get("KVHANDOFF_DONE_STREAM", ""),
         help="JetStream stream keeping each handoff's last completion, created if absent "
-        "(env KVHANDOFF_DONE_STREAM; default %(default)s)",
+        f"(env KVHANDOFF_DONE_STREAM; default the input stream's name with _DONE for _IN: "
+        f"{defaults.done_stream})",
     )
     group.add_argument(
         "--log-stream",
-        default=env.get("KVHANDOFF_LOG_STREAM", defaults.log_stream),
+        default=env.get("KVHANDOFF_LOG_STREAM", ""),
         help="JetStream stream of the partitions' replicated event logs, created if absent "
-        "(env KVHANDOFF_LOG_STREAM; default %(default)s)",
+        f"(env KVHANDOFF_LOG_STREAM; default the input stream's name with _LOG for _IN: "
+        f"{defaults.log_stream})",
     )
     group.add_argument(
         "--completion-ttl",
@@ -313,9 +362,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         type=duration_arg,
         metavar="DURATION",
         default=env.get("KVHANDOFF_RETENTION"),
-        help="delete completed handoffs older than this, hourly (env KVHANDOFF_RETENTION); "
-        "with --partitions also the replicated log's age limit, a week unless given, and a "
-        "start's deadline may be at most half of it",
+        help="delete completed handoffs and rejections older than this from the files, hourly "
+        "(env KVHANDOFF_RETENTION; a week unless given)",
     )
     group.add_argument(
         "--metrics-host",
@@ -348,8 +396,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-dir",
         type=Path,
         default=env.get("KVHANDOFF_DATA_DIR"),
-        help="directory of the owned partitions' event logs, partition-<p>.db "
-        "(env KVHANDOFF_DATA_DIR); replaces --db, which is the one partition's file without it",
+        help="directory of the owned partitions' event logs, partition-<p>.db, created (mode "
+        "0700) if absent (env KVHANDOFF_DATA_DIR); replaces --db, which is the one partition's "
+        "file without it",
     )
     tier.add_argument(
         "--priority-timeout",

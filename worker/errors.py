@@ -13,20 +13,21 @@ into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's 
     │   ├── BusRefused     NATS refused our credentials or TLS: retrying cannot help
     │   ├── PinMismatch    another client holds the pin of a consumer's priority group
     │   ├── Fenced         a compare-and-set append found that another writer appended first
-    │   └── PartitionsMismatch  the input stream was made for other partitions, or a worker
-    │                           of an earlier version
+    │   └── StreamMismatch a stream the worker opens is another's: other subjects or settings
+    │       └── PartitionsMismatch  the input stream was made for other partitions, or a
+    │                               worker of an earlier version
     ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
     ├── ChildError         a process we started (`worker.child`) did not come up
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.testing)
 
 Who handles what apart: `kvhandoff run` exits 2 on `ConfigError`, `StoreLocked`, `BusRefused`,
-`PartitionsMismatch` and `LogDiverges` (retrying cannot help), 1 on any other `StoreError` or
-`BusError` it cannot serve through. Once running, a partition whose commit or append failed is
-handed back and claimed again at the next round (worker.tier), its handoffs rebuilt from the
-log; a handoff
-whose row or record is `StoreCorrupt` or `LogCorrupt` is quarantined, not the whole load. The
-offline commands print any `WorkerError` or `events.errors.HandoffError` as one line, exit 2.
+`StreamMismatch` (`PartitionsMismatch` included) and `LogDiverges` (retrying cannot help), 1 on
+any other `StoreError` or `BusError` it cannot serve through. Once running, a partition whose
+commit or append failed is handed back and claimed again at the next round (worker.tier), its
+handoffs rebuilt from the log; a handoff whose row or record is `StoreCorrupt` or `LogCorrupt`
+is quarantined, not the whole load. The offline commands print any `WorkerError` or
+`events.errors.HandoffError` as one line, exit 2.
 """
 
 from __future__ import annotations
@@ -87,7 +88,15 @@ class Fenced(BusError):
     publish, no ack). The message names the subject and the sequence we expected."""
 
 
-class PartitionsMismatch(BusError):
+class StreamMismatch(BusError):
+    """A stream the worker opens (its input, completion or log stream) exists with other
+    subjects or an incompatible retention, or cannot be created because another stream
+    captures its subjects: another tier's, most likely. Retrying cannot help, so the worker
+    refuses to start (exit 2). The message names the stream, what it captures, and the flag
+    to set."""
+
+
+class PartitionsMismatch(StreamMismatch):
     """The input stream exists with another partition count, or for another kind of worker
     (single or tier), than this worker was started with; both are fixed when the stream is
     created, so the worker refuses to start (exit 2). The message names the stream and both

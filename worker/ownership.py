@@ -41,10 +41,9 @@ state and the entries since the last snapshot, never by history. Invariants:
   A roll-up that landed or not is all or nothing (one message, or one atomic batch), so a
   reader finds either the previous snapshot and its tail or the new one.
 
-`read_claims` reads the `Claimed` entries alone, in order: who owned a partition when, for a
-report (the demo's failover times), not for owning it.
-
-`read_claims` reads the claims a snapshot kept (the last `CLAIMS_KEPT`) and those after it.
+`read_claims` reads the latest claims, in order: who owned a partition when, for a report (the
+demo's failover times), not for owning it; those a snapshot kept (the last `CLAIMS_KEPT`) and
+those after it. The stream has no age limit (`Bus.open_partition_log`): snapshots bound it.
 
 What it does not do. It does not stop a fenced writer from acting on what it did not append:
 the caller must act (publish, acknowledge) only after its append returned, and stop at the

@@ -159,14 +159,11 @@ class Planner:
 
     def __init__(
         self, subjects: Subjects, defer_budget: int, ack_wait_s: float,
-        *, longest_deadline_ms: int | None = None, tombstone_ttl_ms: int | None = None,
+        *, tombstone_ttl_ms: int | None = None,
     ) -> None:  # fmt: skip
         self.subjects = subjects
         self.defer_budget = defer_budget
         self.ack_wait_s = ack_wait_s
-        # A start with a longer deadline is rejected: its log would not be kept while it is
-        # open (the tier's replicated log keeps entries for a bounded time; worker.service).
-        self.longest_deadline_ms = longest_deadline_ms
         self.open: dict[UUID, OpenHandoff] = {}
         self.quarantined: set[UUID] = set()
         # Handoffs that ended lately, for a late input that names one whose rows the local
@@ -316,14 +313,6 @@ class Planner:
             if not isinstance(message, StartHandoff):
                 reason = "no such handoff (not started)"
                 self._early(r, index, handoff_id, reason, label="unknown")
-                return None
-            longest = self.longest_deadline_ms
-            if longest is not None and message.deadline_ms > longest:
-                reason = (
-                    f"deadline_ms {message.deadline_ms} is longer than this worker keeps an open "
-                    f"handoff's log (at most {longest} ms: half its --retention)"
-                )
-                self._reject(r, index, handoff_id, reason, label="deadline")
                 return None
             handoff = self._open_new(plan, message, r.now_ms)
         try:

@@ -27,7 +27,7 @@ Invariants.
   an entry carries, in the file's meta table and in the same transaction, the entry's mark (the
   stream sequence of its first input: an input is applied once, so it names one entry). A
   catch-up applies the entries after the marked one, in log order, in one transaction. A mark
-  that the log no longer holds (its `max_age` dropped it) means every entry left is newer.
+  that the log no longer holds means every entry left is newer.
 - Nothing is published before its rows are in the replicated log (the owner appends between
   `decide` and `act`). The local commit is queued (`EventLog.queue`) and not waited for: the
   publishes, the acks and the next batch's `decide` and append go on while the file's writer
@@ -79,15 +79,11 @@ the invariants); the append of batch k+1 never overtakes k's, since an owner app
 at a time, by compare-and-set on the previous one's sequence. Batches of different partitions
 are independent throughout: one owner per partition, one event loop.
 
-Retention. The replicated log keeps its entries for `--retention` (a week unless given: the
-stream's `max_age`), and the files drop their completed handoffs and rejections older than that,
-hourly. What bounds the log must not cut into an open handoff: its entries must stay while it
-is open, for a new owner on another machine to rebuild it, so a start whose deadline is longer
-than half the retention is rejected (reason `deadline`); every handoff ends by its deadline,
-and the other half is the margin for a tier that is down. A file compacted this way still
-catches up from its mark: the entries after it never need a handoff that was completed before
-them. Without an owner for longer than the retention, a partition's open handoffs lose their
-log (a file that holds them still has them).
+Retention. `--retention` (a week unless given) bounds only the debugging history: the files
+drop their completed handoffs and rejections older than that, hourly. The replicated log has
+no age limit, since an open handoff's entries must stay for a new owner on another machine to
+rebuild it, whatever its deadline; snapshots bound it. A file compacted this way still catches
+up from its mark: the entries after it never need a handoff that was completed before them.
 """
 
 from __future__ import annotations
@@ -163,7 +159,7 @@ def tier_settings(config: WorkerConfig) -> TierSettings:
     return TierSettings(
         partitions=config.partitions, prefix=config.nats.subject_prefix,
         stream=config.stream, consumer=config.consumer,
-        log_stream=config.log_stream, log_max_age_s=config.tier_retention_s,
+        log_stream=config.log_stream,
         done_stream=config.done_stream,
         completion_ttl_s=config.completion_ttl_s, priority_timeout_s=config.priority_timeout_s,
         ack_wait_s=config.ack_wait_s,
@@ -563,7 +559,6 @@ class Worker:
             raise
         planner = Planner(
             self._subjects, self._config.batch_size, self._config.ack_wait_s,
-            longest_deadline_ms=int(self._config.tier_retention_s * 1000 / 2),
             tombstone_ttl_ms=int(self._config.tombstone_ttl_s * 1000),
         )  # fmt: skip
         timers = HandoffTimers(

@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Member, Membership
-from kvhandoff.worker.errors import BusError, ConfigError, LogDiverges, PartitionsMismatch
+from kvhandoff.worker.config import DEFAULT_STREAM, done_stream_of, log_stream_of
+from kvhandoff.worker.errors import BusError, ConfigError, LogDiverges, StreamMismatch
 from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import PartitionLog
 from kvhandoff.worker.partition_owner import (
@@ -79,11 +80,11 @@ class TierSettings:
 
     partitions: int
     prefix: str = "kvhandoff"
-    stream: str = "KVHANDOFF_IN"
-    log_stream: str = "KVHANDOFF_LOG"
+    stream: str = DEFAULT_STREAM
+    log_stream: str = ""  # empty: the tier's, named after `stream` (`log_stream_of`)
     consumer: str = "kvhandoff-worker"
-    log_max_age_s: float = 0.0
-    done_stream: str = "KVHANDOFF_DONE"  # the completions a frontend reads (worker.service)
+    # The completions a frontend reads (worker.service); empty: `done_stream_of(stream)`.
+    done_stream: str = ""
     completion_ttl_s: float = 3600.0
     # The ack wait is shorter than the priority timeout less the pull expiry, so that a new
     # owner is pinned only once the old owner's unacknowledged inputs are due again.
@@ -102,6 +103,10 @@ class TierSettings:
         return max_ack_pending(self.batch_size)
 
     def __post_init__(self) -> None:
+        if not self.log_stream:
+            object.__setattr__(self, "log_stream", log_stream_of(self.stream))
+        if not self.done_stream:
+            object.__setattr__(self, "done_stream", done_stream_of(self.stream))
         floor_s = self.ack_wait_s + self.pull_expires_s
         if self.priority_timeout_s <= floor_s:
             raise ConfigError(
@@ -156,7 +161,7 @@ class Tier:
         }  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Set up (retried while NATS cannot answer; a `PartitionsMismatch` is final), and own
+        """Set up (retried while NATS cannot answer; a `StreamMismatch` is final), and own
         this worker's share until `stop` is set; then hand every partition over and withdraw."""
         settings = self._settings
         while True:
@@ -166,7 +171,7 @@ class Tier:
                 if membership is None:
                     return
                 break
-            except PartitionsMismatch:
+            except StreamMismatch:
                 raise
             except BusError as exc:
                 # A cluster that is forming, or electing a leader, answers JetStream's API
@@ -196,16 +201,16 @@ class Tier:
             await membership.leave()
 
     async def _set_up(self) -> Membership:
-        """Open the streams (the completions', the inputs', the log's) and the consumers
+        """Open the streams (the inputs', the completions', the log's) and the consumers
         (idempotent), and announce this worker."""
         settings = self._settings
+        # The input stream first: it names the tier, so a worker started on another tier's
+        # streams is told about that one (`StreamMismatch`), not about a stream named after it.
+        await self._bus.open_partitions(settings.stream, settings.prefix, settings.partitions)
         await self._bus.open_completions(
             settings.done_stream, Subjects(settings.prefix).completions, settings.completion_ttl_s
         )
-        await self._bus.open_partitions(settings.stream, settings.prefix, settings.partitions)
-        await self._bus.open_partition_log(
-            settings.log_stream, settings.prefix, settings.log_max_age_s
-        )
+        await self._bus.open_partition_log(settings.log_stream, settings.prefix)
         for partition in range(settings.partitions):
             self._consumers[partition] = await self._bus.open_partition_consumer(
                 settings.stream, settings.prefix, settings.consumer, partition,

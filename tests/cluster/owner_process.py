@@ -60,7 +60,7 @@ async def own(url: str, name: str, partition: int, metrics: TierMetrics) -> Part
     try:
         await bus.wait_jetstream(30)
         await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
-        await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
+        await bus.open_partition_log(LOG_STREAM, PREFIX)
         consumer = await bus.open_partition_consumer(
             STREAM, PREFIX, CONSUMER, partition,
             ack_wait_s=ACK_WAIT_S, max_pending=1024, priority_timeout_s=PRIORITY_TIMEOUT_S,

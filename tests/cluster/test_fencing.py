@@ -27,7 +27,7 @@ ROUNDS = 20
 
 @pytest.fixture
 async def log_bus(bus: Bus) -> Bus:
-    await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
+    await bus.open_partition_log(LOG_STREAM, PREFIX)
     return bus
 
 

@@ -30,7 +30,7 @@ async def _owner_of(
     """An owner of partition 0 that forgets every 0.2 s, and its running task, with INPUTS
     inputs sent to it; `applied` gets the stream sequence of each input it applies."""
     await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
-    await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
+    await bus.open_partition_log(LOG_STREAM, PREFIX)
     consumer = await bus.open_partition_consumer(
         STREAM, PREFIX, "c", 0,
         ack_wait_s=1.0, max_pending=1024, priority_timeout_s=3.0, partitions=PARTITIONS,

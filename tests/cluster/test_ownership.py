@@ -26,7 +26,7 @@ PARTITION = 2
 
 @pytest.fixture
 async def other(nats_cluster: NatsCluster, bus: Bus) -> AsyncIterator[Bus]:
-    await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
+    await bus.open_partition_log(LOG_STREAM, PREFIX)
     other = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-other-owner")
     yield other
     await other.close()

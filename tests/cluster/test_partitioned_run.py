@@ -47,6 +47,7 @@ from pathlib import Path
 import nats
 import nats.errors
 from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
 
 from kvhandoff.events.messages import (
     ACCEPTED,
@@ -78,6 +79,7 @@ HANDOFFS = 200
 SETTINGS = TierSettings(partitions=PARTITIONS)  # what `kvhandoff run` gives its tier
 LOG_STREAM = SETTINGS.log_stream
 INPUT_STREAM = "KVHANDOFF_IN"  # `kvhandoff run --stream`'s default
+EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 SUCCESS_EVENTS = 15  # a success handoff's log: 9 inputs and the 6 actions they issue
 
 
@@ -364,36 +366,41 @@ async def test_a_worker_that_owns_a_partition_again_catches_its_file_up_from_its
         verify(path)
 
 
-async def test_the_retention_bounds_the_replicated_log_and_refuses_deadlines_past_half_of_it(
+async def test_a_log_stream_of_the_previous_version_is_updated_for_snapshots(
     nats_cluster: NatsCluster, js: JetStreamContext, workers: list[TierWorker], tmp_path: Path
 ) -> None:
-    """`--retention` is the replicated log's `max_age` (the latest worker started sets it), and
-    a start whose deadline is longer than half of it is rejected, while one within it
-    completes."""
+    """The replicated log made by the previous version (an age limit of `--retention`, no
+    rollups, no atomic batches) is updated in place by a worker that starts on it: no age
+    limit, a snapshot's rollup appended by compare-and-set is stored and replaces its
+    subject's entries, and a start whose deadline is longer than the retention completes."""
+    await js.add_stream(
+        StreamConfig(
+            name=LOG_STREAM, subjects=[f"{SETTINGS.prefix}.log.*"], max_age=2 * 3600,
+            duplicate_window=120.0, num_replicas=3,
+        )
+    )  # fmt: skip
     url = nats_cluster.url
     w1 = whole_history_worker(url, "w1", tmp_path, "--retention", "2h")
     workers.append(w1)
     w1.start(timeout_s=2 * WITHIN_S)
     await until(w1.took_a_share, "w1 takes the partitions")
-    assert (await js.stream_info(LOG_STREAM)).config.max_age == 2 * 3600
+    config = (await js.stream_info(LOG_STREAM)).config
+    assert (config.max_age, config.allow_rollup_hdrs, config.allow_atomic) == (0, True, True)
+    # A subject the stream captures that no partition uses, so the tier's logs stay as they are.
+    probe = f"{SETTINGS.prefix}.log.probe"
+    first = await js.publish(probe, b"entry", headers={EXPECTED_LAST: "0"})
+    rollup = {"Nats-Rollup": "sub", EXPECTED_LAST: str(first.seq)}
+    snapshot = await js.publish(probe, b"snapshot", headers=rollup)
+    held = await js.stream_info(LOG_STREAM, subjects_filter=probe)
+    assert held.state.subjects == {probe: 1} and snapshot.seq > first.seq
     engines = ScriptedEngines(url.split(",")[0])
     await engines.start()
     try:
-        within = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 3_600_000)
-        beyond = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 3_600_001)
-        await engines.start_handoff(beyond)
-        await engines.start_handoff(within)
-        rejection = await engines.wait_rejection(beyond.handoff_id)
-        assert "half its --retention" in rejection.reason, rejection
-        await engines.wait_complete({within.handoff_id}, within=2 * WITHIN_S)
+        long = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 3 * 3_600_000)
+        await engines.start_handoff(long)
+        await engines.wait_complete({long.handoff_id}, within=2 * WITHIN_S)
     finally:
         await engines.close()
-    await asyncio.wait_for(asyncio.to_thread(w1.terminate, 2 * WITHIN_S), 3 * WITHIN_S)
-    w2 = whole_history_worker(url, "w2", tmp_path, "--retention", "3h")
-    workers.append(w2)
-    w2.start(timeout_s=2 * WITHIN_S)
-    await until(w2.took_a_share, "w2 takes the partitions")
-    assert (await js.stream_info(LOG_STREAM)).config.max_age == 3 * 3600
 
 
 async def test_an_early_fact_is_deferred_until_its_precondition_holds(

@@ -28,7 +28,7 @@ BIG = 3 * 1024 * 1024  # three of the bus's largest messages, and more
 
 @pytest.fixture
 async def other(nats_cluster: NatsCluster, bus: Bus) -> AsyncIterator[Bus]:
-    await bus.open_partition_log(LOG_STREAM, PREFIX, max_age_s=0)
+    await bus.open_partition_log(LOG_STREAM, PREFIX)
     other = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-other-owner")
     yield other
     await other.close()

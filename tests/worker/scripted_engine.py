@@ -40,10 +40,12 @@ Script = Callable[[Action], list[Input]]
 
 
 class ScriptedEngines:
-    def __init__(self, url: str, script: Script = success_script) -> None:
+    def __init__(
+        self, url: str, script: Script = success_script, *, prefix: str = "kvhandoff"
+    ) -> None:
         self.url = url
         self.script = script
-        self.subjects = Subjects()
+        self.subjects = Subjects(prefix)
         self.first: dict[tuple[UUID, int], Action] = {}
         self.replies: dict[tuple[UUID, int], list[Input]] = {}
         self.effects: Counter[tuple[UUID, int]] = Counter()

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -63,6 +63,20 @@ def test_defaults() -> None:
         log_format="text",
         log_level="INFO",
     )
+
+
+def test_the_tiers_streams_are_named_after_its_input_stream_unless_told() -> None:
+    """The default tier keeps the names it always had; another input stream names its own, so
+    that a second tier on the account needs only `--subject-prefix` and `--stream`."""
+    default = worker_config(parse())
+    assert (default.done_stream, default.log_stream) == ("KVHANDOFF_DONE", "KVHANDOFF_LOG")
+    other = worker_config(parse("--stream", "TIERB_IN"))
+    assert (other.done_stream, other.log_stream) == ("TIERB_DONE", "TIERB_LOG")
+    bare = worker_config(parse("--stream", "tierb"))
+    assert (bare.done_stream, bare.log_stream) == ("tierb_DONE", "tierb_LOG")
+    told = worker_config(parse("--stream", "TIERB_IN", "--done-stream", "D", "--log-stream", "L"))
+    assert (told.done_stream, told.log_stream) == ("D", "L")
+    assert tier_settings(other) == TierSettings(partitions=1, stream="TIERB_IN")
 
 
 def test_the_log_is_kept_a_week_unless_told_and_the_default_is_one_partition_in_db(
@@ -120,6 +134,7 @@ def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     )
     assert config.db_path == Path("logs/worker.db")
     assert (config.stream, config.consumer) == ("PROD_IN", "worker-a")
+    assert (config.done_stream, config.log_stream) == ("PROD_DONE", "PROD_LOG")
     assert config.retry_interval_s == pytest.approx(0.25)
     assert config.synchronous == "NORMAL"
     assert config.retention_s == 7 * 86_400
@@ -198,7 +213,6 @@ INVALID = [
     Invalid([], "--partitions above 1 needs --data-dir", env={"KVHANDOFF_PARTITIONS": "4"}),
     Invalid(["--partitions", "0", "--data-dir", "."], "--partitions: 0 is not in 1..1024"),
     Invalid(["--partitions", "1025", "--data-dir", "."], "--partitions: 1025 is not in 1..1024"),
-    Invalid(["--partitions", "4", "--data-dir", "missing"], "--data-dir: missing is not a dir"),
 ]
 
 
@@ -214,6 +228,24 @@ def test_each_invalid_setting_is_named(
 
     with pytest.raises(ConfigError, match=f"^{re.escape(case.error)}"):
         worker_config(args)
+
+
+def test_a_missing_data_dir_is_made_private_with_its_parents(tmp_path: Path) -> None:
+    config = worker_config(parse("--partitions", "4", "--data-dir", "tier/data"))
+    config.make_data_dir()
+    config.make_data_dir()  # and found there the next time
+    for made in (tmp_path / "tier", tmp_path / "tier/data"):
+        assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700, made
+
+
+@pytest.mark.parametrize("data_dir", ["taken", "taken/data"])
+def test_a_data_dir_with_a_file_in_the_way_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], data_dir: str
+) -> None:
+    (tmp_path / "taken").touch()
+    assert main(["run", "--partitions", "4", "--data-dir", data_dir]) == 2
+    error = capsys.readouterr().err
+    assert f"--data-dir: taken is in the way of {data_dir}: it is not a directory" in error
 
 
 def test_a_creds_file_needs_nkeys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -302,8 +334,7 @@ def test_kvhandoff_runs_defaults_are_the_tiers_and_its_help_says_them(
     its NATS settings, and may not load the tier), so the tier's timings are written in both:
     they must agree, and `--ack-wait`'s help must give the pull's expiry that the check adds."""
     config = worker_config(parse())
-    expected = replace(TierSettings(partitions=1), log_max_age_s=config.tier_retention_s)
-    assert tier_settings(config) == expected
+    assert tier_settings(config) == TierSettings(partitions=1)
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     helps = " ".join(capsys.readouterr().out.split())

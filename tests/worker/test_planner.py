@@ -226,26 +226,6 @@ def test_the_generated_traffic_exercises_every_kind_of_settlement() -> None:
     assert log.rows[start.handoff_id].state == "open"  # cleaning up after the reopen
 
 
-def test_a_start_with_a_deadline_past_the_bound_is_rejected_and_one_within_it_opens() -> None:
-    """The tier keeps a handoff's replicated log for a bounded time (worker.service): a
-    start whose deadline would outlive it is refused, and nothing of it is logged."""
-    planner = Planner(SUBJECTS, defer_budget=4, ack_wait_s=30.0, longest_deadline_ms=60_000)
-    within = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
-    beyond = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_001)
-    stream = [
-        Delivery(encode(start), SUBJECTS.input(start.handoff_id), 1, seq)
-        for seq, start in enumerate([within, beyond])
-    ]
-    plan = planner.plan(stream, planner.decode(stream), {}, NOW_MS, 0.0)
-    assert plan.acks == [0]
-    [(index, rejection)] = plan.terms
-    assert (index, rejection.handoff_id) == (1, beyond.handoff_id)
-    assert "60001 is longer than this worker keeps" in rejection.reason
-    assert plan.reasons == {"deadline": 1}
-    assert set(planner.open) == {within.handoff_id}
-    assert {UUID(event[0]) for event in plan.batch.events} == {within.handoff_id}
-
-
 def test_a_late_input_for_a_handoff_known_by_its_tombstone_is_answered_as_its_log_would() -> None:
     """A handoff that ended and left its rows behind (a file caught up from a snapshot lacks
     them) is known by its tombstone: an exact duplicate of an input it accepted is a duplicate,

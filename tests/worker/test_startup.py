@@ -5,6 +5,7 @@
 - NATS that is not up yet is retried with backoff, and SIGTERM ends the worker promptly with
   exit 0 wherever start-up is: between retries, while the server does not answer, while
   JetStream does not answer, while reconnecting.
+- A worker given a data directory that does not exist creates it, and serves.
 - A second worker on the stream, with its own log, is a member of a tier of one partition: it
   stands by, healthy, and takes the partition over when the first stops; a paused owner that
   wakes after the other took over serves nothing more of it and stays up.
@@ -448,3 +449,15 @@ def test_a_connection_closed_as_tls_begins_is_a_refusal_without_a_client_certifi
     assert "set --tls-cert" in (_refusal(closed, with_tls) or "")
     assert _refusal(closed, NatsSettings()) is None
     assert _refusal(closed, NatsSettings(tls_ca=ca, tls_cert=ca, tls_key=ca)) is None
+
+
+async def test_a_worker_creates_its_missing_data_dir_and_serves(
+    nats_server: EmbeddedNats, engines: ScriptedEngines, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "missing" / "data"
+    worker = WorkerProcess(nats_server.url, tmp_path / "unused.db", "--data-dir", str(data_dir))
+    with worker:
+        await asyncio.to_thread(worker.start)
+        handoff_id = await handled(engines)
+    assert data_dir.stat().st_mode & 0o777 == 0o700
+    assert logged_ids(data_dir / "partition-0.db") == {handoff_id}

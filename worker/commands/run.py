@@ -37,9 +37,9 @@ from kvhandoff.worker.errors import (
     BusRefused,
     ConfigError,
     LogDiverges,
-    PartitionsMismatch,
     StoreError,
     StoreLocked,
+    StreamMismatch,
 )
 from kvhandoff.worker.logs import configure_logging
 from kvhandoff.worker.metrics import Metrics, MetricsServer
@@ -59,6 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace) -> int:
     try:
         config = worker_config(args)
+        config.make_data_dir()
     except ConfigError as exc:
         print(f"kvhandoff run: {exc}", file=sys.stderr)
         return 2
@@ -76,7 +77,7 @@ def execute(args: argparse.Namespace) -> int:
     with lock:
         try:
             return asyncio.run(serve(config))
-        except (BusRefused, ConfigError, LogDiverges, PartitionsMismatch) as exc:
+        except (BusRefused, ConfigError, LogDiverges, StreamMismatch) as exc:
             logger.error("cannot start: %s", exc)
             return 2
         except (StoreError, BusError) as exc:
