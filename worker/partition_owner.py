@@ -119,7 +119,7 @@ from functools import partial
 from typing import Literal
 
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
-from kvhandoff.worker.errors import BusError, Fenced, PinMismatch
+from kvhandoff.worker.errors import BusError, Fenced, PinMismatch, StoreError
 from kvhandoff.worker.input_order import InputOrder
 from kvhandoff.worker.metrics import TierMetrics
 from kvhandoff.worker.ownership import CaughtUp, PartitionLog
@@ -415,7 +415,7 @@ class PartitionOwner:
                 await (inbound.ack() if seq in self._applied else inbound.nak())
             if self._claimed:
                 if self._since_snapshot:
-                    await self._write_snapshot()  # the next owner reads that, and no more
+                    await self._snapshot_handing_over()
                 await self.log.hand_over()  # before the unpin: before the next claim
             await self._bus.unpin(self._stream, self._consumer)
         except BusError as exc:
@@ -432,6 +432,19 @@ class PartitionOwner:
             "partition %d: handed over by %s (%d inputs given back)",
             self.log.partition, self.log.owner, len(in_hand),
         )  # fmt: skip
+
+    async def _snapshot_handing_over(self) -> None:
+        """The snapshot of a clean hand-over, which the next owner reads and no more. A local
+        file that fails it (a full disk) costs the next owner the entries since the last one,
+        not the hand-over: nothing was lost, the replicated log still holds them."""
+        try:
+            await self._write_snapshot()
+        except StoreError as exc:
+            logger.warning(
+                "partition %d: no snapshot at the hand-over (%s); the next owner reads the "
+                "entries since the last one",
+                self.log.partition, exc,
+            )  # fmt: skip
 
     async def _forget(self) -> None:
         """Drop from the applied inputs those at or below the consumer's ack floor, at most
