@@ -972,6 +972,8 @@ _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 # "duplicate message id is in process": our own earlier attempt is still being replicated.
 _OWN_ATTEMPT_IN_FLIGHT = 10158
+# "subjects overlap with an existing stream": another stream already stores those subjects.
+_SUBJECTS_OVERLAP = 10065
 
 
 def partition_subject(prefix: str, partition: int) -> str:
@@ -1326,6 +1328,29 @@ class Bus:
                 await self._js.update_stream(config)
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot open completion stream {stream}: {exc}") from exc
+
+    async def capture_unless_captured(self, stream: str, subjects: str, max_age_s: float) -> bool:
+        """Create `stream` to store `subjects` unless a stream already does (a worker's input
+        stream, say); True if it created one. `kvhandoff engine-check` uses it so that an
+        engine's JetStream publishes are stored, and so answered, without a worker."""
+        config = StreamConfig(
+            name=stream, subjects=[subjects], retention=RetentionPolicy.LIMITS, max_age=max_age_s
+        )
+        try:
+            await self._js.add_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code == _SUBJECTS_OVERLAP:
+                return False
+            raise BusError(f"cannot open stream {stream}: {_why(exc)}") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot open stream {stream}: {_why(exc)}") from exc
+        return True
+
+    async def delete_stream(self, stream: str) -> None:
+        try:
+            await self._js.delete_stream(stream)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot delete stream {stream}: {_why(exc)}") from exc
 
     # --- Scale-out: partitions, pins, fencing, membership (see the module docstring) --------
 

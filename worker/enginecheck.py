@@ -1,0 +1,447 @@
+"""Engine conformance: scripted scenarios that hold one engine on the bus to the wire contract
+(`docs/contract.md`), rule by rule. `kvhandoff engine-check ENGINE_ID` prints the verdicts.
+
+The checker plays the tier: it publishes actions on the engine's subject with fresh handoff ids,
+as the worker would, and reads what the engine publishes on `<prefix>.in.<handoff_id>` as a core
+subscriber. So that the engine's JetStream publishes are stored (and so acknowledged) without a
+worker, it creates a short-lived stream for the inputs unless one already stores them (a worker's:
+the worker then rejects the checker's inputs, whose handoffs it never started, and nothing else
+happens). Each rule is one scenario on handoffs of its own, so one broken rule fails one line.
+
+What a rule waits for comes within `wait_s`; that nothing more comes (no second effect, no fact
+after a cancel) is watched for `quiet_s`. Those windows are the checker's only clock: an engine
+whose slow part outlasts `quiet_s` can break the cancel rules unseen, so set it above the
+engine's prefill and reservation time.
+
+Order within a scenario is held only where a rule says so: a fact that overtakes its outcome
+fails `fact-after-outcome` alone, and the other rules take the two in either order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvhandoff.events.codec import decode_input, encode
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.messages import (
+    Accepted,
+    Action,
+    ActionFailed,
+    ActionOutcome,
+    ActivateDestination,
+    Applied,
+    CancelDestination,
+    CancelSource,
+    DestinationReserved,
+    Input,
+    Noop,
+    Outcome,
+    ReleaseSource,
+    ReserveDestination,
+    Role,
+    Scheduled,
+    SourceHeld,
+    StartTransfer,
+    SubmitPrefill,
+    Submitted,
+    TransferCompleted,
+)
+from kvhandoff.events.reports import EnginesReport
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus, Message, Subscription
+
+DEFAULT_WAIT_S = 5.0
+DEFAULT_QUIET_S = 1.0
+
+_report_decoder = msgspec.json.Decoder(EnginesReport)
+
+
+class RuleBroken(Exception):
+    """A scenario saw the engine break its rule; the message says what came instead."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One rule's result, and the exchange that decided it (`→` sent, `←` came back)."""
+
+    rule: str
+    passed: bool
+    exchange: tuple[str, ...]
+    detail: str = ""
+
+    def line(self) -> str:
+        head = f"{'PASS' if self.passed else 'FAIL'}  {self.rule:<20}"
+        said = f"  {self.detail}" if self.detail else ""
+        return f"{head}{said}  [{'; '.join(self.exchange)}]"
+
+
+@dataclass(frozen=True)
+class _Side:
+    """What an engine of one role is sent first, answers, and reports when the slow part ends."""
+
+    first: type[SubmitPrefill] | type[ReserveDestination]
+    answer: type[Outcome]
+    fact: type[SourceHeld] | type[DestinationReserved]
+    cancel: type[CancelSource] | type[CancelDestination]
+
+
+_SIDES = {
+    Role.SOURCE: _Side(SubmitPrefill, Submitted, SourceHeld, CancelSource),
+    Role.DESTINATION: _Side(ReserveDestination, Accepted, DestinationReserved, CancelDestination),
+}
+_CLEANED = (Applied, Noop)
+
+
+def role_of(engine_id: str) -> Role | None:
+    """The role the kvhandoff naming gives an engine id (`<type>-prefill-<i>` is a source,
+    `<type>-decode-<i>` a destination), or None if the id does not follow it."""
+    if "-prefill-" in engine_id:
+        return Role.SOURCE
+    if "-decode-" in engine_id:
+        return Role.DESTINATION
+    return None
+
+
+class _Inbox:
+    """Everything published on the input subjects, queued per handoff."""
+
+    def __init__(self, subjects: Subjects) -> None:
+        self._subjects = subjects
+        self._queues: defaultdict[HandoffId, asyncio.Queue[Input | str]] = defaultdict(
+            asyncio.Queue
+        )
+
+    async def deliver(self, msg: Message) -> None:
+        handoff_id = self._subjects.input_handoff(msg.subject)
+        if handoff_id is None:
+            return
+        queue = self._queues[handoff_id]
+        try:
+            message = decode_input(msg.data)
+        except msgspec.DecodeError as exc:
+            queue.put_nowait(f"undecodable {msg.data[:80]!r}: {exc}")
+            return
+        if message.handoff_id != handoff_id:
+            queue.put_nowait(f"{_name(message)} naming {message.handoff_id} on {msg.subject}")
+            return
+        queue.put_nowait(message)
+
+    def queue(self, handoff_id: HandoffId) -> asyncio.Queue[Input | str]:
+        return self._queues[handoff_id]
+
+
+@dataclass
+class _Script:
+    """One scenario's handoff: what it sent, what came back, and what came early."""
+
+    check: EngineCheck
+    handoff_id: HandoffId = field(default_factory=uuid.uuid4)
+    exchange: list[str] = field(default_factory=list)
+    unread: list[Input] = field(default_factory=list)
+    arrivals: list[Input] = field(default_factory=list)
+
+    async def send(self, action: Action) -> None:
+        self.exchange.append(f"→ {_name(action)}")
+        await self.check.bus.publish(
+            self.check.subjects.engine(self.check.engine_id), encode(action)
+        )
+
+    async def _next(self, wait_s: float) -> Input | None:
+        queue = self.check.inbox.queue(self.handoff_id)
+        try:
+            async with asyncio.timeout(wait_s):
+                message = await queue.get()
+        except TimeoutError:
+            return None
+        if isinstance(message, str):
+            self.exchange.append(f"← {message}")
+            raise RuleBroken(f"published {message}")
+        self.exchange.append(f"← {_name(message)}")
+        self.arrivals.append(message)
+        return message
+
+    async def outcome(self, action_id: int) -> Outcome:
+        """The outcome of action `action_id`; anything else that comes first is kept."""
+        for message in self.unread:
+            if isinstance(message, ActionOutcome) and message.action_id == action_id:
+                self.unread.remove(message)
+                return message.outcome
+        give_up = asyncio.get_running_loop().time() + self.check.wait_s
+        while (left := give_up - asyncio.get_running_loop().time()) > 0:
+            arrived = await self._next(left)
+            if isinstance(arrived, ActionOutcome) and arrived.action_id == action_id:
+                return arrived.outcome
+            if arrived is not None:
+                self.unread.append(arrived)
+        raise RuleBroken(f"no outcome for action #{action_id} within {self.check.wait_s:g}s")
+
+    async def fact(self, kind: type[Input]) -> None:
+        """Wait for a fact of `kind` (or take it if it came already)."""
+        for message in self.unread:
+            if type(message) is kind:
+                self.unread.remove(message)
+                return
+        give_up = asyncio.get_running_loop().time() + self.check.wait_s
+        while (left := give_up - asyncio.get_running_loop().time()) > 0:
+            arrived = await self._next(left)
+            if type(arrived) is kind:
+                return
+            if arrived is not None:
+                self.unread.append(arrived)
+        raise RuleBroken(f"no {_tag(kind)} within {self.check.wait_s:g}s")
+
+    async def quiet(self) -> list[Input]:
+        """What else comes within `quiet_s` (besides what came early and was not read)."""
+        extra, self.unread = list(self.unread), []
+        give_up = asyncio.get_running_loop().time() + self.check.quiet_s
+        while (left := give_up - asyncio.get_running_loop().time()) > 0:
+            message = await self._next(left)
+            if message is not None:
+                extra.append(message)
+        return extra
+
+
+def _expect(outcome: Outcome, *kinds: type[Outcome], what: str) -> None:
+    if not isinstance(outcome, kinds):
+        wanted = " or ".join(_tag(kind) for kind in kinds)
+        raise RuleBroken(f"{what} was answered {_describe(outcome)}, not {wanted}")
+
+
+def _no_facts(extra: list[Input], after: str) -> None:
+    facts = [_name(message) for message in extra if not isinstance(message, ActionOutcome)]
+    if facts:
+        raise RuleBroken(f"{', '.join(facts)} after {after}")
+
+
+class EngineCheck:
+    """The scenarios, against one engine id of one role, on a connected `Bus`."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        engine_id: str,
+        role: Role,
+        *,
+        wait_s: float = DEFAULT_WAIT_S,
+        quiet_s: float = DEFAULT_QUIET_S,
+    ) -> None:
+        self.bus = bus
+        self.subjects = subjects
+        self.engine_id = engine_id
+        self.role = role
+        self.side = _SIDES[role]
+        self.wait_s = wait_s
+        self.quiet_s = quiet_s
+        self.inbox = _Inbox(subjects)
+
+    @property
+    def rules(self) -> dict[str, Callable[[_Script], Awaitable[str]]]:
+        """Each rule's scenario, in the order they run; each returns what it saw on a pass."""
+        return {
+            "probe": self._probe,
+            "report": self._report,
+            "forward-path": self._forward_path,
+            "fact-after-outcome": self._fact_after_outcome,
+            "repeat": self._repeat,
+            "duplicate": self._duplicate,
+            "cancel-before": self._cancel_before,
+            "cancel-during": self._cancel_during,
+            "cancel-after": self._cancel_after,
+            "late-forward": self._late_forward,
+        }
+
+    async def run(self, only: set[str] | None = None) -> list[Verdict]:
+        """Run every rule (or those named in `only`) and return one verdict per rule."""
+        stream_subjects = self.subjects.inputs
+        # One per prefix (a stream name has no dots), gone at the end or after five minutes.
+        stream = f"KVHANDOFF_ENGINE_CHECK_{self.subjects.prefix.replace('.', '_')}"
+        created = await self.bus.capture_unless_captured(stream, stream_subjects, max_age_s=300.0)
+        subscription: Subscription = await self.bus.subscribe(stream_subjects, self.inbox.deliver)
+        await self.bus.flush()
+        try:
+            verdicts = []
+            for rule, scenario in self.rules.items():
+                if only is None or rule in only:
+                    verdicts.append(await self._verdict(rule, scenario))
+            return verdicts
+        finally:
+            await subscription.unsubscribe()
+            if created:
+                await self.bus.delete_stream(stream)
+
+    async def _verdict(self, rule: str, scenario: Callable[[_Script], Awaitable[str]]) -> Verdict:
+        script = _Script(self)
+        try:
+            seen = await scenario(script)
+        except RuleBroken as exc:
+            return Verdict(rule, False, tuple(script.exchange), str(exc))
+        return Verdict(rule, True, tuple(script.exchange), seen)
+
+    # --- The scenarios ----------------------------------------------------------------------
+
+    async def _probe(self, script: _Script) -> str:
+        script.exchange.append("→ empty request on the action subject")
+        replies = await self.bus.gather(
+            self.subjects.engine(self.engine_id), b"", first_reply_s=self.wait_s, quiet_s=0.0
+        )
+        if not replies:
+            raise RuleBroken(f"no reply within {self.wait_s:g}s")
+        script.exchange.append(f"← {replies[0][:40]!r}")
+        if replies[0]:
+            raise RuleBroken("the reply to a probe must be empty")
+        return "answered, empty"
+
+    async def _report(self, script: _Script) -> str:
+        script.exchange.append(f"→ request on {self.subjects.engines_report}")
+        replies = await self.bus.gather(
+            self.subjects.engines_report, b"", first_reply_s=self.wait_s, quiet_s=0.2
+        )
+        script.exchange.append(f"← {len(replies)} replies")
+        for reply in replies:
+            try:
+                report = _report_decoder.decode(reply)
+            except msgspec.DecodeError:
+                continue  # another process's business; ours must decode
+            for status in report.engines:
+                if status.engine_id == self.engine_id:
+                    if status.role is not self.role:
+                        raise RuleBroken(f"reported as a {status.role}, not a {self.role}")
+                    leaks = sum(leak.engine_id == self.engine_id for leak in report.leaks)
+                    return f"process {report.process}, {leaks} leaks"
+        raise RuleBroken(f"no engines_report that decodes names {self.engine_id}")
+
+    async def _forward_path(self, script: _Script) -> str:
+        """The role's actions in the order the coordinator issues them, each answered as the
+        contract says, with its fact."""
+        side, h = self.side, script.handoff_id
+        await script.send(side.first(h, 0))
+        _expect(await script.outcome(0), side.answer, what=_tag(side.first))
+        await script.fact(side.fact)
+        if self.role is Role.SOURCE:
+            await script.send(StartTransfer(h, 1, delay_ms=0.0))
+            _expect(await script.outcome(1), Scheduled, what="start_transfer")
+            await script.fact(TransferCompleted)
+            await script.send(ReleaseSource(h, 2))
+            _expect(await script.outcome(2), *_CLEANED, what="release_source")
+        else:
+            await script.send(ActivateDestination(h, 1))
+            _expect(await script.outcome(1), Applied, what="activate_destination")
+            # A terminal fact after a success reopens cleanup: the decode is canceled.
+            await script.send(CancelDestination(h, 2))
+            _expect(await script.outcome(2), *_CLEANED, what="cancel_destination after success")
+        return "every action answered as the contract says, facts included"
+
+    async def _fact_after_outcome(self, script: _Script) -> str:
+        side = self.side
+        await script.send(side.first(script.handoff_id, 0))
+        await script.outcome(0)
+        await script.fact(side.fact)
+        kinds = [type(message) for message in script.arrivals]
+        if kinds.index(side.fact) < kinds.index(ActionOutcome):
+            raise RuleBroken(f"{_tag(side.fact)} overtook the outcome it follows from")
+        await self._clean(script, 1)
+        return f"{_tag(side.fact)} came after {_tag(side.answer)}"
+
+    async def _repeat(self, script: _Script) -> str:
+        """The worker's retry of an action whose outcome it missed, arriving after a later
+        action: the same outcome again, and no second effect."""
+        side, h = self.side, script.handoff_id
+        await script.send(side.first(h, 0))
+        first = await script.outcome(0)
+        await script.fact(side.fact)
+        await script.send(side.cancel(h, 1))
+        await script.outcome(1)
+        await script.send(side.first(h, 0))
+        again = await script.outcome(0)
+        if again != first:
+            raise RuleBroken(
+                f"#0 repeated was answered {_describe(again)}, first {_describe(first)}"
+            )
+        _no_facts(await script.quiet(), "the repeat")
+        return f"#0 answered {_describe(first)} again, no second effect"
+
+    async def _duplicate(self, script: _Script) -> str:
+        """Two copies of one action delivered back to back: one effect."""
+        side, h = self.side, script.handoff_id
+        await script.send(side.first(h, 0))
+        await script.send(side.first(h, 0))
+        first, second = await script.outcome(0), await script.outcome(0)
+        if first != second:
+            raise RuleBroken(f"copies answered {_describe(first)} and {_describe(second)}")
+        await script.fact(side.fact)
+        _no_facts(await script.quiet(), f"the first {_tag(side.fact)}")
+        await self._clean(script, 1)
+        return f"both copies answered {_describe(first)}, one {_tag(side.fact)}"
+
+    async def _cancel_before(self, script: _Script) -> str:
+        await script.send(self.side.cancel(script.handoff_id, 0))
+        _expect(await script.outcome(0), *_CLEANED, what="a cancel of nothing")
+        _no_facts(await script.quiet(), "the cancel")
+        return "nothing held: the cancel did not fail"
+
+    async def _cancel_during(self, script: _Script) -> str:
+        side, h = self.side, script.handoff_id
+        await script.send(side.first(h, 0))
+        await script.send(side.cancel(h, 1))
+        await script.outcome(0)
+        cancel = await script.outcome(1)
+        _expect(cancel, *_CLEANED, what=f"{_tag(side.cancel)} mid-work")
+        # A fact that came before the cancel's outcome finished before the cancel was handled.
+        early = [m for m in script.arrivals if isinstance(m, side.fact)]
+        script.unread = [m for m in script.unread if not isinstance(m, side.fact)]
+        _no_facts(await script.quiet(), f"the {_tag(side.cancel)}")
+        if early:
+            return (
+                f"the slow part ended before the cancel came (not exercised); {_describe(cancel)}"
+            )
+        return f"the work was dropped: {_describe(cancel)}, no {_tag(side.fact)}"
+
+    async def _cancel_after(self, script: _Script) -> str:
+        side, h = self.side, script.handoff_id
+        await script.send(side.first(h, 0))
+        await script.outcome(0)
+        await script.fact(side.fact)
+        await script.send(side.cancel(h, 1))
+        _expect(await script.outcome(1), Applied, what=f"{_tag(side.cancel)} of what is held")
+        return "what was held was freed: applied"
+
+    async def _late_forward(self, script: _Script) -> str:
+        """A forward action that arrives after the handoff was cleaned up here (the worker's
+        retry of a first copy that was lost) must not take ownership: nothing would free it."""
+        side, h = self.side, script.handoff_id
+        await script.send(side.cancel(h, 1))
+        await script.outcome(1)
+        await script.send(side.first(h, 0))
+        _expect(await script.outcome(0), ActionFailed, what=f"{_tag(side.first)} after cleanup")
+        _no_facts(await script.quiet(), f"the refused {_tag(side.first)}")
+        return "refused: failed"
+
+    async def _clean(self, script: _Script, action_id: int) -> None:
+        """Leave nothing held by the scenario's handoff (the engine's report stays clean)."""
+        await script.send(self.side.cancel(script.handoff_id, action_id))
+        await script.outcome(action_id)
+
+
+def _tag(kind: type[msgspec.Struct]) -> str:
+    return str(kind.__struct_config__.tag)
+
+
+def _name(message: Input | Action) -> str:
+    tag = _tag(type(message))
+    if isinstance(message, ActionOutcome):
+        return f"{_describe(message.outcome)}#{message.action_id}"
+    action_id = getattr(message, "action_id", None)
+    return tag if action_id is None else f"{tag}#{action_id}"
+
+
+def _describe(outcome: Outcome) -> str:
+    if isinstance(outcome, ActionFailed):
+        return f"failed({outcome.reason!r})"
+    return _tag(type(outcome))
