@@ -87,6 +87,7 @@ async def test_every_way_a_handoff_ends_is_counted(
     assert report.final == FinalStates(succeeded=2, canceled=4)
     assert report.latency_ms.count == 4
     assert (report.engine_processes, report.leaks) == (0, 0)
+    assert report.unreported == ROSTER.engine_ids()  # no engine answered: none is counted
     assert not report.ok
     assert [p.ended for p in progress] == list(range(1, 11))
 
@@ -168,6 +169,7 @@ async def test_a_run_against_the_worker_and_the_engines_ends_every_handoff_witho
     assert report.latency_ms.p50 is not None and report.latency_ms.p99 is not None
     assert report.latency_ms.p50 <= report.latency_ms.p99
     assert (report.engine_processes, report.engines_settled) == (1, True)
+    assert report.unreported == []
     assert report.throughput_per_s > 0
 
 
