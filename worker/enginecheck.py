@@ -56,13 +56,18 @@ from kvhandoff.events.reports import EnginesReport
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Message, Subscription
 
+# The rules, in the order they run (docs/contract.md, "Check an engine").
+RULES = (
+    "probe", "report", "forward-path", "fact-after-outcome", "repeat", "duplicate",
+    "cancel-before", "cancel-during", "cancel-after", "late-forward",
+)  # fmt: skip
 DEFAULT_WAIT_S = 5.0
 DEFAULT_QUIET_S = 1.0
 
 _report_decoder = msgspec.json.Decoder(EnginesReport)
 
 
-class RuleBroken(Exception):
+class _RuleBroken(Exception):
     """A scenario saw the engine break its rule; the message says what came instead."""
 
 
@@ -161,7 +166,7 @@ class _Script:
             return None
         if isinstance(message, str):
             self.exchange.append(f"← {message}")
-            raise RuleBroken(f"published {message}")
+            raise _RuleBroken(f"published {message}")
         self.exchange.append(f"← {_name(message)}")
         self.arrivals.append(message)
         return message
@@ -179,7 +184,7 @@ class _Script:
                 return arrived.outcome
             if arrived is not None:
                 self.unread.append(arrived)
-        raise RuleBroken(f"no outcome for action #{action_id} within {self.check.wait_s:g}s")
+        raise _RuleBroken(f"no outcome for action #{action_id} within {self.check.wait_s:g}s")
 
     async def fact(self, kind: type[Input]) -> None:
         """Wait for a fact of `kind` (or take it if it came already)."""
@@ -194,7 +199,7 @@ class _Script:
                 return
             if arrived is not None:
                 self.unread.append(arrived)
-        raise RuleBroken(f"no {_tag(kind)} within {self.check.wait_s:g}s")
+        raise _RuleBroken(f"no {_tag(kind)} within {self.check.wait_s:g}s")
 
     async def quiet(self) -> list[Input]:
         """What else comes within `quiet_s` (besides what came early and was not read)."""
@@ -210,13 +215,13 @@ class _Script:
 def _expect(outcome: Outcome, *kinds: type[Outcome], what: str) -> None:
     if not isinstance(outcome, kinds):
         wanted = " or ".join(_tag(kind) for kind in kinds)
-        raise RuleBroken(f"{what} was answered {_describe(outcome)}, not {wanted}")
+        raise _RuleBroken(f"{what} was answered {_describe(outcome)}, not {wanted}")
 
 
 def _no_facts(extra: list[Input], after: str) -> None:
     facts = [_name(message) for message in extra if not isinstance(message, ActionOutcome)]
     if facts:
-        raise RuleBroken(f"{', '.join(facts)} after {after}")
+        raise _RuleBroken(f"{', '.join(facts)} after {after}")
 
 
 class EngineCheck:
@@ -242,8 +247,8 @@ class EngineCheck:
         self.inbox = _Inbox(subjects)
 
     @property
-    def rules(self) -> dict[str, Callable[[_Script], Awaitable[str]]]:
-        """Each rule's scenario, in the order they run; each returns what it saw on a pass."""
+    def scenarios(self) -> dict[str, Callable[[_Script], Awaitable[str]]]:
+        """Each rule's scenario; each returns what it saw on a pass."""
         return {
             "probe": self._probe,
             "report": self._report,
@@ -267,9 +272,10 @@ class EngineCheck:
         await self.bus.flush()
         try:
             verdicts = []
-            for rule, scenario in self.rules.items():
+            scenarios = self.scenarios
+            for rule in RULES:
                 if only is None or rule in only:
-                    verdicts.append(await self._verdict(rule, scenario))
+                    verdicts.append(await self._verdict(rule, scenarios[rule]))
             return verdicts
         finally:
             await subscription.unsubscribe()
@@ -280,7 +286,7 @@ class EngineCheck:
         script = _Script(self)
         try:
             seen = await scenario(script)
-        except RuleBroken as exc:
+        except _RuleBroken as exc:
             return Verdict(rule, False, tuple(script.exchange), str(exc))
         return Verdict(rule, True, tuple(script.exchange), seen)
 
@@ -292,10 +298,10 @@ class EngineCheck:
             self.subjects.engine(self.engine_id), b"", first_reply_s=self.wait_s, quiet_s=0.0
         )
         if not replies:
-            raise RuleBroken(f"no reply within {self.wait_s:g}s")
+            raise _RuleBroken(f"no reply within {self.wait_s:g}s")
         script.exchange.append(f"← {replies[0][:40]!r}")
         if replies[0]:
-            raise RuleBroken("the reply to a probe must be empty")
+            raise _RuleBroken("the reply to a probe must be empty")
         return "answered, empty"
 
     async def _report(self, script: _Script) -> str:
@@ -312,10 +318,10 @@ class EngineCheck:
             for status in report.engines:
                 if status.engine_id == self.engine_id:
                     if status.role is not self.role:
-                        raise RuleBroken(f"reported as a {status.role}, not a {self.role}")
+                        raise _RuleBroken(f"reported as a {status.role}, not a {self.role}")
                     leaks = sum(leak.engine_id == self.engine_id for leak in report.leaks)
                     return f"process {report.process}, {leaks} leaks"
-        raise RuleBroken(f"no engines_report that decodes names {self.engine_id}")
+        raise _RuleBroken(f"no engines_report that decodes names {self.engine_id}")
 
     async def _forward_path(self, script: _Script) -> str:
         """The role's actions in the order the coordinator issues them, each answered as the
@@ -345,7 +351,7 @@ class EngineCheck:
         await script.fact(side.fact)
         kinds = [type(message) for message in script.arrivals]
         if kinds.index(side.fact) < kinds.index(ActionOutcome):
-            raise RuleBroken(f"{_tag(side.fact)} overtook the outcome it follows from")
+            raise _RuleBroken(f"{_tag(side.fact)} overtook the outcome it follows from")
         await self._clean(script, 1)
         return f"{_tag(side.fact)} came after {_tag(side.answer)}"
 
@@ -361,7 +367,7 @@ class EngineCheck:
         await script.send(side.first(h, 0))
         again = await script.outcome(0)
         if again != first:
-            raise RuleBroken(
+            raise _RuleBroken(
                 f"#0 repeated was answered {_describe(again)}, first {_describe(first)}"
             )
         _no_facts(await script.quiet(), "the repeat")
@@ -374,7 +380,7 @@ class EngineCheck:
         await script.send(side.first(h, 0))
         first, second = await script.outcome(0), await script.outcome(0)
         if first != second:
-            raise RuleBroken(f"copies answered {_describe(first)} and {_describe(second)}")
+            raise _RuleBroken(f"copies answered {_describe(first)} and {_describe(second)}")
         await script.fact(side.fact)
         _no_facts(await script.quiet(), f"the first {_tag(side.fact)}")
         await self._clean(script, 1)

@@ -16,6 +16,7 @@ import pytest
 
 from kvhandoff.events.messages import Role
 from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker import enginecheck
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.enginecheck import EngineCheck, role_of
@@ -24,7 +25,7 @@ from tests.engines.broken_engine import Break, BrokenEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 KVHANDOFF = [sys.executable, "-m", "kvhandoff.worker.cli"]
-RULES = {rule.value for rule in Break}
+RULES = set(enginecheck.RULES)
 # The broken engine's slow part ends within milliseconds of what the rules watch for.
 QUIET_S = 0.3
 
@@ -122,6 +123,10 @@ async def test_an_engine_that_breaks_one_rule_fails_that_rule_alone(
     failed = {verdict.rule for verdict in verdicts if not verdict.passed}
     assert failed == ({broken.value} if broken else set()), [v.line() for v in verdicts]
     assert {verdict.rule for verdict in verdicts} == RULES
+
+
+def test_the_broken_engine_breaks_every_rule_in_turn() -> None:
+    assert {rule.value for rule in Break} == RULES
 
 
 def test_the_role_comes_from_the_engine_id_naming() -> None:

@@ -14,11 +14,14 @@ from kvhandoff.worker.config import NatsSettings, add_nats_arguments, nats_setti
 from kvhandoff.worker.enginecheck import (
     DEFAULT_QUIET_S,
     DEFAULT_WAIT_S,
+    RULES,
     EngineCheck,
     Verdict,
     role_of,
 )
 from kvhandoff.worker.errors import BusError, BusRefused, ConfigError
+
+CONNECT_TIMEOUT_S = 10.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +32,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the engine's role (default: from the id, <type>-prefill-<i> or <type>-decode-<i>)",
     )
     parser.add_argument(
-        "--rule", action="append", help="run only this rule (repeatable; default: all)"
+        "--rule",
+        action="append",
+        choices=RULES,
+        help="run only this rule (repeatable; default: all)",
     )
     parser.add_argument(
         "--wait",
@@ -74,7 +80,13 @@ def execute(args: argparse.Namespace) -> int:
 
 
 async def _check(settings: NatsSettings, args: argparse.Namespace, role: Role) -> list[Verdict]:
-    bus = await Bus.connect(settings, "kvhandoff-engine-check")
+    try:
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            bus = await Bus.connect(settings, "kvhandoff-engine-check")
+    except TimeoutError as exc:
+        # Bus.connect waits for a server that may start later; a check has nothing to wait for.
+        waited = f"{CONNECT_TIMEOUT_S:g}s"
+        raise BusError(f"NATS at {settings.url} did not answer within {waited}") from exc
     try:
         check = EngineCheck(
             bus,
