@@ -4,9 +4,10 @@
 The checker plays the tier: it publishes actions on the engine's subject with fresh handoff ids,
 as the worker would, and reads what the engine publishes on `<prefix>.in.<handoff_id>` as a core
 subscriber. So that the engine's JetStream publishes are stored (and so acknowledged) without a
-worker, it creates a short-lived stream for the inputs unless one already stores them (a worker's:
-the worker then rejects the checker's inputs, whose handoffs it never started, and nothing else
-happens). Each rule is one scenario on handoffs of its own, so one broken rule fails one line.
+worker, it creates a short-lived stream for the inputs unless one already stores them. If that
+is a worker's, the worker holds the checker's inputs back a while and then rejects them (it never
+started their handoffs); nothing else happens, and the checker sees them all the same. Each rule
+is one scenario on handoffs of its own, so one broken rule fails one line.
 
 What a rule waits for comes within `wait_s`; that nothing more comes (no second effect, no fact
 after a cancel) is watched for `quiet_s`. Those windows are the checker's only clock: an engine

@@ -22,6 +22,8 @@ from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.enginecheck import EngineCheck, role_of
 from kvhandoff.worker.natsserver import EmbeddedNats
 from tests.engines.broken_engine import Break, BrokenEngine
+from tests.engines.conftest import StartEngines
+from tests.engines.harness import SOURCE
 
 ROOT = Path(__file__).resolve().parents[2]
 KVHANDOFF = [sys.executable, "-m", "kvhandoff.worker.cli"]
@@ -139,3 +141,16 @@ async def test_an_id_that_names_no_role_needs_role(nats_server: EmbeddedNats) ->
     code, lines = await engine_check("my-engine", "--nats-url", nats_server.url)
     assert code == 2
     assert "--role" in "\n".join(lines)
+
+
+async def test_beside_a_worker_the_check_uses_its_stream_and_still_sees_everything(
+    subjects: Subjects, worker: Path, start_engines: StartEngines, bus: Bus
+) -> None:
+    # The worker's input stream stores the engine's inputs (the checker makes none of its own)
+    # and the worker rejects them, for handoffs it never started; the checker reads them as a
+    # core subscriber all the same.
+    await start_engines()
+    check = EngineCheck(bus, subjects, SOURCE, Role.SOURCE, quiet_s=QUIET_S)
+    verdicts = await check.run()
+    assert [v.line() for v in verdicts if not v.passed] == []
+    assert {verdict.rule for verdict in verdicts} == RULES
