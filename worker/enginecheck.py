@@ -152,6 +152,12 @@ class _Script:
     unread: list[Input] = field(default_factory=list)
     arrivals: list[Input] = field(default_factory=list)
 
+    def next_handoff(self) -> None:
+        """Go on with a fresh handoff, in the same exchange."""
+        self.handoff_id = uuid.uuid4()
+        self.unread, self.arrivals = [], []
+        self.exchange.append("(a second handoff)")
+
     async def send(self, action: Action) -> None:
         self.exchange.append(f"→ {_name(action)}")
         await self.check.bus.publish(
@@ -394,21 +400,36 @@ class EngineCheck:
         return "nothing held: the cancel did not fail"
 
     async def _cancel_during(self, script: _Script) -> str:
+        """A cancel while the first action's work runs; for a source, also while the transfer
+        runs, whose length the checker sets (`delay_ms`, within the quiet window)."""
         side, h = self.side, script.handoff_id
         await script.send(side.first(h, 0))
         await script.send(side.cancel(h, 1))
         await script.outcome(0)
-        cancel = await script.outcome(1)
-        _expect(cancel, *_CLEANED, what=f"{_tag(side.cancel)} mid-work")
+        seen = [await self._dropped(script, 1, side.fact)]
+        if self.role is Role.SOURCE:
+            script.next_handoff()
+            h = script.handoff_id
+            await script.send(SubmitPrefill(h, 0))
+            await script.outcome(0)
+            await script.fact(SourceHeld)
+            await script.send(StartTransfer(h, 1, delay_ms=self.quiet_s * 1000 / 2))
+            await script.send(CancelSource(h, 2))
+            await script.outcome(1)
+            seen.append(await self._dropped(script, 2, TransferCompleted))
+        return "; ".join(seen)
+
+    async def _dropped(self, script: _Script, cancel_id: int, fact: type[Input]) -> str:
+        """The cancel `cancel_id` is a cleanup's answer and no `fact` follows it."""
+        cancel = await script.outcome(cancel_id)
+        _expect(cancel, *_CLEANED, what=f"a cancel mid-work (#{cancel_id})")
         # A fact that came before the cancel's outcome finished before the cancel was handled.
-        early = [m for m in script.arrivals if isinstance(m, side.fact)]
-        script.unread = [m for m in script.unread if not isinstance(m, side.fact)]
-        _no_facts(await script.quiet(), f"the {_tag(side.cancel)}")
+        early = [m for m in script.arrivals if isinstance(m, fact)]
+        script.unread = [m for m in script.unread if not isinstance(m, fact)]
+        _no_facts(await script.quiet(), f"the cancel #{cancel_id}")
         if early:
-            return (
-                f"the slow part ended before the cancel came (not exercised); {_describe(cancel)}"
-            )
-        return f"the work was dropped: {_describe(cancel)}, no {_tag(side.fact)}"
+            return f"{_tag(fact)} came before the cancel (not exercised)"
+        return f"{_describe(cancel)}, no {_tag(fact)}"
 
     async def _cancel_after(self, script: _Script) -> str:
         side, h = self.side, script.handoff_id
