@@ -137,6 +137,19 @@ def test_the_role_comes_from_the_engine_id_naming() -> None:
     assert role_of("my-engine") is None
 
 
+async def test_an_engine_nobody_serves_fails_every_rule_and_the_command_exits_1(
+    nats_server: EmbeddedNats, subjects: Subjects
+) -> None:
+    bus = ["--nats-url", nats_server.url, "--subject-prefix", subjects.prefix]
+    code, lines = await engine_check("vllm-decode-9", *bus, "--wait", "0.3", "--quiet", "0.1")
+    assert code == 1
+    failed = [line for line in lines if line.startswith("FAIL ")]
+    assert {line.split()[1] for line in failed} == RULES
+    probe = next(line for line in failed if line.split()[1] == "probe")
+    assert "no reply" in probe and "→ empty request" in probe  # what it sent, what came back
+    assert lines[-1] == "vllm-decode-9 (destination): 0 passed, 10 failed"
+
+
 async def test_an_id_that_names_no_role_needs_role(nats_server: EmbeddedNats) -> None:
     code, lines = await engine_check("my-engine", "--nats-url", nats_server.url)
     assert code == 2
