@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -115,19 +114,24 @@ def role_of(engine_id: str) -> Role | None:
 
 
 class _Inbox:
-    """Everything published on the input subjects, queued per handoff."""
+    """What is published on the input subjects of the checker's handoffs, queued per handoff
+    (the rest of the bus's inputs, a live tier's, are none of its business)."""
 
     def __init__(self, subjects: Subjects) -> None:
         self._subjects = subjects
-        self._queues: defaultdict[HandoffId, asyncio.Queue[Input | str]] = defaultdict(
-            asyncio.Queue
-        )
+        self._queues: dict[HandoffId, asyncio.Queue[Input | str]] = {}
+
+    def open(self) -> HandoffId:
+        """A fresh handoff id, whose inputs are queued from now on."""
+        handoff_id = uuid.uuid4()
+        self._queues[handoff_id] = asyncio.Queue()
+        return handoff_id
 
     async def deliver(self, msg: Message) -> None:
         handoff_id = self._subjects.input_handoff(msg.subject)
-        if handoff_id is None:
+        queue = None if handoff_id is None else self._queues.get(handoff_id)
+        if queue is None:
             return
-        queue = self._queues[handoff_id]
         try:
             message = decode_input(msg.data)
         except msgspec.DecodeError as exc:
@@ -142,19 +146,19 @@ class _Inbox:
         return self._queues[handoff_id]
 
 
-@dataclass
 class _Script:
     """One scenario's handoff: what it sent, what came back, and what came early."""
 
-    check: EngineCheck
-    handoff_id: HandoffId = field(default_factory=uuid.uuid4)
-    exchange: list[str] = field(default_factory=list)
-    unread: list[Input] = field(default_factory=list)
-    arrivals: list[Input] = field(default_factory=list)
+    def __init__(self, check: EngineCheck) -> None:
+        self.check = check
+        self.handoff_id = check.inbox.open()
+        self.exchange: list[str] = []
+        self.unread: list[Input] = []  # arrived while the script waited for something else
+        self.arrivals: list[Input] = []  # everything of this handoff, in arrival order
 
     def next_handoff(self) -> None:
         """Go on with a fresh handoff, in the same exchange."""
-        self.handoff_id = uuid.uuid4()
+        self.handoff_id = self.check.inbox.open()
         self.unread, self.arrivals = [], []
         self.exchange.append("(a second handoff)")
 
@@ -179,40 +183,41 @@ class _Script:
         return message
 
     async def outcome(self, action_id: int) -> Outcome:
-        """The outcome of action `action_id`; anything else that comes first is kept."""
-        for message in self.unread:
-            if isinstance(message, ActionOutcome) and message.action_id == action_id:
-                self.unread.remove(message)
-                return message.outcome
-        give_up = asyncio.get_running_loop().time() + self.check.wait_s
-        while (left := give_up - asyncio.get_running_loop().time()) > 0:
-            arrived = await self._next(left)
-            if isinstance(arrived, ActionOutcome) and arrived.action_id == action_id:
-                return arrived.outcome
-            if arrived is not None:
-                self.unread.append(arrived)
-        raise _RuleBroken(f"no outcome for action #{action_id} within {self.check.wait_s:g}s")
+        """The outcome of action `action_id`."""
+        message = await self._take(
+            lambda m: isinstance(m, ActionOutcome) and m.action_id == action_id,
+            f"outcome for action #{action_id}",
+        )
+        assert isinstance(message, ActionOutcome)
+        return message.outcome
 
     async def fact(self, kind: type[Input]) -> None:
-        """Wait for a fact of `kind` (or take it if it came already)."""
+        """Wait for a fact of `kind`."""
+        await self._take(lambda m: type(m) is kind, _tag(kind))
+
+    async def _take(self, wanted: Callable[[Input], bool], what: str) -> Input:
+        """The first message `wanted`, of those that came early or within `wait_s`; the others
+        that come meanwhile are kept (`unread`)."""
         for message in self.unread:
-            if type(message) is kind:
+            if wanted(message):
                 self.unread.remove(message)
-                return
-        give_up = asyncio.get_running_loop().time() + self.check.wait_s
-        while (left := give_up - asyncio.get_running_loop().time()) > 0:
+                return message
+        clock = asyncio.get_running_loop().time
+        give_up = clock() + self.check.wait_s
+        while (left := give_up - clock()) > 0:
             arrived = await self._next(left)
-            if type(arrived) is kind:
-                return
+            if arrived is not None and wanted(arrived):
+                return arrived
             if arrived is not None:
                 self.unread.append(arrived)
-        raise _RuleBroken(f"no {_tag(kind)} within {self.check.wait_s:g}s")
+        raise _RuleBroken(f"no {what} within {self.check.wait_s:g}s")
 
     async def quiet(self) -> list[Input]:
         """What else comes within `quiet_s` (besides what came early and was not read)."""
         extra, self.unread = list(self.unread), []
-        give_up = asyncio.get_running_loop().time() + self.check.quiet_s
-        while (left := give_up - asyncio.get_running_loop().time()) > 0:
+        clock = asyncio.get_running_loop().time
+        give_up = clock() + self.check.quiet_s
+        while (left := give_up - clock()) > 0:
             message = await self._next(left)
             if message is not None:
                 extra.append(message)
