@@ -50,6 +50,7 @@ from kvhandoff.events.records import (
     InputRecord,
     LogRecord,
 )
+from kvhandoff.events.reports import EnginesReport
 
 T = TypeVar("T")
 
@@ -286,20 +287,22 @@ def input_digest(message: Input) -> bytes:
 
 def wire_schema() -> dict[str, Any]:
     """A JSON Schema (2020-12) of everything that crosses the bus, for other languages."""
-    (inputs, actions, rejection), components = msgspec.json.schema_components(
-        (Input, Action, Rejection), ref_template="#/$defs/{name}"
+    (inputs, actions, rejection, report), components = msgspec.json.schema_components(
+        (Input, Action, Rejection, EnginesReport), ref_template="#/$defs/{name}"
     )
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "kvhandoff wire vocabulary",
         "description": (
-            "Inputs go to <prefix>.in.<handoff_id>; actions come from the worker. Every "
+            "Inputs go to <prefix>.in.<handoff_id>; actions come from the worker; an "
+            "EnginesReport answers a request on <prefix>.engines.report. Every "
             "number is bounded (minimum, maximum) so that any peer, the log and a timer hold "
             "it; engine ids and reasons are bounded and free of control characters. A "
-            "message outside the bounds is rejected."
+            "message outside the bounds is rejected. The contract (who sends what, when, and "
+            "what to answer) is docs/contract.md."
         ),
-        # The unions have no component of their own; a single Struct (Rejection) already
-        # is one, and `rejection` is just a reference to it.
+        # The unions have no component of their own; a single Struct (Rejection,
+        # EnginesReport) already is one, and its entry is just a reference to it.
         "$defs": {**components, "Input": inputs, "Action": actions},
-        "oneOf": [{"$ref": "#/$defs/Input"}, {"$ref": "#/$defs/Action"}, rejection],
+        "oneOf": [{"$ref": "#/$defs/Input"}, {"$ref": "#/$defs/Action"}, rejection, report],
     }

@@ -88,6 +88,10 @@ Reason = Annotated[
     ),
 ]
 
+#: How many of something an engine counts: blocks, slots, receipts, handoffs.
+Count = Annotated[
+    int, Meta(ge=0, le=MAX_EXACT_INT, description="a count; at most 2**53 - 1 (exact in JSON)")
+]
 TokenCount = Annotated[
     int, Meta(ge=0, le=MAX_EXACT_INT, description="tokens; at most 2**53 - 1 (exact in JSON)")
 ]

@@ -1385,6 +1385,29 @@ class Bus:
                 f"give this tier its own --subject-prefix, or name that stream with {flag}"
             ) from exc
 
+    async def capture_unless_captured(self, stream: str, subjects: str, max_age_s: float) -> bool:
+        """Create `stream` to store `subjects` unless a stream already does (a worker's input
+        stream, say); True if it created one. `kvhandoff engine-check` uses it so that an
+        engine's JetStream publishes are stored, and so answered, without a worker."""
+        config = StreamConfig(
+            name=stream, subjects=[subjects], retention=RetentionPolicy.LIMITS, max_age=max_age_s
+        )
+        try:
+            await self._js.add_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code == _SUBJECTS_OVERLAP:
+                return False
+            raise BusError(f"cannot open stream {stream}: {_why(exc)}") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot open stream {stream}: {_why(exc)}") from exc
+        return True
+
+    async def delete_stream(self, stream: str) -> None:
+        try:
+            await self._js.delete_stream(stream)
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot delete stream {stream}: {_why(exc)}") from exc
+
     # --- Scale-out: partitions, pins, fencing, membership (see the module docstring) --------
 
     @property

@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export", "write one handoff's log as self-contained JSONL"),
     "compact": ("compact", "remove completed handoffs and rejections older than an age"),
     "conformance": ("conformance", "run reference conformance vectors through the coordinator"),
+    "engine-check": (
+        "engine_check",
+        "hold an engine to the wire contract, rule by rule",
+    ),
     "schema": ("schema", "print the JSON Schema of the wire vocabulary"),
     "health": ("health", "exit 0 if the local worker answers its health endpoint"),
 }

@@ -199,6 +199,8 @@ class LoadReport(Struct, frozen=True):
     # Handoffs that succeeded and then completed again as canceled (a frontend cancel that
     # crossed the success, or a late engine fact).
     reopened: int = 0
+    # Engine ids of the roster that no engine process reported: their leaks are not counted.
+    unreported: list[str] = []
 
     @property
     def ok(self) -> bool:
@@ -471,6 +473,7 @@ class _LoadRun:
         duration_s = self._last_end - self._began
         ended_with_complete = self._counts[Ending.COMPLETED] + self._counts[Ending.CANCELED]
         leaks = [leak for report in reports for leak in report.leaks]
+        reported = {status.engine_id for report in reports for status in report.engines}
         handoffs = self._handoffs.values()
         final = Counter(
             last.completion for handoff in handoffs if (last := handoff.last_complete) is not None
@@ -501,6 +504,7 @@ class _LoadRun:
                 canceled=final[HandoffCompletion.CANCELED],
             ),
             reopened=sum(handoff.reopened for handoff in handoffs),
+            unreported=[e for e in self._config.roster.engine_ids() if e not in reported],
         )
 
 

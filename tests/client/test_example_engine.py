@@ -61,6 +61,9 @@ async def test_the_example_engine_serves_the_id_the_demo_leaves_to_it(
 
     report = msgspec.json.decode(report_path.read_bytes(), type=LoadReport)
     assert report.completed + report.canceled == report.handoffs == 300
+    # The example answers report requests, so the summary counts its leaks too.
+    assert report.unreported == []
+    assert f"external engine {EXTERNAL}: reported, 0 leaks" in output
     with open_log(db) as log:
         through_the_example = [
             row for row in log.handoffs([HandoffState.SUCCEEDED]) if row.source == EXTERNAL

@@ -8,7 +8,8 @@ kvhandoff subject captures what crosses the bus, by subject: inputs on `<prefix>
 on `<prefix>.engine.*.actions`, completions on `<prefix>.done.*`, rejections on
 `<prefix>.rejected.*`. (The engines' report requests on `<prefix>.engines.report` carry an empty
 body and no message of the vocabulary, and the worker's appends to its own replicated log on
-`<prefix>.log.<p>` are its records, read by no other party.)
+`<prefix>.log.<p>` are its records, read by no other party.) The replies to report requests
+travel on inboxes, so a second test asks the mock engines for them and holds them to the schema.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ import asyncio
 import json
 import os
 import sys
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from jsonschema import Draft202012Validator
 
+from kvhandoff.client import Connection
+from kvhandoff.events.messages import EngineType
 from kvhandoff.worker.bus import Bus, Message
 from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EnginesConfig, MockEngines, Roster
 from kvhandoff.worker.natsserver import EmbeddedNats
 
 HANDOFFS = 300
@@ -61,15 +66,20 @@ def kind_of(subject: str) -> str | None:
     raise AssertionError(f"a message on an unexpected subject: {subject}")
 
 
-async def test_every_message_of_a_demo_run_validates_against_the_published_schema(
-    nats_server: EmbeddedNats, tmp_path: Path
-) -> None:
+async def printed_schema() -> dict[str, Any]:
     printed = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvhandoff.worker.cli", "schema", stdout=asyncio.subprocess.PIPE
     )
     out, _ = await printed.communicate()
     assert printed.returncode == 0
-    schema = json.loads(out)
+    schema: dict[str, Any] = json.loads(out)
+    return schema
+
+
+async def test_every_message_of_a_demo_run_validates_against_the_published_schema(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    schema = await printed_schema()
     validators = {kind: validator(schema, kind) for kind in ("Input", "Action", "Rejection")}
 
     captured: list[Message] = []
@@ -124,3 +134,31 @@ async def test_every_message_of_a_demo_run_validates_against_the_published_schem
     assert actions <= {tag for kind, tag in tags if kind == "Action"}, tags
     # (By id: a publish retried after a lost acknowledgement reaches core subscribers twice.)
     assert len(started) == HANDOFFS
+
+
+async def test_the_engines_report_validates_against_the_published_schema(
+    nats_server: EmbeddedNats,
+) -> None:
+    check = validator(await printed_schema(), "EnginesReport")
+    roster = Roster(engine_types=(EngineType.SGLANG,), sources=1, destinations=1)
+    async with await Connection.open(NatsSettings(url=nats_server.url), "engines") as connection:
+        engines = MockEngines(connection, EnginesConfig(roster=roster))
+        await engines.start()
+        try:
+            replies = await connection.gather(
+                connection.subjects.engines_report, first_reply_s=5.0, quiet_s=0.2
+            )
+        finally:
+            await engines.stop()
+    assert len(replies) == 1
+    document = json.loads(replies[0])
+    assert [error.message for error in check.iter_errors(document)] == []
+    assert {e["engine_id"] for e in document["engines"]} == set(roster.engine_ids())
+    # What a foreign engine that keeps no accounting sends is enough.
+    engine = "sglang-decode-9"
+    minimal = {
+        "type": "engines_report", "process": "rust-7",
+        "engines": [{"engine_id": engine, "engine_type": "sglang", "role": "destination"}],
+        "leaks": [{"engine_id": engine, "handoff_id": str(uuid.uuid4()), "state": "held"}],
+    }  # fmt: skip
+    assert [error.message for error in check.iter_errors(minimal)] == []

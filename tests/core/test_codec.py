@@ -51,6 +51,7 @@ from kvhandoff.events.messages import (
     TransferCompleted,
 )
 from kvhandoff.events.records import SCHEMA_VERSION, TYPE_CODES, VERBATIM, ActionRecord, InputRecord
+from kvhandoff.events.reports import EnginesReport
 from kvhandoff.worker.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -419,6 +420,7 @@ _TAGGED: list[type[msgspec.Struct]] = [
     *_members(Action),
     *_members(Outcome),
     Rejection,
+    EnginesReport,
 ]
 
 

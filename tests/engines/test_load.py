@@ -4,6 +4,7 @@ real worker (`kvhandoff run` in a child process) and the mock engines."""
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from collections import Counter
 from dataclasses import replace
@@ -12,6 +13,7 @@ from uuid import UUID
 
 import nats
 from nats.aio.msg import Msg
+from rich.console import Console
 
 from kvhandoff.events.codec import decode_input, encode
 from kvhandoff.events.messages import (
@@ -23,9 +25,10 @@ from kvhandoff.events.messages import (
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.commands._demo import print_external
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import Faults, Roster
-from kvhandoff.worker.loadgen import FinalStates, LoadConfig, LoadProgress, run_load
+from kvhandoff.worker.loadgen import FinalStates, LoadConfig, LoadProgress, LoadReport, run_load
 from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats
 from kvhandoff.worker.schema import HandoffState
@@ -36,6 +39,14 @@ ROSTER = Roster(sources=1, destinations=1)
 FATES = ("success", "canceled", "rejected", "silent", "success, then reopened")
 # What a worker does with a handoff once the frontend's cancel reaches it.
 CANCEL_FATES = ("success crossed the cancel", "cleaned up", "cancel refused after a success")
+
+
+def external_line(report: LoadReport, engine_id: str) -> str:
+    """What the demo's summary says of an engine run outside it."""
+    console = Console(file=io.StringIO(), width=200)
+    print_external(report, engine_id, console)
+    assert isinstance(console.file, io.StringIO)
+    return console.file.getvalue().strip()
 
 
 def load_config(nats_server: EmbeddedNats, subjects: Subjects, **options: object) -> LoadConfig:
@@ -87,6 +98,8 @@ async def test_every_way_a_handoff_ends_is_counted(
     assert report.final == FinalStates(succeeded=2, canceled=4)
     assert report.latency_ms.count == 4
     assert (report.engine_processes, report.leaks) == (0, 0)
+    assert report.unreported == ROSTER.engine_ids()  # no engine answered: none is counted
+    assert "vllm-prefill-0 did not report" in external_line(report, "vllm-prefill-0")
     assert not report.ok
     assert [p.ended for p in progress] == list(range(1, 11))
 
@@ -168,6 +181,11 @@ async def test_a_run_against_the_worker_and_the_engines_ends_every_handoff_witho
     assert report.latency_ms.p50 is not None and report.latency_ms.p99 is not None
     assert report.latency_ms.p50 <= report.latency_ms.p99
     assert (report.engine_processes, report.engines_settled) == (1, True)
+    assert report.unreported == []
+    assert (
+        external_line(report, "sglang-decode-0")
+        == "external engine sglang-decode-0: reported, 0 leaks"
+    )
     assert report.throughput_per_s > 0
 
 

@@ -106,6 +106,22 @@ async def run_load(
     return await run_with_progress(config, console if show else None, on_progress)
 
 
+def print_external(report: LoadReport, external: str | None, console: Console) -> None:
+    """Whether the engine run outside the demo reported, and its leaks: the summary counts
+    every engine, or says which it could not."""
+    if external is None:
+        return
+    if external in report.unreported:
+        console.print(
+            f"external engine {external} did not report: its leaks are not counted "
+            "(see docs/contract.md, Reports)",
+            soft_wrap=True,
+        )
+        return
+    leaks = sum(leak.engine_id == external for leak in report.leak_details)
+    console.print(f"external engine {external}: reported, {leaks} leaks", soft_wrap=True)
+
+
 def point_at_the_log(log_path: Path, console: Console) -> None:
     """Where the log is (a file, or a tier worker's data directory), and commands that read
     it: the replay of a canceled handoff, if there is one, and the list."""

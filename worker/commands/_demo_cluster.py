@@ -155,6 +155,7 @@ def run(args: argparse.Namespace, console: Console, folder: Path) -> int:
         )
         report, strike = asyncio.run(_load_and_strike(config, args, console, cluster, workers))
         print_summary(report, console)
+        _demo.print_external(report, args.external_engine, console)
         killed = None if strike is None else strike.worker
         survivors = [name for name in WORKERS if name != killed]
         asyncio.run(_settled([workers[name] for name in survivors]))

@@ -115,6 +115,7 @@ def _single(args: argparse.Namespace, console: Console, folder: Path) -> int:
         config = _demo.load_config(url, args, args.handoffs or _HANDOFFS)
         report = asyncio.run(_demo.run_load(config, args, console))
         print_summary(report, console)
+        _demo.print_external(report, args.external_engine, console)
         engines_clean = engines.terminate() == 0
         worker_clean = worker.terminate() == 0
     if args.json is not None:

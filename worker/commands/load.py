@@ -202,4 +202,10 @@ def print_summary(report: LoadReport, console: Console) -> None:
     console.print(table)
     if report.leak_details:
         print_leaks(report.leak_details, console)
+    if report.unreported:
+        console.print(
+            f"not counted: {', '.join(report.unreported)} did not report, so their leaks are"
+            " unknown",
+            soft_wrap=True,
+        )
     console.print("ok" if report.ok else "NOT ok: some handoffs did not end, or engines leak")

@@ -9,7 +9,7 @@ One module per job:
     model      a request's prompt length, KV blocks and timings
     capacity   one engine's KV blocks and slots, granted first come, first served
     faults     seeded fault injection (fail, drop, duplicate, delay, silence)
-    report     each engine's accounting and leaks, and the scatter-gather that collects them
+    report     the scatter-gather that collects the engines' reports (`events.reports`)
     engines    the source and destination engines, on `client.Engine`
     host       every engine of one process on one connection (`MockEngines`)
 

@@ -4,7 +4,8 @@ Engines subscribe to `<prefix>.done.>`. A leak is a handoff whose `Complete` the
 it still holds blocks or a slot for it, or still waits for them, other than a destination whose
 decode is legitimately running after activation. Each engine process answers requests on
 `<prefix>.engines.report` with one `EnginesReport` (`request_reports` is the scatter-gather
-client) and returns the same report when it stops.
+client) and returns the same report when it stops. The report's types are wire vocabulary
+(`events.reports`): engines in other languages answer with them too.
 """
 
 from __future__ import annotations
@@ -12,59 +13,13 @@ from __future__ import annotations
 import logging
 
 import msgspec
-from msgspec import Struct
 
 from kvhandoff.client import Connection
-from kvhandoff.events.ids import HandoffId
-from kvhandoff.events.messages import EngineType, Role
+from kvhandoff.events.reports import EngineCounters, EnginesReport, EngineStatus, Leak
 
 logger = logging.getLogger(__name__)
 
-
-class EngineCounters(Struct):
-    """What one engine did since it started."""
-
-    executed: int = 0  # action ids executed (first receipts)
-    repeated: int = 0  # repeated action ids answered with the stored outcome
-    malformed: int = 0  # messages that did not decode as an action
-    dropped: int = 0  # receipts dropped by fault injection
-    ignored: int = 0  # receipts ignored while silent
-    delayed: int = 0  # receipts delayed by fault injection
-    duplicated: int = 0  # outcomes and facts published twice
-    injected_failures: int = 0
-
-
-class EngineStatus(Struct, frozen=True):
-    engine_id: str
-    engine_type: EngineType
-    role: Role
-    silent: bool
-    blocks_total: int
-    blocks_held: int
-    blocks_decoding: int
-    slots_total: int
-    slots_held: int
-    waiting: int
-    open_handoffs: int
-    counters: EngineCounters
-
-
-class Leak(Struct, frozen=True):
-    """Blocks or a slot held (or still awaited) for a handoff that the worker completed."""
-
-    engine_id: str
-    handoff_id: HandoffId
-    state: str
-    blocks: int
-    waiting: bool
-
-
-class EnginesReport(Struct, frozen=True, tag="engines_report", tag_field="type"):
-    """One engine process's answer on `<prefix>.engines.report`."""
-
-    process: str
-    engines: list[EngineStatus]
-    leaks: list[Leak]
+__all__ = ["EngineCounters", "EngineStatus", "EnginesReport", "Leak", "request_reports", "settled"]
 
 
 _report_decoder = msgspec.json.Decoder(EnginesReport)
