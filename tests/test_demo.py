@@ -70,7 +70,7 @@ def test_the_cluster_demo_survives_a_killed_worker_and_node_with_every_handoff_e
     assert load.handoffs == 200
     assert load.completed + load.canceled == load.handoffs
     assert load.timed_out == load.rejected == load.leaks == 0
-    # The logs agree: each partition's last owner holds every handoff ended, and verifies.
+    # The logs agree: every handoff is ended in some worker's file, and every file verifies.
     assert report.log_states.get("open", 0) == report.log_states.get("quarantined", 0) == 0
     assert sum(report.log_states.values()) == load.handoffs
     assert set(report.verify_bad) >= {"w2", "w3"} and not any(report.verify_bad.values())

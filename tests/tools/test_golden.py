@@ -97,11 +97,19 @@ def _rows(path: Path) -> dict[str, list[tuple[object, ...]]]:
         }
 
 
+# Tables added to layout 2 after its goldens were frozen, without a new version: a file of
+# this build has them, empty until a snapshot fills them (worker.schema.TOMBSTONES).
+ADDED_TO_LAYOUT_2 = {"tombstones"}
+
+
 def test_the_generator_rewrites_the_current_golden_logs_row_for_row(tmp_path: Path) -> None:
     generate(tmp_path)
     current = GOLDEN / f"v{LAYOUT_VERSION}"
     for name in ("log.sqlite3", "tampered.sqlite3"):
-        assert _rows(tmp_path / name) == _rows(current / name), name
+        written, golden = _rows(tmp_path / name), _rows(current / name)
+        added = {table: written.pop(table) for table in set(written) - set(golden)}
+        assert added == {table: [] for table in ADDED_TO_LAYOUT_2}, name
+        assert written == golden, name
     jsonl = "frontend-cancel.jsonl"
     assert (tmp_path / jsonl).read_bytes() == (current / jsonl).read_bytes()
     with open_log(tmp_path / "log.sqlite3") as log:

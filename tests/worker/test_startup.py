@@ -17,11 +17,13 @@ import asyncio
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,6 +201,14 @@ def logged_ids(db: Path) -> set[uuid.UUID]:
     """The handoffs a worker's file holds, read beside it."""
     with open_log(db) as log:
         return {row.handoff_id for row in log.handoffs()}
+
+
+def tombstone_ids(db: Path) -> set[uuid.UUID]:
+    """The ended handoffs a worker's file knows by their tombstones (worker.store)."""
+    with closing(sqlite3.connect(db)) as connection:
+        return {
+            uuid.UUID(hid) for (hid,) in connection.execute("SELECT handoff_id FROM tombstones")
+        }
 
 
 # --- Refused at start ---------------------------------------------------------------------
@@ -389,7 +399,8 @@ async def test_a_second_worker_on_another_log_shares_the_tier_and_takes_over_whe
 ) -> None:
     """Two workers on one stream are a tier of one partition: one serves it (the balance rule
     picks which), the other is a healthy member with nothing to serve; when the first stops,
-    the other serves, its file caught up from the replicated log."""
+    the other serves, its file caught up from the replicated log: from the snapshot the first
+    took as it handed over, which knows a handoff it ended by its tombstone alone."""
     other = WorkerProcess(nats_server.url, tmp_path / "other.db")
     try:
         await asyncio.to_thread(other.start)
@@ -400,8 +411,12 @@ async def test_a_second_worker_on_another_log_shares_the_tier_and_takes_over_whe
         await asyncio.to_thread(wait_for_log, other, CLAIMED)
         second = await handled(engines)
         assert await asyncio.to_thread(other.terminate) == 0
-        assert logged_ids(other.db) == {first, second}
+        # Whichever served `first` holds its rows; if that was the worker that stopped, the
+        # other knows it by its tombstone only.
         assert logged_ids(worker.db) <= {first}
+        assert second in logged_ids(other.db)
+        assert logged_ids(other.db) | logged_ids(worker.db) == {first, second}
+        assert first in logged_ids(other.db) | tombstone_ids(other.db)
     finally:
         other.stop()
 

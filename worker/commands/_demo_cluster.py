@@ -27,9 +27,11 @@ replicated log (worker.ownership.read_claims). From them:
   first claim by another worker (the claimant's wall clock; all on this machine). A claim comes
   with the partition's first batch under a new pin, so it also says when the partition was
   served again. The failover time is the longest of these.
-Then it reads, for each partition, the file in its last owner's data directory (that file
-holds the partition's whole log; a former owner's is a prefix of it) for the state of every
-handoff, and runs `verify` (worker.commands.verify) on every data directory.
+Then it reads every worker's partition files for the state of every handoff (a handoff's
+rows are whole in the file of the owner that ended it; a later owner's file knows a handoff
+that ended before its snapshot by its tombstone only, and a former owner's may hold as open
+what the next owner ended), and runs `verify` (worker.commands.verify) on every data
+directory.
 
 Exit 0 when every handoff ended (the load saw a `Complete`, the logs hold none open or
 quarantined), no engine leaked, every partition of the killed worker was claimed by another,
@@ -49,6 +51,7 @@ import contextlib
 import time
 from collections import Counter
 from pathlib import Path
+from uuid import UUID
 
 import msgspec
 from rich.console import Console
@@ -59,7 +62,7 @@ from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.commands import _demo
 from kvhandoff.worker.commands.load import print_summary
 from kvhandoff.worker.commands.verify import verify_log
-from kvhandoff.worker.config import NatsSettings, partition_path
+from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import BusError, ChildError
 from kvhandoff.worker.loadgen import LoadConfig, LoadProgress, LoadReport
 from kvhandoff.worker.logreader import PARTITION_FILE, open_log
@@ -117,8 +120,10 @@ class ClusterReport(msgspec.Struct, frozen=True):
     takeovers: list[Takeover]
     not_taken_over: list[int]  # partitions of the killed worker no other worker claimed
     failover_s: float | None  # the longest takeover
-    log_states: dict[str, int]  # handoffs by state, in the last owners' files
-    open_in: dict[str, int]  # of those files, each that holds open handoffs: how many
+    # Handoffs by state over every worker's files: its end, if any file holds it ended (a
+    # snapshot carries a handoff's rows to the next owner only while it is open).
+    log_states: dict[str, int]
+    open_in: dict[str, int]  # each file that holds handoffs that no file holds ended: how many
     verify_bad: dict[str, int]  # bad handoffs by data directory (by worker)
     ok: bool  # all of the above as it should be (the exit status: and every process stopped)
 
@@ -330,16 +335,7 @@ def _summarize(
         else:
             after_s = (taken.at_ms - killed_at_ms) / 1000
             takeovers.append(Takeover(partition, owner(taken), after_s))
-    states: Counter[str] = Counter()
-    open_in = {}
-    for partition, name in sorted(after.items()):
-        path = partition_path(folder / name, partition)
-        if path.exists():  # a claim whose first batch never committed leaves no file
-            with open_log(path) as log:
-                rows = log.handoffs()
-            states.update(row.state_name for row in rows)
-            if still_open := sum(row.state is HandoffState.OPEN for row in rows):
-                open_in[str(path)] = still_open
+    states, open_in = _handoff_states(folder, list(workers))
     verify_bad = {}
     for name in workers:
         data_dir = folder / name
@@ -393,12 +389,33 @@ def _print(summary: ClusterReport, console: Console, folder: Path) -> None:
         )
         console.print(f"NATS: {strike.node} ({led}) killed, not restarted; {next_leader}")
     states = ", ".join(f"{state} {count}" for state, count in sorted(summary.log_states.items()))
-    console.print(f"handoffs in the logs (each partition's last owner): {states or 'none'}")
+    console.print(f"handoffs in the logs (every worker's files): {states or 'none'}")
     for path, count in summary.open_in.items():
         console.print(f"  {count} open: kvhandoff stuck {path} --older-than 1s", soft_wrap=True)
     verified = ", ".join(f"{name} {bad} bad" for name, bad in summary.verify_bad.items())
     console.print(f"verify of the data directories: {verified}")
     console.print("ok" if summary.ok else f"NOT ok: see the summary above and the logs in {folder}")
+
+
+def _handoff_states(folder: Path, names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """Each handoff's state over the workers' partition files (`folder / name`): the state a
+    file that holds it ended says, else open; and the files that hold those still open."""
+    ended: dict[UUID, str] = {}
+    open_at: dict[UUID, str] = {}
+    for name in names:
+        files = sorted(p for p in (folder / name).iterdir() if PARTITION_FILE.fullmatch(p.name))
+        for path in files:
+            with open_log(path) as log:
+                for row in log.handoffs():
+                    if row.state is HandoffState.OPEN:
+                        open_at.setdefault(row.handoff_id, str(path))
+                    else:
+                        ended[row.handoff_id] = row.state_name
+    still_open = {handoff: path for handoff, path in open_at.items() if handoff not in ended}
+    states = Counter(ended.values())
+    if still_open:
+        states["open"] = len(still_open)
+    return dict(states), dict(Counter(still_open.values()))
 
 
 def _partitions(partitions: list[int]) -> str:
