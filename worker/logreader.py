@@ -139,6 +139,12 @@ class LogSource(HandoffReader, Protocol):
         ascending and disjoint. One more pass, for the runs whose check failed."""
         ...
 
+    def disagreeing_tombstones(self) -> list[tuple[UUID, str, str]]:
+        """The tombstones (worker.store: what a snapshot said of the handoffs that ended) that
+        the rows of the same file contradict: (handoff, the tombstone's end, the row's state).
+        A row started after the tombstone's end is another handoff of a reused id."""
+        ...
+
     def close(self) -> None: ...
 
     def __enter__(self) -> Self: ...
@@ -365,11 +371,23 @@ class SqliteLog(_Closing):
         at_ms, reason = found[0]
         return msgspec.structs.replace(handoff, quarantine=Quarantine(at_ms, str(reason)))
 
+    def disagreeing_tombstones(self) -> list[tuple[UUID, str, str]]:
+        if not self._fetch(_HAS_TOMBSTONES):
+            return []  # a file from before snapshots, or of layout 1
+        return [(UUID(hid), ended, state) for hid, ended, state in self._fetch(_DISAGREEING)]
+
     def _fetch(self, sql: str, params: Collection[object] = ()) -> list[Any]:
         try:
             return self._db.execute(sql, tuple(params)).fetchall()
         except sqlite3.Error as exc:
             raise StoreError(f"reading {self.path} failed: {exc}") from exc
+
+
+_HAS_TOMBSTONES = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tombstones'"
+_DISAGREEING = """
+SELECT t.handoff_id, t.state, h.state FROM tombstones t JOIN handoffs h USING (handoff_id)
+WHERE h.state != t.state AND h.started_at_ms <= t.completed_at_ms ORDER BY t.handoff_id
+"""
 
 
 class DataDir(_Closing):
@@ -465,6 +483,9 @@ class DataDir(_Closing):
                 found += log.owners(mine)
         return found
 
+    def disagreeing_tombstones(self) -> list[tuple[UUID, str, str]]:
+        return [t for log in self.partitions.values() for t in log.disagreeing_tombstones()]
+
     def _holder(self, handoff_id: UUID) -> SqliteLog:
         log = self._holders.get(handoff_id)
         if log is not None:
@@ -521,6 +542,9 @@ class JsonlLog(_Closing):
 
     def owners(self, spans: Sequence[tuple[int, int]]) -> list[list[UUID]]:
         return [[self.log.handoff.handoff_id] * length for _, length in spans]
+
+    def disagreeing_tombstones(self) -> list[tuple[UUID, str, str]]:
+        return []  # an export is one handoff's rows, no tombstones
 
 
 # --- The JSONL export -----------------------------------------------------------------------

@@ -113,6 +113,8 @@ class FindingKind(enum.StrEnum):
     SEQUENCE = "sequence"
     #: The handoff's row holds a state this build does not know.
     UNKNOWN_STATE = "unknown_state"
+    #: A snapshot's tombstone says the handoff ended otherwise than its rows in the same file.
+    TOMBSTONE = "tombstone"
 
 
 class Finding(Struct, frozen=True):

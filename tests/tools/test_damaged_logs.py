@@ -10,6 +10,7 @@ cannot be put back together, events filed under no handoff).
 from __future__ import annotations
 
 import re
+import sqlite3
 from pathlib import Path
 
 import msgspec
@@ -24,6 +25,7 @@ from kvhandoff.worker.reports import (
     StuckReport,
     VerifyReport,
 )
+from kvhandoff.worker.schema import TOMBSTONES
 from tests.tools import logedit
 from tests.tools.conftest import IDS, V1, Run
 from tests.tools.test_commands import report
@@ -442,3 +444,30 @@ def test_events_filed_under_no_handoff_belong_to_none(
     )  # fmt: skip
     listed = report(ListReport, kvhandoff("list", writable_log_v2, "--json").out)
     assert len(listed.handoffs) == 9
+
+
+# --- tombstones a snapshot left ---------------------------------------------------------------
+
+
+def test_verify_finds_a_tombstone_that_the_files_own_rows_contradict(
+    kvhandoff: Run, writable_log_v2: Path
+) -> None:
+    """A file caught up from a snapshot keeps the tombstones of the handoffs that ended
+    (worker.store); one that says another end than the file's own rows of the handoff is a
+    finding, one that agrees is none."""
+    agreed, contradicted = IDS["source-first-success"], IDS["frontend-cancel"]
+    with sqlite3.connect(writable_log_v2) as db:
+        db.execute(TOMBSTONES)
+        far_future = 4_000_000_000_000  # ended after any start in the golden log
+        db.executemany(
+            "INSERT INTO tombstones VALUES (?, ?, ?, ?)",
+            [
+                (agreed, "succeeded", far_future, b"\x90"),
+                (contradicted, "succeeded", far_future, b"\x90"),
+            ],
+        )
+    result = kvhandoff("verify", writable_log_v2, "--json")
+    assert result.code == 1
+    (finding,) = report(VerifyReport, result.out).findings
+    assert (str(finding.handoff_id), finding.kind) == (contradicted, FindingKind.TOMBSTONE)
+    assert finding.detail == "a snapshot's tombstone says it ended succeeded, its rows say canceled"

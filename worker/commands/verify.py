@@ -10,8 +10,9 @@ could act differently from what the engines were told.
 The log itself is checked too: a record that does not decode, a sequence that skips, repeats or
 does not begin with the handoff's start, an input whose stored digest is not its own (a
 layout-1 log keeps one per input; a layout-2 log and an export keep none, and the report says
-that no digest was checked), and a `handoffs` row whose state this build does not know. Every
-bad handoff is reported, each under its own id, not just the first.
+that no digest was checked), a `handoffs` row whose state this build does not know, and a
+tombstone that a snapshot left in the file (worker.store) that the file's own rows of that
+handoff contradict. Every bad handoff is reported, each under its own id, not just the first.
 
 Without HANDOFF ids the whole log is checked in one ordered pass that does not read handoff
 ids (`LogSource.scan`); only when a run of rows fails its check are their ids read, in one
@@ -66,6 +67,9 @@ def verify_log(log: LogSource, handoffs: list[str] | None = None) -> VerifyRepor
             found.handoff(handoff_id, rows, check_stored(rows, digests=log.keeps_digests))
     else:
         _verify_all(log, found)
+        for handoff_id, ended, state in log.disagreeing_tombstones():
+            detail = f"a snapshot's tombstone says it ended {ended}, its rows say {state}"
+            found.findings.append(Finding(handoff_id, FindingKind.TOMBSTONE, None, detail))
     return found.report()
 
 
