@@ -115,12 +115,13 @@ async def test_a_new_owner_claims_from_the_last_snapshot_and_its_tail_after_a_ki
     try:
         for s in starts[: HANDOFFS // 2]:
             await engines.start_handoff(s)
+        # The claim's snapshot and one more: the log rolled up more entries than it keeps.
         await engines.until(
             lambda: (
                 len(engines.completions) >= HANDOFFS // 4
-                and w1.whole_log().count("snapshot at") >= 3
+                and w1.whole_log().count("snapshot at") >= 2
             ),
-            "a quarter of the handoffs to complete, and three snapshots",
+            "a quarter of the handoffs to complete, and two snapshots",
             within=4 * WITHIN_S,
         )
         w1.kill()
