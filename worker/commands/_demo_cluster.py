@@ -343,7 +343,7 @@ def _summarize(
             with open_log(data_dir) as log:
                 verify_bad[name] = verify_log(log).bad
     failover_s = max((t.after_s for t in takeovers), default=None)
-    ended = report.ok and states["open"] == 0 and states["quarantined"] == 0
+    ended = report.ok and not states.get("open") and not states.get("quarantined")
     ok = (
         ended
         and strike is not None
