@@ -104,6 +104,8 @@ class WorkerConfig:
     partitions: int = 1
     data_dir: Path | None = None
     priority_timeout_s: float = 3.0  # worker.tier.TierSettings'
+    # Engine leases (worker.leases): reject a start naming an engine that holds none.
+    require_leases: bool = False
 
     @property
     def tier_retention_s(self) -> float:
@@ -347,6 +349,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "partition waits before it is claimed: most of a failover "
         "(env KVHANDOFF_PRIORITY_TIMEOUT; default %(default)s)",
     )
+    tier.add_argument(
+        "--require-leases",
+        action="store_true",
+        help="reject a start naming an engine that holds no lease (docs/leases.md); without "
+        "it, such an engine's handoffs end at their deadline as before leases",
+    )
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -371,6 +379,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         partitions=args.partitions,
         data_dir=args.data_dir,
         priority_timeout_s=args.priority_timeout,
+        require_leases=args.require_leases,
     )
     config.validate()
     return config

@@ -1,0 +1,186 @@
+"""Engine leases against a real worker: an engine cut off from NATS past its lease fences itself
+(drops what it held, publishes no late success), the tier answers for it so the handoff ends
+`canceled` long before its deadline, the answers are in the log as the tier's, and the engine,
+back on the bus, serves new handoffs under a new incarnation. A start naming an engine whose
+lease expired is rejected."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+from kvhandoff.client import Connection, Engine, Frontend, Handlers, HandoffRejected
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.leases import ENGINE_UNAVAILABLE, LEASE_EXPIRED
+from kvhandoff.events.messages import (
+    ACCEPTED,
+    APPLIED,
+    SCHEDULED,
+    SUBMITTED,
+    ActionOutcome,
+    ActivateDestination,
+    CancelDestination,
+    CancelSource,
+    EngineType,
+    Failed,
+    HandoffCompletion,
+    Input,
+    Outcome,
+    ReleaseSource,
+    ReserveDestination,
+    StartHandoff,
+    StartTransfer,
+    SubmitPrefill,
+)
+from kvhandoff.worker.healthy import TIMING
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.schema import HandoffState
+from tests.client.conftest import Connect
+from tests.client.proxy import CuttableProxy
+from tests.worker.conftest import WorkerProcess, logged, logged_inputs
+
+WAIT_S = 60.0
+LEASE_TTL_S = 1.0
+DEADLINE_MS = 120_000  # far beyond what the lease takes: a deadline cannot be what ends it
+SOURCE = "lease-prefill-0"
+DESTINATION = "lease-decode-0"
+
+
+class Engines:
+    """A source whose prefill never reports held until told, and a healthy destination."""
+
+    def __init__(self, source_connection: Connection, destination_connection: Connection) -> None:
+        self.fenced: list[HandoffId] = []
+        self.hold = True
+        self.source = Engine(
+            source_connection,
+            SOURCE,
+            Handlers(
+                submit_prefill=self.submit_prefill,
+                start_transfer=self.start_transfer,
+                release_source=self.cleanup,
+                cancel_source=self.cleanup,
+                fenced=self.fenced.extend,
+            ),
+            lease_ttl_s=LEASE_TTL_S,
+        )
+        self.destination = Engine(
+            destination_connection,
+            DESTINATION,
+            Handlers(
+                reserve_destination=self.reserve_destination,
+                activate_destination=self.activate,
+                cancel_destination=self.cleanup,
+            ),
+            lease_ttl_s=LEASE_TTL_S,
+        )
+        self.submitted = asyncio.Event()
+
+    async def submit_prefill(self, action: SubmitPrefill) -> Outcome:
+        self.submitted.set()
+        if not self.hold:
+            self.source.spawn(self.source.source_held(action.handoff_id, TIMING))
+        return SUBMITTED
+
+    async def start_transfer(self, action: StartTransfer) -> Outcome:
+        self.source.spawn(self.source.transfer_completed(action.handoff_id))
+        return SCHEDULED
+
+    async def reserve_destination(self, action: ReserveDestination) -> Outcome:
+        self.destination.spawn(self.destination.destination_reserved(action.handoff_id, 128))
+        return ACCEPTED
+
+    async def activate(self, action: ActivateDestination) -> Outcome:
+        return APPLIED
+
+    async def cleanup(self, action: ReleaseSource | CancelSource | CancelDestination) -> Outcome:
+        return APPLIED
+
+
+def start_message(source: str = SOURCE) -> StartHandoff:
+    return StartHandoff(uuid.uuid4(), EngineType.VLLM, source, DESTINATION, DEADLINE_MS)
+
+
+async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answers_for_it(
+    worker: WorkerProcess, connect: Connect, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    proxy = CuttableProxy(nats_server.port)
+    await proxy.open()
+    engines = Engines(await connect(proxy.url), await connect())
+    await engines.source.start()
+    await engines.destination.start()
+    first_incarnation = engines.source.lease.incarnation if engines.source.lease else None
+    frontend = await Frontend.open(await connect())
+    handoff_id = await frontend.start(start_message())
+    await asyncio.wait_for(engines.submitted.wait(), WAIT_S)
+
+    await proxy.cut()  # the source can neither renew its lease nor answer
+    complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
+
+    assert complete.completion is HandoffCompletion.CANCELED
+    assert engines.fenced == [handoff_id]  # it dropped what it held
+    inputs = await completed_inputs(tmp_path / "kvhandoff.db", handoff_id)
+    assert Failed(handoff_id, LEASE_EXPIRED) in inputs
+    tier_answers = [i for i in inputs if isinstance(i, ActionOutcome) and i.by_tier]
+    assert [type(i.outcome).__name__ for i in tier_answers] == ["Noop"]  # its CancelSource
+
+    # Back on the bus: a new incarnation, which serves new handoffs (once the tier saw it:
+    # until then a start naming it is rejected).
+    await proxy.open()
+    engines.hold = False
+    completion = await until_admitted(frontend)
+    assert completion is HandoffCompletion.SUCCESS
+    assert engines.source.lease is not None
+    assert engines.source.lease.incarnation not in (None, first_incarnation)
+    assert engines.fenced == [handoff_id]  # nothing of the new incarnation's was fenced
+    await engines.source.stop()
+    await engines.destination.stop()
+    await proxy.cut()
+
+
+async def completed_inputs(db: Path, handoff_id: HandoffId) -> list[Input]:
+    """The handoff's logged inputs, once its local file holds its completion (the file commits
+    behind the publishes, the `Complete` included)."""
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while logged(db, handoff_id).handoff.state is HandoffState.OPEN:
+        assert loop.time() < give_up_at, "the file never held the completion"
+        await asyncio.sleep(0.05)  # poll interval
+    return logged_inputs(db, handoff_id)
+
+
+async def until_admitted(frontend: Frontend, source: str = SOURCE) -> HandoffCompletion:
+    """Start handoffs naming `source` until one is admitted; how that one ended."""
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while True:
+        handoff_id = await frontend.start(start_message(source))
+        try:
+            return (await frontend.wait(handoff_id, timeout_s=WAIT_S)).completion
+        except HandoffRejected as exc:
+            assert ENGINE_UNAVAILABLE in str(exc)
+        assert loop.time() < give_up_at, "never admitted"
+        await asyncio.sleep(LEASE_TTL_S / 4)  # the tier's watch sees the next renewal
+
+
+async def test_a_start_naming_an_engine_whose_lease_expired_is_rejected(
+    worker: WorkerProcess, connect: Connect
+) -> None:
+    connection = await connect()
+    gone = Engine(connection, "lease-gone-0", Handlers(), lease_ttl_s=LEASE_TTL_S)
+    await gone.start()
+    await gone.stop()  # the lease is no longer renewed and expires
+    frontend = await Frontend.open(connection)
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while True:
+        handoff_id = await frontend.start(start_message(source="lease-gone-0"))
+        try:
+            complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
+        except HandoffRejected as exc:
+            assert f"{ENGINE_UNAVAILABLE}: lease-gone-0's lease expired" in str(exc)
+            return
+        # Admitted while the tier still saw the lease: it ended once the tier saw it go.
+        assert complete.completion is HandoffCompletion.CANCELED
+        assert loop.time() < give_up_at
