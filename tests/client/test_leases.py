@@ -33,7 +33,11 @@ from kvhandoff.events.messages import (
     StartTransfer,
     SubmitPrefill,
 )
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.healthy import TIMING
+from kvhandoff.worker.logreader import open_log
 from kvhandoff.worker.natsserver import EmbeddedNats
 from kvhandoff.worker.schema import HandoffState
 from tests.client.conftest import Connect
@@ -184,3 +188,57 @@ async def test_a_start_naming_an_engine_whose_lease_expired_is_rejected(
         # Admitted while the tier still saw the lease: it ended once the tier saw it go.
         assert complete.completion is HandoffCompletion.CANCELED
         assert loop.time() < give_up_at
+
+
+async def test_a_worker_that_starts_after_an_engine_died_answers_for_it_at_its_claim(
+    worker: WorkerProcess, connect: Connect, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    engines = Engines(await connect(), await connect())
+    await engines.source.start()
+    await engines.destination.start()
+    frontend = await Frontend.open(await connect())
+    handoff_id = await frontend.start(start_message())
+    await asyncio.wait_for(engines.submitted.wait(), WAIT_S)
+    # Once its outcome is logged, no outcome is owed by the source: the new owner learns that
+    # the source is gone from the bucket alone (its claim's sweep, or its republishing of the
+    # actions the file does not mark published, whichever comes first).
+    db = tmp_path / "kvhandoff.db"
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while not _outcome_logged(db, handoff_id):
+        assert loop.time() < give_up_at, "the prefill's outcome was never logged"
+        await asyncio.sleep(0.05)  # poll interval
+
+    worker.kill()  # SIGKILL: no worker sees the lease expire
+    await engines.source.stop()  # its lease expires while no worker runs
+    await until_expired(nats_server, SOURCE)
+    worker.start()  # the new owner learns from the bucket that the source is gone
+
+    complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
+    assert complete.completion is HandoffCompletion.CANCELED
+    inputs = await completed_inputs(tmp_path / "kvhandoff.db", handoff_id)
+    assert Failed(handoff_id, LEASE_EXPIRED) in inputs
+    assert any(isinstance(i, ActionOutcome) and i.by_tier for i in inputs)
+    await engines.destination.stop()
+
+
+async def until_expired(nats_server: EmbeddedNats, engine_id: str) -> None:
+    """Return once the lease bucket holds the delete marker of `engine_id`'s lease."""
+    bus = await Bus.connect(NatsSettings(url=nats_server.url), "test-lease-watch")
+    gone = asyncio.Event()
+
+    def seen(key: str, value: bytes | None) -> None:
+        if key == engine_id and value is None:
+            gone.set()
+
+    watch = await bus.watch_leases(Subjects().lease_bucket, seen)
+    await asyncio.wait_for(gone.wait(), WAIT_S)
+    await watch.unsubscribe()
+    await bus.close()
+
+
+def _outcome_logged(db: Path, handoff_id: HandoffId) -> bool:
+    with open_log(db) as log:
+        if handoff_id not in {row.handoff_id for row in log.handoffs()}:
+            return False  # not in the file yet: it commits behind the replicated log
+    return any(isinstance(i, ActionOutcome) for i in logged_inputs(db, handoff_id))
