@@ -7,6 +7,8 @@ lease expired is rejected."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -128,6 +130,13 @@ async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answe
     assert Failed(handoff_id, LEASE_EXPIRED) in inputs
     tier_answers = [i for i in inputs if isinstance(i, ActionOutcome) and i.by_tier]
     assert [type(i.outcome).__name__ for i in tier_answers] == ["Noop"]  # its CancelSource
+    replay = subprocess.run(  # noqa: ASYNC221  # the worker is another process: nothing waits
+        [sys.executable, "-m", "kvhandoff.worker.cli", "replay", str(tmp_path / "kvhandoff.db"),
+         str(handoff_id)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert f"failed reason={LEASE_EXPIRED}" in replay.stdout, replay.stdout
+    assert "noop by the tier (engine lease gone)" in replay.stdout, replay.stdout
 
     # Back on the bus: a new incarnation, which serves new handoffs (once the tier saw it:
     # until then a start naming it is rejected).
