@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LEASE_TTL_S = 5.0
 RENEWALS_PER_TTL = 4  # vLLM renews a sixth of its TTL, SGLang misses two beats of five seconds
 FENCE_MARGIN = 0.2  # of the TTL: the engine's lease ends this much before the tier's
+ACQUIRE_GIVE_UP_S = 30.0
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -68,8 +69,9 @@ class Lease:
 
     async def acquire(self) -> None:
         """Take a lease with a fresh incarnation; `BusUnavailable` if NATS does not store it
-        within one TTL."""
-        await self._renew(uuid.uuid4().hex)
+        within `ACQUIRE_GIVE_UP_S` (the first one may create the bucket, and wait for a
+        cluster to elect its leader)."""
+        await self._renew(uuid.uuid4().hex, give_up_s=ACQUIRE_GIVE_UP_S)
 
     async def run(self) -> None:
         """Renew until cancelled; fence once a renewal comes too late."""
@@ -77,6 +79,7 @@ class Lease:
         while True:
             await asyncio.sleep(period_s)
             self.check()
+            fresh = self.incarnation is None
             incarnation = self.incarnation or uuid.uuid4().hex
             try:
                 await self._renew(incarnation)
@@ -84,15 +87,16 @@ class Lease:
                 logger.warning("%s: lease not renewed: %s", self.engine_id, exc)
                 self.check()
                 continue
-            if incarnation != self.incarnation:
-                logger.info("%s: new lease, incarnation %s", self.engine_id, incarnation)
+            if fresh and self.incarnation == incarnation:
+                logger.info("%s: lease taken again, incarnation %s", self.engine_id, incarnation)
 
-    async def _renew(self, incarnation: str) -> None:
+    async def _renew(self, incarnation: str, *, give_up_s: float | None = None) -> None:
         sent = time.monotonic()
         value = _ENCODER.encode(EngineLease(self.engine_id, incarnation, round(self.ttl_s * 1000)))
-        # No longer than the lease has left: a renewal stored later would extend a lease that
-        # the tier may already have seen expire.
-        give_up_s = max(self._valid_until - sent, self.ttl_s / RENEWALS_PER_TTL)
+        if give_up_s is None:
+            # No longer than the lease has left: a renewal stored later would extend a lease
+            # that the tier may already have seen expire.
+            give_up_s = max(self._valid_until - sent, self.ttl_s / RENEWALS_PER_TTL)
         await self._connection.put_lease(
             self.engine_id, value, self.ttl_s, give_up_after_s=give_up_s
         )

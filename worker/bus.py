@@ -1797,10 +1797,14 @@ class Bus:
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
             )
-            if info.state.messages:
-                await asyncio.wait_for(caught_up, _JS_API_TIMEOUT_S)
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot watch lease bucket {bucket}: {_why(exc)}") from exc
+        if info.state.messages:
+            try:
+                await asyncio.wait_for(caught_up, _JS_API_TIMEOUT_S)
+            except TimeoutError:
+                # The messages counted expired meanwhile, or arrive late: the watch goes on.
+                logger.warning("lease bucket %s: not read to its end yet", bucket)
         return Subscription(subscription, f"{prefix}>")
 
     async def close(self) -> None:
