@@ -36,6 +36,7 @@ import asyncio
 import enum
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from uuid import UUID
 
 import msgspec
@@ -58,7 +59,9 @@ from kvhandoff.events.messages import (
 )
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Subscription
+from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.errors import BusError
+from kvhandoff.worker.lease_view import LeaseView, write_view
 from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.planner import OpenHandoff
 
@@ -82,9 +85,11 @@ class EngineLeases:
     """What the lease bucket says of each engine, and the tier's answers for gone ones."""
 
     def __init__(
-        self, bus: Bus, subjects: Subjects, metrics: Metrics, *, require: bool = False
-    ) -> None:
+        self, bus: Bus, subjects: Subjects, metrics: Metrics, *, require: bool = False,
+        view: Path | None = None,
+    ) -> None:  # fmt: skip
         self._bus = bus
+        self._view = view  # worker.lease_view: what `kvhandoff stuck` shows
         self._bucket = subjects.lease_bucket
         self._subjects = subjects
         self._require = require
@@ -155,7 +160,8 @@ class EngineLeases:
             return
         before = self._live.get(engine_id)
         self._live[engine_id] = lease.incarnation
-        self._gone.pop(engine_id, None)
+        if self._gone.pop(engine_id, None) is not None or before is None:
+            self._save()  # live again, or for the first time
         if before is not None and before != lease.incarnation:
             # The handoffs of the incarnation before are the gone engine's.
             logger.warning(
@@ -164,8 +170,16 @@ class EngineLeases:
             self._notify(engine_id, before)
 
     def _notify(self, engine_id: str, incarnation: str) -> None:
+        self._save()
         for listener in self._listeners:
             listener(engine_id, incarnation)
+
+    def _save(self) -> None:
+        if self._view is None:
+            return
+        engines = {e: LeaseState.EXPIRED.value for e in self._gone}
+        engines |= {e: LeaseState.LIVE.value for e in self._live}
+        write_view(self._view, LeaseView(now_ms(), engines))
 
     # --- Answers --------------------------------------------------------------------------
 

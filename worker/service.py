@@ -112,6 +112,7 @@ from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
+from kvhandoff.worker.lease_view import view_path
 from kvhandoff.worker.leases import EngineLeases
 from kvhandoff.worker.metrics import Metrics, TierMetrics
 from kvhandoff.worker.ownership import CaughtUp
@@ -267,7 +268,10 @@ class Worker:
         self._last_commit_failure: BaseException | None = None  # counted once per group
         self._inputs_of = f"{config.nats.subject_prefix}.inp."
         # Engine leases (issue #34): the bucket's watch, and the answers for gone engines.
-        self.leases = EngineLeases(bus, self._subjects, metrics, require=config.require_leases)
+        self.leases = EngineLeases(
+            bus, self._subjects, metrics, require=config.require_leases,
+            view=view_path(config.data_dir or config.db_path),
+        )  # fmt: skip
         self.leases.on_gone(self._lease_gone)
         self.tier = Tier(
             bus, settings, self.decide, self.act, label,

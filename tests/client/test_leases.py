@@ -120,6 +120,8 @@ async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answe
     frontend = await Frontend.open(await connect())
     handoff_id = await frontend.start(start_message())
     await asyncio.wait_for(engines.submitted.wait(), WAIT_S)
+    # `stuck` shows what it waits on, and that the engine's lease is live.
+    await until_stuck_shows(tmp_path / "kvhandoff.db", f"source {SOURCE} (lease live)")
 
     await proxy.cut()  # the source can neither renew its lease nor answer
     complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
@@ -161,6 +163,21 @@ async def completed_inputs(db: Path, handoff_id: HandoffId) -> list[Input]:
         assert loop.time() < give_up_at, "the file never held the completion"
         await asyncio.sleep(0.05)  # poll interval
     return logged_inputs(db, handoff_id)
+
+
+async def until_stuck_shows(db: Path, text: str) -> None:
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while True:
+        stuck = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvhandoff.worker.cli", "stuck", str(db),
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await stuck.communicate()
+        if text in out.decode():
+            return
+        assert loop.time() < give_up_at, f"stuck never showed {text!r}: {out.decode()}"
+        await asyncio.sleep(0.1)  # poll interval: the handoff reaches the file, the view too
 
 
 async def until_admitted(frontend: Frontend, source: str = SOURCE) -> HandoffCompletion:

@@ -199,6 +199,16 @@ def test_an_engine_without_a_lease_keeps_the_deadline_behaviour(
                   if isinstance(e.record, InputRecord)]  # fmt: skip
     assert row.state is HandoffState.OPEN
     assert not any(isinstance(i, Failed) for i in inputs)
+    # `stuck` lists it, waiting on an engine of which the tier knew no lease.
+    stuck = subprocess.run(
+        [*KVHANDOFF, "stuck", str(db), "--json"], capture_output=True, text=True, check=True
+    )
+    report = json.loads(stuck.stdout)
+    assert report["leases_at_ms"] is not None  # the worker's view of the leased engines
+    (waiting,) = next(
+        h["waiting"] for h in report["handoffs"] if h["handoff"]["handoff_id"] == str(handoff_id)
+    )
+    assert (waiting["engine"], waiting["lease"]) == (DOOMED, None)
 
 
 def _timed_out(db: Path, handoff_id: uuid.UUID) -> bool:
