@@ -33,6 +33,7 @@ their deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections.abc import Callable, Iterable
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 # How long the bucket keeps a delete marker: a worker started within it still learns that an
 # engine is gone (as `client.connection` creates the bucket).
 MARKER_TTL_S = 24 * 3600.0
+_START_RETRY_S = 1.0
 _ANSWER_GIVE_UP_S = 5.0  # the next retry of the action gives the answer again
 _CLEANUPS = (CancelSource, CancelDestination, ReleaseSource)
 _DECODER = msgspec.json.Decoder(EngineLease)
@@ -111,10 +113,20 @@ class EngineLeases:
         incarnation is "" if the watch never saw it: a marker read at start)."""
         self._listeners.append(listener)
 
-    async def start(self) -> None:
-        """Open the bucket and read what it holds; returns once every key was read."""
-        await self._bus.open_lease_bucket(self._bucket, MARKER_TTL_S)
-        self._subscription = await self._bus.watch_leases(self._bucket, self._on_entry)
+    async def start(self, stop: asyncio.Event) -> None:
+        """Open the bucket and read what it holds; returns once every key was read, or `stop`
+        is set. Retried while NATS cannot answer (a cluster forming, electing a leader), as
+        the tier's own set-up is."""
+        while not stop.is_set():
+            try:
+                await self._bus.open_lease_bucket(self._bucket, MARKER_TTL_S)
+                self._subscription = await self._bus.watch_leases(self._bucket, self._on_entry)
+                return
+            except BusError as exc:
+                logger.warning("leases: cannot watch the bucket yet (%s); retrying", exc)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_START_RETRY_S):
+                    await stop.wait()
 
     async def stop(self) -> None:
         if self._subscription is not None:

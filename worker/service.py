@@ -293,7 +293,7 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Own this worker's share until `stop` is set, then close every partition file."""
         try:
-            await self.leases.start()  # before any claim: a new owner answers for gone engines
+            await self.leases.start(stop)  # before any claim: an owner answers for gone engines
             await self.tier.run(stop)
         finally:
             await self.leases.stop()
