@@ -36,11 +36,11 @@ Invariants
 - Leases (`client.lease`, `events.leases`). Unless `lease_ttl_s` is None, `start` takes a lease
   on the engine id and a task renews it. If the lease lapses (NATS cut off, the process paused),
   the tier may already have answered for the engine, so the engine *fences* every handoff it
-  remembers: `Handlers.fenced` is told to drop them (their KV), their facts are no longer
-  published, and any later action of theirs is answered without running a handler: a cleanup
-  with `Noop`, anything else with `ActionFailed`. A handoff first seen
-  while the engine holds no lease is fenced alike. The engine goes on under a new incarnation
-  once a renewal succeeds again.
+  remembers: `Handlers.fenced` is told to drop them (their KV), nothing of theirs is published
+  but a refusal, a `Noop` or a `Failed`, and any later action of theirs is answered without
+  running a handler: a cleanup with `Noop`, anything else with `ActionFailed`. A handoff first
+  seen while the engine holds no lease is fenced alike. The engine goes on under a new
+  incarnation once a renewal succeeds again.
 
 `Interference` is a seam for the mock engines' fault injection (ignore, delay or duplicate a
 receipt); a real engine leaves it out.

@@ -129,6 +129,8 @@ class EngineLeases:
                     await stop.wait()
 
     async def stop(self) -> None:
+        """Stop watching, and give up the answers still being published (the next owner's
+        claim, or the next retry of the action, gives them again)."""
         if self._subscription is not None:
             subscription, self._subscription = self._subscription, None
             try:
