@@ -12,6 +12,8 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 from kvhandoff.client import Connection, Engine, Frontend, Handlers, HandoffRejected
 from kvhandoff.events.ids import HandoffId
 from kvhandoff.events.leases import ENGINE_UNAVAILABLE, LEASE_EXPIRED
@@ -268,3 +270,21 @@ def _outcome_logged(db: Path, handoff_id: HandoffId) -> bool:
         if handoff_id not in {row.handoff_id for row in log.handoffs()}:
             return False  # not in the file yet: it commits behind the replicated log
     return any(isinstance(i, ActionOutcome) for i in logged_inputs(db, handoff_id))
+
+
+async def test_with_require_leases_a_start_naming_an_unleased_engine_is_rejected(
+    nats_server: EmbeddedNats, connect: Connect, tmp_path: Path
+) -> None:
+    worker = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db", "--require-leases")
+    worker.start()
+    try:
+        connection = await connect()
+        unleased = Engine(connection, SOURCE, Handlers(), lease_ttl_s=None)
+        await unleased.start()
+        frontend = await Frontend.open(connection)
+        handoff_id = await frontend.start(start_message())
+        with pytest.raises(HandoffRejected, match=f"{SOURCE} holds no lease"):
+            await frontend.wait(handoff_id, timeout_s=WAIT_S)
+        await unleased.stop()
+    finally:
+        worker.stop()
