@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 # How long an input is retried while NATS or the input stream does not answer.
 DEFAULT_PUBLISH_GIVE_UP_S = 30.0
+# How long the lease bucket remembers that a lease expired (its delete marker), so that a
+# worker that starts, or claims a partition, meanwhile learns that the engine is gone.
+LEASE_MARKER_TTL_S = 24 * 3600.0
 
 ActionHandler = Callable[[Action], Awaitable[None]]
 CompleteHandler = Callable[[Complete], Awaitable[None]]
@@ -67,6 +70,7 @@ class Connection:
         """Adopt a connected `Bus` (closed by `close`), on the subjects of `subjects`."""
         self._bus = bus
         self.subjects = subjects
+        self._lease_bucket_open = False
 
     @classmethod
     async def open(cls, settings: NatsSettings, name: str) -> Connection:
@@ -126,6 +130,23 @@ class Connection:
             await self._bus.publish_durable(subject, payload, give_up_after_s=give_up_after_s)
         except BusError as exc:
             _translated(exc, f"handoff {message.handoff_id}: storing {_tag(message)}")
+
+    # --- Leases (issue #34; client.lease) --------------------------------------------------
+
+    async def put_lease(
+        self, engine_id: str, value: bytes, ttl_s: float, *, give_up_after_s: float
+    ) -> None:
+        """Store an engine's lease for `ttl_s` in the lease bucket, created if absent."""
+        bucket = self.subjects.lease_bucket
+        try:
+            if not self._lease_bucket_open:
+                await self._bus.open_lease_bucket(bucket, LEASE_MARKER_TTL_S)
+                self._lease_bucket_open = True
+            await self._bus.put_lease(
+                bucket, engine_id, value, ttl_s, give_up_after_s=give_up_after_s
+            )
+        except BusError as exc:
+            _translated(exc, f"{engine_id}: renewing its lease")
 
     # --- Subscriptions --------------------------------------------------------------------
 

@@ -33,6 +33,14 @@ Invariants
 - A handler that raises answers nothing: the error is logged, no outcome is stored, and the
   worker's retry of the action runs the handler again.
 - A `Complete` sent to an engine's subject is logged and ignored: it is for frontends.
+- Leases (`client.lease`, `events.leases`). Unless `lease_ttl_s` is None, `start` takes a lease
+  on the engine id and a task renews it. If the lease lapses (NATS cut off, the process paused),
+  the tier may already have answered for the engine, so the engine *fences* every handoff it
+  remembers: `Handlers.fenced` is told to drop them (their KV), nothing of theirs is published
+  but a refusal, a `Noop` or a `Failed`, and any later action of theirs is answered without
+  running a handler: a cleanup with `Noop`, anything else with `ActionFailed`. A handoff first
+  seen while the engine holds no lease is fenced alike. The engine goes on under a new
+  incarnation once a renewal succeeds again.
 
 `Interference` is a seam for the mock engines' fault injection (ignore, delay or duplicate a
 receipt); a real engine leaves it out.
@@ -51,9 +59,11 @@ from typing import Any, Protocol, TypeVar
 
 from kvhandoff.client.connection import Connection, Watch
 from kvhandoff.client.errors import BusUnavailable, OutcomeLogFailed
+from kvhandoff.client.lease import DEFAULT_LEASE_TTL_S, Lease
 from kvhandoff.client.outcomes import OutcomeLog
 from kvhandoff.events.codec import encode
 from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.leases import LEASE_EXPIRED
 from kvhandoff.events.messages import (
     NOOP,
     Action,
@@ -67,6 +77,7 @@ from kvhandoff.events.messages import (
     Failed,
     HandoffTransferTiming,
     Input,
+    Noop,
     Outcome,
     ReleaseSource,
     ReserveDestination,
@@ -99,6 +110,9 @@ class Handlers:
     reserve_destination: Callable[[ReserveDestination], Awaitable[Outcome]] | None = None
     activate_destination: Callable[[ActivateDestination], Awaitable[Outcome]] | None = None
     cancel_destination: Callable[[CancelDestination], Awaitable[Outcome]] | None = None
+    # The lease lapsed: drop what these handoffs hold, at once (see "Leases"). Synchronous, as
+    # it runs where the lapse is noticed, before anything else is handled or published.
+    fenced: Callable[[list[HandoffId]], None] | None = None
 
 
 class Interference(Protocol):
@@ -120,6 +134,8 @@ class EngineStats:
     repeated: int = 0  # repeated action ids answered with the stored outcome
     malformed: int = 0  # messages on the action subject that did not decode as an action
     ignored: int = 0  # receipts that `Interference.on_receipt` ignored
+    fenced: int = 0  # handoffs fenced when the lease lapsed
+    withheld: int = 0  # outcomes and facts of fenced handoffs not published
 
 
 @dataclass(eq=False)
@@ -128,6 +144,7 @@ class _Memory:
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     outcomes: dict[int, Outcome] = field(default_factory=dict)
+    fenced: bool = False  # held when the lease lapsed (see "Leases")
 
 
 class HandoffFacts:
@@ -167,6 +184,7 @@ class Engine:
         remember: int = DEFAULT_REMEMBER,
         outcomes_path: Path | None = None,
         interference: Interference | None = None,
+        lease_ttl_s: float | None = DEFAULT_LEASE_TTL_S,
     ) -> None:
         if remember < 1:
             raise ValueError(f"remember must be at least 1 handoff, got {remember}")
@@ -181,11 +199,14 @@ class Engine:
         self._watch: Watch | None = None
         self._outcomes_path = outcomes_path
         self._log: OutcomeLog | None = None
+        self.lease = (
+            None if lease_ttl_s is None else Lease(connection, engine_id, lease_ttl_s, self._fence)
+        )
 
     async def start(self) -> None:
-        """Load the outcome log, if there is one, and subscribe to the engine's actions;
-        returns once the server registered the subscription. `OutcomeLogFailed` if the log
-        cannot be opened or read."""
+        """Load the outcome log, if there is one, take the lease and subscribe to the engine's
+        actions; returns once the server registered the subscription. `OutcomeLogFailed` if
+        the log cannot be opened or read, `BusUnavailable` if the lease cannot be taken."""
         if self._outcomes_path is not None:
             self._log = OutcomeLog(self._outcomes_path, self.engine_id)
             for handoff_id, action_id, outcome in self._log.load():
@@ -194,6 +215,9 @@ class Engine:
                 "%s: %d handoffs' outcomes loaded from %s",
                 self.engine_id, len(self._memory), self._outcomes_path,
             )  # fmt: skip
+        if self.lease is not None:
+            await self.lease.acquire()
+            self.spawn(self.lease.run())
         self._watch = await self._connection.watch_actions(
             self.engine_id, self._on_action, self._on_malformed
         )
@@ -244,7 +268,15 @@ class Engine:
 
     async def publish(self, message: Input) -> None:
         """Store an outcome or fact in the input stream, as many times as `Interference` says.
-        Callers hold the handoff's lock; `BusUnavailable` if it could not be stored."""
+        Callers hold the handoff's lock; `BusUnavailable` if it could not be stored. Of a fenced
+        handoff, only a refusal, a `Noop` or a `Failed` is published (see "Leases")."""
+        if self._is_fenced(message.handoff_id) and not _fenced_may_say(message):
+            self.stats.withheld += 1
+            logger.warning(
+                "handoff %s: %s is fenced: %s withheld", message.handoff_id, self.engine_id,
+                _tag(message),
+            )  # fmt: skip
+            return
         payload = encode(message)
         copies = 1 if self._interference is None else self._interference.copies(payload)
         for _ in range(copies):
@@ -287,7 +319,9 @@ class Engine:
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
             outcome = memory.outcomes.get(action.action_id)
-            if outcome is None:
+            if self._is_fenced(handoff_id):
+                outcome = _fenced_answer(action, self.engine_id)
+            elif outcome is None:
                 try:
                     outcome = await self._dispatch(action)
                 except Exception:
@@ -333,6 +367,28 @@ class Engine:
                 return await _run_cleanup(handlers.cancel_destination, action)
             case Complete():
                 raise AssertionError("a Complete is never dispatched")
+
+    # --- Leases ---------------------------------------------------------------------------
+
+    def _is_fenced(self, handoff_id: HandoffId) -> bool:
+        """Whether the handoff was fenced; a first sight of it while no lease is held fences it
+        (the engine may not take ownership that the tier would not know to clean)."""
+        memory = self._remembered(handoff_id)
+        if self.lease is not None and not self.lease.check() and not memory.fenced:
+            memory.fenced = True
+            self.stats.fenced += 1
+            if self._handlers.fenced is not None:
+                self._handlers.fenced([handoff_id])
+        return memory.fenced
+
+    def _fence(self) -> None:
+        """The lease lapsed: fence every handoff remembered (`Lease` calls it once a lapse)."""
+        fenced = [hid for hid, memory in self._memory.items() if not memory.fenced]
+        for handoff_id in fenced:
+            self._memory[handoff_id].fenced = True
+        self.stats.fenced += len(fenced)
+        if self._handlers.fenced is not None and fenced:
+            self._handlers.fenced(fenced)
 
     # --- Memory ---------------------------------------------------------------------------
 
@@ -392,6 +448,21 @@ async def _run(
 async def _run_cleanup(handler: Callable[[A], Awaitable[Outcome]] | None, action: A) -> Outcome:
     # Without a handler, this engine never took ownership for the handoff: nothing to clean.
     return NOOP if handler is None else await handler(action)
+
+
+def _fenced_answer(action: Action, engine_id: str) -> Outcome:
+    """A fenced handoff's answer: `Noop` for a cleanup (it holds nothing now, whatever it said
+    before: an earlier answer that was stored stands, the coordinator drops the repeat), a
+    refusal for anything that would take ownership."""
+    if isinstance(action, (ReleaseSource, CancelSource, CancelDestination)):
+        return NOOP
+    return ActionFailed(f"{engine_id}: {LEASE_EXPIRED}, the handoff was dropped")
+
+
+def _fenced_may_say(message: Input) -> bool:
+    if isinstance(message, Failed):
+        return True
+    return isinstance(message, ActionOutcome) and isinstance(message.outcome, (Noop, ActionFailed))
 
 
 def _tag(message: object) -> str:

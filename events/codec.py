@@ -263,6 +263,8 @@ def _as_written(info: mi.Type, value: Any) -> Any:
         # The leaves, converted to their type without its constraints.
         case mi.EnumType(cls=enum_type):
             return msgspec.convert(value, enum_type)
+        case mi.BoolType():
+            return msgspec.convert(value, bool)
         case mi.IntType():
             return msgspec.convert(value, int)
         case mi.FloatType():

@@ -121,8 +121,12 @@ class TransferCompleted(_Input, frozen=True, tag="transfer_completed"):
     """The KV blocks arrived at the destination."""
 
 
-class Failed(_Input, frozen=True, tag="failed"):
-    """An engine lost the request; the handoff must be cleaned up."""
+class Failed(_Input, frozen=True, tag="failed", omit_defaults=True):
+    """An engine lost the request; the handoff must be cleaned up. `reason` says why when the
+    tier says it for an engine (its lease expired: `events.leases`); the coordinator reads no
+    reason. Omitted when None, so a reason-less `Failed` encodes, and digests, as before."""
+
+    reason: Reason | None = None
 
 
 class TimedOut(_Input, frozen=True, tag="timed_out"):
@@ -173,11 +177,14 @@ APPLIED = Applied()
 NOOP = Noop()
 
 
-class ActionOutcome(_Input, frozen=True, tag="action_outcome"):
-    """An engine's answer to one action, quoting its action id."""
+class ActionOutcome(_Input, frozen=True, tag="action_outcome", omit_defaults=True):
+    """An engine's answer to one action, quoting its action id. `by_tier` marks an answer the
+    tier gave on the engine's behalf once the engine's lease expired (`events.leases`); omitted
+    when false, so an engine's answer encodes, and digests, as before."""
 
     action_id: ActionId
     outcome: Outcome
+    by_tier: bool = False
 
 
 Fact = SourceHeld | DestinationReserved | TransferCompleted | Failed | TimedOut | Canceled

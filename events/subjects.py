@@ -5,6 +5,7 @@
 <prefix>.done.<handoff_id>             Complete, for the frontend waiting on the handoff (the
                                        worker's completion stream keeps the last one)
 <prefix>.rejected.<handoff_id>         Rejection of an input (`unknown` if undecodable)
+$KV.<PREFIX>_LEASES.<engine_id>        the engine's lease (`events.leases`; a KV bucket)
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class Subjects:
     @property
     def all_rejected(self) -> str:
         return f"{self.prefix}.rejected.>"
+
+    @property
+    def lease_bucket(self) -> str:
+        """The KV bucket of the engines' leases (`events.leases`), named after the prefix as
+        the tier's streams are: `KVHANDOFF_LEASES` for `kvhandoff`."""
+        return f"{self.prefix.upper().replace('.', '_')}_LEASES"
 
     @property
     def engines_report(self) -> str:

@@ -87,3 +87,23 @@ def test_the_cluster_demo_survives_a_killed_worker_and_node_with_every_handoff_e
     assert f"within {report.failover_s:.1f} s of its SIGKILL" in done.stdout
     survivors = [share for share in report.shares if not share.killed]
     assert sorted(p for share in survivors for p in share.after) == list(range(16))
+
+
+def test_the_demo_with_an_engine_killed_midway_still_ends_every_handoff(tmp_path: Path) -> None:
+    """`kvhandoff demo --kill-engine`: the engine's lease expires, and the handoffs it held end
+    through it rather than at their deadline."""
+    report_path = tmp_path / "report.json"
+    environment = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--quiet", "--handoffs", "600",
+         "--kill-engine", "vllm-prefill-0", "--json", str(report_path)],
+        capture_output=True, text=True, timeout=600, check=False, env=environment,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    report = msgspec.json.decode(report_path.read_bytes(), type=LoadReport)
+    assert report.completed + report.canceled + report.rejected == report.handoffs
+    assert (report.timed_out, report.leaks) == (0, 0)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("midway: SIGKILL"))
+    ended_by_lease = int(line.split(" handoffs it held")[0].rsplit(" ", 1)[1])
+    assert ended_by_lease > 0, line

@@ -987,6 +987,8 @@ _BATCH_COMMIT = "Nats-Batch-Commit"
 MAX_BATCH_MESSAGES = 1000  # the server's limit on one atomic batch
 # "subjects overlap with an existing stream": another stream captures what we would.
 _SUBJECTS_OVERLAP = 10065
+# "stream name already in use": another process created the stream just now.
+_STREAM_NAME_IN_USE = 10058
 
 
 def _captures(config: StreamConfig) -> str:
@@ -1232,12 +1234,14 @@ class Bus:
     # --- JetStream publishing -------------------------------------------------------------
 
     async def publish_durable(
-        self, subject: str, payload: bytes, *, give_up_after_s: float = 5.0
-    ) -> None:
+        self, subject: str, payload: bytes, *, give_up_after_s: float = 5.0,
+        msg_id: str | None = None,
+    ) -> None:  # fmt: skip
         """JetStream publish: returns once the stream stored the message. Retried with backoff
         (see `_store`); `BusError` after `give_up_after_s`, or at once on an error that no retry
-        can fix (the stream refused the message)."""
-        headers = {"Nats-Msg-Id": uuid.uuid4().hex}
+        can fix (the stream refused the message). `msg_id` names the message for the stream's
+        duplicate window where two publishers may send the same one (a lease's answers)."""
+        headers = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
         await self._store(
             subject, payload, headers, give_up_after_s, f"durable publish to {subject}"
         )
@@ -1866,6 +1870,83 @@ class Bus:
                     direct=False,
                 )
             )
+
+    # --- Engine leases (issue #34; used by client.lease and worker.leases) -----------------
+
+    async def open_lease_bucket(self, bucket: str, marker_ttl_s: float) -> None:
+        """Create the lease bucket's stream if absent: a KV bucket (`$KV.<bucket>.<key>`, one
+        message a key) whose messages carry their own TTL (`Nats-TTL`, nats-server 2.11+), and
+        which leaves a delete marker when one expires, so an expiry is a message that a watch
+        receives. The marker itself lives `marker_ttl_s`."""
+        stream = f"KV_{bucket}"
+        config = StreamConfig(
+            name=stream,
+            subjects=[f"$KV.{bucket}.>"],
+            retention=RetentionPolicy.LIMITS,
+            max_msgs_per_subject=1,
+            allow_msg_ttl=True,
+            subject_delete_marker_ttl=marker_ttl_s,
+            allow_rollup_hdrs=True,
+            num_replicas=self.replicas,
+        )
+        try:
+            try:
+                await self._js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                await self._js.add_stream(config)
+                logger.info("created lease bucket %s, R%d", bucket, self.replicas)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != _STREAM_NAME_IN_USE:  # another process created it just now
+                raise BusError(f"cannot open lease bucket {bucket}: {_why(exc)}") from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot open lease bucket {bucket}: {_why(exc)}") from exc
+
+    async def put_lease(
+        self, bucket: str, key: str, value: bytes, ttl_s: float, *, give_up_after_s: float
+    ) -> None:
+        """Store `value` under `key` for `ttl_s` (whole milliseconds); `BusError` if it could not
+        be stored within `give_up_after_s`."""
+        headers = {"Nats-Msg-Id": uuid.uuid4().hex, "Nats-TTL": f"{round(ttl_s * 1000)}ms"}
+        await self._store(
+            f"$KV.{bucket}.{key}", value, headers, give_up_after_s, f"lease {key} in {bucket}"
+        )
+
+    async def watch_leases(
+        self, bucket: str, on_entry: Callable[[str, bytes | None], None]
+    ) -> Subscription:
+        """Call `on_entry(key, value)` for the last message of every key of the lease bucket,
+        then for every later one, in stream order; `value` is None for a delete marker (the key
+        expired or was deleted). Returns once every key's current message was delivered."""
+        prefix = f"$KV.{bucket}."
+        caught_up = asyncio.get_running_loop().create_future()
+
+        async def deliver(msg: Msg) -> None:
+            headers = msg.headers or {}
+            expired = "Nats-Marker-Reason" in headers or headers.get("KV-Operation") in {
+                "DEL",
+                "PURGE",
+            }
+            on_entry(msg.subject.removeprefix(prefix), None if expired else msg.data)
+            if msg.metadata.num_pending == 0 and not caught_up.done():
+                caught_up.set_result(None)
+
+        try:
+            info = await self._js.stream_info(f"KV_{bucket}")
+            subscription = await self._js.subscribe(
+                f"{prefix}>",
+                cb=deliver,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot watch lease bucket {bucket}: {_why(exc)}") from exc
+        if info.state.messages:
+            try:
+                await asyncio.wait_for(caught_up, _JS_API_TIMEOUT_S)
+            except TimeoutError:
+                # The messages counted expired meanwhile, or arrive late: the watch goes on.
+                logger.warning("lease bucket %s: not read to its end yet", bucket)
+        return Subscription(subscription, f"{prefix}>")
 
     async def close(self) -> None:
         """Flush what was published (actions, acks), then disconnect."""

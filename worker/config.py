@@ -136,6 +136,8 @@ class WorkerConfig:
     # How long a handoff that ended is remembered by its tombstone, for a late input that
     # names it (worker.planner): at least the longest deadline plus the bus's duplicate window.
     tombstone_ttl_s: float = 300.0
+    # Engine leases (worker.leases): reject a start naming an engine that holds none.
+    require_leases: bool = False
 
     def __post_init__(self) -> None:
         # Frozen: the derived names are set once, here, so every reader sees them.
@@ -436,6 +438,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "so that a late input for it is answered as a duplicate or rejected, not started anew "
         "(env KVHANDOFF_TOMBSTONE_TTL; default %(default)s)",
     )
+    tier.add_argument(
+        "--require-leases",
+        action="store_true",
+        help="reject a start naming an engine that holds no lease (docs/leases.md); without "
+        "it, such an engine's handoffs end at their deadline as before leases",
+    )
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -463,6 +471,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         snapshot_every=args.snapshot_every,
         snapshot_interval_s=args.snapshot_interval,
         tombstone_ttl_s=args.tombstone_ttl,
+        require_leases=args.require_leases,
     )
     config.validate()
     return config

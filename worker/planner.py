@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 from uuid import UUID
@@ -173,6 +173,8 @@ class Planner:
         self.tombstones: dict[UUID, Tombstone] = {}
         # Early inputs waiting for their redelivery: stream sequence -> when it is due back.
         self.deferred: dict[int, float] = {}
+        # Engine leases (worker.leases): why a start is refused (an engine is gone), or None.
+        self.admit: Callable[[StartHandoff], str | None] | None = None
 
     # --- The two steps --------------------------------------------------------------------
 
@@ -313,6 +315,10 @@ class Planner:
             if not isinstance(message, StartHandoff):
                 reason = "no such handoff (not started)"
                 self._early(r, index, handoff_id, reason, label="unknown")
+                return None
+            refusal = None if self.admit is None else self.admit(message)
+            if refusal is not None:
+                self._reject(r, index, handoff_id, refusal, label="engine")
                 return None
             handoff = self._open_new(plan, message, r.now_ms)
         try:

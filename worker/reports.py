@@ -58,6 +58,9 @@ class WaitingFor(Struct, frozen=True):
     action: Action | None
     since_ms: int
     waited_ms: int
+    # The engine's lease as the worker last saw it (`worker.lease_view`): live or expired, or
+    # None if the worker knew of no lease of it or left no view.
+    lease: str | None = None
 
 
 class StuckHandoff(Struct, frozen=True):
@@ -90,6 +93,7 @@ class StuckReport(Struct, frozen=True):
     handoffs: list[StuckHandoff]
     quarantined: int = 0
     unknown_state: int = 0
+    leases_at_ms: int | None = None  # when the worker wrote the lease view read, if any
 
 
 class ReplayReport(Struct, frozen=True):

@@ -108,6 +108,8 @@ from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
+from kvhandoff.worker.lease_view import view_path
+from kvhandoff.worker.leases import EngineLeases
 from kvhandoff.worker.metrics import Metrics, TierMetrics
 from kvhandoff.worker.ownership import CaughtUp
 from kvhandoff.worker.partition_owner import Decided, SnapshotPolicy
@@ -287,6 +289,12 @@ class Worker:
         self._resends: set[asyncio.Task[None]] = set()  # see `_publish_again`
         self._last_commit_failure: BaseException | None = None  # counted once per group
         self._inputs_of = f"{config.nats.subject_prefix}.inp."
+        # Engine leases (issue #34): the bucket's watch, and the answers for gone engines.
+        self.leases = EngineLeases(
+            bus, self._subjects, metrics, require=config.require_leases,
+            view=view_path(config.data_dir or config.db_path),
+        )  # fmt: skip
+        self.leases.on_gone(self._lease_gone)
         self.tier = Tier(
             bus, settings, self.decide, self.act, label,
             on_claim=self.on_claim, on_release=self.on_release, snapshot=self.snapshot,
@@ -307,8 +315,10 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Own this worker's share until `stop` is set, then close every partition file."""
         try:
+            await self.leases.start(stop)  # before any claim: an owner answers for gone engines
             await self.tier.run(stop)
         finally:
+            await self.leases.stop()
             for resend in self._resends:
                 resend.cancel()
             for part in self._partitions.values():
@@ -371,6 +381,7 @@ class Worker:
                 self._metrics.commit_failures.inc()  # e.g. a full disk, at each claim
                 raise
         await self._rebuild(part)
+        self.leases.sweep(part.planner.open.values())
         elapsed = time.perf_counter() - began
         logger.info(
             "partition %d: caught %s up with %s%d of %d entries (mark %s) and recovered %d open "
@@ -561,6 +572,7 @@ class Worker:
             self._subjects, self._config.batch_size, self._config.ack_wait_s,
             tombstone_ttl_ms=int(self._config.tombstone_ttl_s * 1000),
         )  # fmt: skip
+        planner.admit = self.leases.admit
         timers = HandoffTimers(
             planner, self._bus, self._subjects, self._metrics,
             retry_interval_s=self._config.retry_interval_s,
@@ -645,6 +657,7 @@ class Worker:
             if ack is not None:
                 stored.append(ack)
             part.timers.sent(action)
+            self.leases.sent(part.planner.open.get(action.handoff_id), action)
         return asyncio.ensure_future(self._bus.confirm(connection, stored))
 
     def _barrier_done(
@@ -683,6 +696,11 @@ class Worker:
             sent.barrier = barrier
             sent.barrier.add_done_callback(partial(self._barrier_done, part, tenure, sent))
             return
+
+    def _lease_gone(self, engine_id: str, incarnation: str) -> None:
+        """An engine's lease went: answer for it in every handoff this worker owns."""
+        for part in self._partitions.values():
+            self.leases.sweep(part.planner.open.values(), {engine_id: incarnation})
 
     async def _republish(self, partition: int, row: HandoffRow, action: Action) -> None:
         """A retry: publish the action again (its first publication carries its mark)."""

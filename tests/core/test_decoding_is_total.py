@@ -143,6 +143,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "bandwidth_gb_s": st.none() | _floats(MAX_BANDWIDTH_GB_S),
     "action_id": _counts(MAX_EXACT_INT),
     "reason": texts,
+    "by_tier": st.booleans(),
     "delay_ms": _floats(sys.float_info.max),
     "completion": st.sampled_from(["success", "canceled"]),
     "payload": texts,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import uuid
 
@@ -139,8 +140,13 @@ async def test_deadline_appends_timed_out_and_cleans_up(
     assert kinds(engines.actions_of(command.handoff_id)) == [
         "SubmitPrefill", "CancelSource", "Complete",
     ]  # fmt: skip
-    # The deadline is an input like any other, so replay sees it.
-    assert any(isinstance(i, TimedOut) for i in logged_inputs(worker.db, command.handoff_id))
+    # The deadline is an input like any other, so replay sees it (once the file, which commits
+    # behind the publishes, holds it).
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + 30.0
+    while not any(isinstance(i, TimedOut) for i in logged_inputs(worker.db, command.handoff_id)):
+        assert loop.time() < give_up_at, "the TimedOut never reached the file"
+        await asyncio.sleep(0.05)  # poll interval
 
 
 async def test_duplicates_are_logged_once(worker: WorkerProcess, engines: ScriptedEngines) -> None:

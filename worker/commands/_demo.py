@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -42,16 +42,18 @@ def faults() -> list[str]:
 
 
 def engines_child(
-    url: str, folder: Path, args: argparse.Namespace, engine_faults: list[str]
-) -> Child:
-    """`kvhandoff engines` on `url`, leaving out `--external-engine`, logging to the folder;
-    in a session of its own, so that Ctrl-C reaches only the demo, which stops its children in
-    order."""
-    leave_out = [] if args.external_engine is None else ["--leave-out", args.external_engine]
+    url: str, folder: Path, args: argparse.Namespace, engine_faults: list[str],
+    *, left_out: Sequence[str] = (), name: str = "engines",
+) -> Child:  # fmt: skip
+    """`kvhandoff engines` on `url`, leaving out `--external-engine` and `left_out`, logging to
+    the folder; in a session of its own, so that Ctrl-C reaches only the demo, which stops its
+    children in order."""
+    external = [] if args.external_engine is None else [args.external_engine]
+    leave_out = [arg for engine in (*external, *left_out) for arg in ("--leave-out", engine)]
     return Child(
         [sys.executable, "-m", "kvhandoff.worker.cli", "engines", "--nats-url", url,
          "--seed", str(args.seed), *engine_faults, *leave_out],
-        folder / "engines.log", name="the engines", new_session=True,
+        folder / f"{name}.log", name=f"the {name}", new_session=True,
     )  # fmt: skip
 
 

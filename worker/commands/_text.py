@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvhandoff.events.messages import Action, ActionOutcome
+from kvhandoff.events.messages import Action, ActionOutcome, Failed
 from kvhandoff.events.replay import Change
 from kvhandoff.worker.rows import HandoffRow
 
@@ -118,14 +118,20 @@ def message(m: Struct) -> str:
     if isinstance(m, ActionOutcome):
         outcome = m.outcome
         fields = _fields(outcome, skip=())
-        return " ".join([f"{_tag(m)}({m.action_id}) {_tag(outcome)}", *fields])
+        by = ["by the tier (engine lease gone)"] if m.by_tier else []
+        return " ".join([f"{_tag(m)}({m.action_id}) {_tag(outcome)}", *fields, *by])
     return " ".join([_tag(m), *_fields(m, skip=("handoff_id",))])
 
 
 def brief(m: Struct) -> str:
-    """An input's kind alone, or for an outcome, which action and what it answered."""
+    """An input's kind alone, or for an outcome, which action and what it answered, and who:
+    an outcome the tier gave for an engine whose lease was gone says so, as does a `Failed`
+    that carries the tier's reason."""
     if isinstance(m, ActionOutcome):
-        return f"{_tag(m)}({m.action_id}) {_tag(m.outcome)}"
+        by = " by the tier (engine lease gone)" if m.by_tier else ""
+        return f"{_tag(m)}({m.action_id}) {_tag(m.outcome)}{by}"
+    if isinstance(m, Failed) and m.reason is not None:
+        return f"{_tag(m)} ({printable(m.reason)})"
     return _tag(m)
 
 

@@ -12,7 +12,12 @@ replays one of its canceled handoffs.
 (`examples/engine.py`, written with the client): the mock engines do not serve it, and the demo
 prints the command to run and waits for that engine to listen before it starts the load.
 
-Exits 0 when every handoff completed or was cleanly canceled and no engine leaked.
+`--kill-engine ID` serves one engine id in a process of its own and SIGKILLs it once half the
+handoffs ended, with leases of a second (docs/leases.md): every handoff still ends, those it
+held through its expired lease, and the starts naming it afterwards are rejected at once.
+
+Exits 0 when every handoff completed or was cleanly canceled (or, with `--kill-engine`, was
+rejected for naming the killed engine) and no engine leaked.
 
 `--cluster` runs the same on a tier of workers instead: three clustered nats-servers, three
 `kvhandoff run --partitions` workers, and a worker and a NATS node killed midway
@@ -25,18 +30,19 @@ import argparse
 import asyncio
 import contextlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 from rich.console import Console
 
 from kvhandoff.client import BusUnavailable
-from kvhandoff.worker.child import WorkerChild
+from kvhandoff.worker.child import Child, WorkerChild, metric_sum
 from kvhandoff.worker.commands import _demo, _demo_cluster
 from kvhandoff.worker.commands.load import print_summary
 from kvhandoff.worker.engines import Roster
 from kvhandoff.worker.errors import ChildError
+from kvhandoff.worker.loadgen import LoadProgress, LoadReport
 from kvhandoff.worker.natsserver import EmbeddedNats
 
 _HANDOFFS = 3000
@@ -62,6 +68,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(examples/engine.py); the demo waits for it to listen",
     )
     parser.add_argument(
+        "--kill-engine",
+        metavar="ENGINE_ID",
+        help="serve this engine id in a process of its own and SIGKILL it once half the "
+        "handoffs ended; with 1 s leases, every handoff it held still ends (docs/leases.md)",
+    )
+    parser.add_argument(
         "--cluster",
         action="store_true",
         help="a tier of three workers on three clustered nats-servers; kills a worker and a "
@@ -77,6 +89,16 @@ def execute(args: argparse.Namespace) -> int:
             f"kvhandoff demo: --external-engine {args.external_engine} is not an engine of the "
             f"demo; choose one of {', '.join(engine_ids)}"
         )
+        return 2
+    doomed = args.kill_engine
+    if doomed is not None and (doomed not in engine_ids or doomed == args.external_engine):
+        console.print(
+            f"kvhandoff demo: --kill-engine {doomed} is not an engine the demo runs; choose one "
+            f"of {', '.join(engine_ids)}"
+        )
+        return 2
+    if args.cluster and doomed is not None:
+        console.print("kvhandoff demo: --kill-engine is for the one-worker demo, not --cluster")
         return 2
     if args.cluster and (args.db is not None or args.nats_url is not None):
         console.print(
@@ -108,23 +130,76 @@ def _single(args: argparse.Namespace, console: Console, folder: Path) -> int:
             WorkerChild(url, db, "--retry-interval", "1s", log_path=folder / "worker.log",
                         new_session=True)
         )  # fmt: skip
-        engines = children.enter_context(_demo.engines_child(url, folder, args, _demo.faults()))
+        doomed = args.kill_engine
+        # With an engine to kill, leases of a second: its handoffs end long before a deadline.
+        engine_faults = _demo.faults() + ([] if doomed is None else ["--lease-ttl", "1"])
+        engines = children.enter_context(
+            _demo.engines_child(
+                url, folder, args, engine_faults, left_out=[doomed] if doomed else []
+            )
+        )
+        victim = None
+        if doomed is not None:
+            others = [e for e in Roster().engine_ids() if e != doomed]
+            victim = children.enter_context(
+                _demo.engines_child(url, folder, args, engine_faults, left_out=others,
+                                    name="killed-engine")
+            )  # fmt: skip
         worker.start(_demo.READY_TIMEOUT_S)
         engines.start(_demo.READY_TIMEOUT_S)
         asyncio.run(_demo.engines_ready(url, engines, console, args.external_engine))
         config = _demo.load_config(url, args, args.handoffs or _HANDOFFS)
-        report = asyncio.run(_demo.run_load(config, args, console))
+        if victim is None:
+            report = asyncio.run(_demo.run_load(config, args, console))
+        else:
+            victim.start(_demo.READY_TIMEOUT_S)
+            asyncio.run(_demo.engines_ready(url, victim, console, None))
+            report = asyncio.run(
+                _demo.run_load(config, args, console, _kill_midway(victim, config.handoffs))
+            )
         print_summary(report, console)
         _demo.print_external(report, args.external_engine, console)
+        if victim is not None:
+            _print_lease_summary(doomed, victim, worker, report, console)
         engines_clean = engines.terminate() == 0
         worker_clean = worker.terminate() == 0
     if args.json is not None:
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2))
     _demo.point_at_the_log(db, console)
-    ok = report.ok and engines_clean and worker_clean
+    ended = report.ok
+    if args.kill_engine is not None:
+        # Starts naming the killed engine once the tier saw its lease go are rejected at once.
+        ended = report.completed + report.canceled + report.rejected == report.handoffs
+        ended = ended and report.timed_out == 0 and report.leaks == 0
+    ok = ended and engines_clean and worker_clean
     if not engines_clean or not worker_clean:
         console.print(f"a process did not stop cleanly; see the logs in {folder}")
     return 0 if ok else 1
+
+
+def _kill_midway(victim: Child, handoffs: int) -> Callable[[LoadProgress], None]:
+    """A progress callback that SIGKILLs the victim once half the handoffs ended."""
+
+    def watch(progress: LoadProgress) -> None:
+        if progress.ended >= handoffs // 2 and victim.running():
+            victim.kill()
+
+    return watch
+
+
+def _print_lease_summary(
+    engine_id: str, victim: Child, worker: WorkerChild, report: LoadReport, console: Console
+) -> None:
+    ended_by_lease = metric_sum(
+        worker.metrics(), 'kvhandoff_lease_answers_total{kind="failed"}'
+    )  # fmt: skip
+    console.print(
+        f"midway: SIGKILL to engine {engine_id} (pid {victim.pid}); its lease expired, and "
+        f"{ended_by_lease:.0f} handoffs it held ended canceled through it (not at their "
+        f"deadline); {report.rejected} starts naming it were rejected (engine unavailable); "
+        f"{report.timed_out} handoffs never ended",
+        soft_wrap=True,
+    )
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvhandoff.client import BusUnavailable, Connection, Refused
+from kvhandoff.client.lease import DEFAULT_LEASE_TTL_S
 from kvhandoff.events.messages import EngineType, KvTransferTimingMode
 from kvhandoff.worker.config import NatsSettings, add_nats_arguments, nats_settings
 from kvhandoff.worker.engines import (
@@ -148,6 +149,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="divide prefill, transfer and decode times by this (default 1)",
     )
     parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=DEFAULT_LEASE_TTL_S,
+        metavar="SECONDS",
+        help="each engine's lease on its id (docs/leases.md): the tier answers for an engine "
+        "that has not renewed it for this long; 0 takes no lease (default %(default)s)",
+    )
+    parser.add_argument(
         "--leave-out",
         action="append",
         default=[],
@@ -203,6 +212,7 @@ def execute(args: argparse.Namespace) -> int:
         config = EnginesConfig(
             roster=roster(args),
             left_out=frozenset(args.leave_out),
+            lease_ttl_s=args.lease_ttl or None,
             model=EngineModel(
                 block_size=args.block_size,
                 kv_blocks=args.kv_blocks,

@@ -224,6 +224,8 @@ def mermaid(report: ReplayReport) -> str:
                 lines.append(f"    D->>C: {label}")
             case TimedOut():
                 lines.append(f"    C->>C: {label} (deadline)")
+            case ActionOutcome(by_tier=True):
+                lines.append(f"    C->>C: {label}")
             case Failed():
                 # The fact does not say which engine lost the request.
                 lines.append(f"    Note over S,D: {label} (an engine lost the request)")

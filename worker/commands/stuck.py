@@ -7,6 +7,10 @@ destination, by the role that owes it). "Since" is when the awaited action was l
 a fact, when the last input was. Longest idle first; handoffs past their deadline are marked
 overdue (the worker should have timed them out).
 
+Beside the engine it waits on, the engine's lease (`lease live`, `lease expired`) as the worker
+last saw it, from the view the worker keeps beside its log (`worker.lease_view`): the command
+reads no bus, so that view's time is printed too. No lease shown: the worker knew of none.
+
 Quarantined handoffs are listed whatever their age, since they never progress on their own:
 they wait for an operator, since the worker set them aside, for the reason it gave. A handoff
 whose state this build does not know is looked at like an open one, and named in a warning on
@@ -26,6 +30,7 @@ from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.events.replay import timeline
 from kvhandoff.worker.clock import DURATION_HELP, duration_ms_arg
 from kvhandoff.worker.commands import _offline, _text
+from kvhandoff.worker.lease_view import read_view
 from kvhandoff.worker.logreader import LogSource, open_log
 from kvhandoff.worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
 from kvhandoff.worker.rows import HandoffRow
@@ -49,6 +54,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 @_offline.offline_command("stuck")
 def execute(args: argparse.Namespace) -> int:
     now = _offline.resolve_now(args)
+    view = read_view(args.log)
+    leases = {} if view is None else view.engines
     with open_log(args.log) as log:
         rows = log.handoffs([HandoffState.OPEN, HandoffState.QUARANTINED, None])
         stuck = []
@@ -59,7 +66,7 @@ def execute(args: argparse.Namespace) -> int:
                     f"handoff {row.handoff_id}: state {row.state_name!r} is not one this build"
                     " knows; looked at like an open one",
                 )
-            handoff = _stuck(log, row, now)
+            handoff = _stuck(log, row, now, leases)
             if handoff is None:
                 continue
             if handoff.idle_ms >= args.older_than or row.state is HandoffState.QUARANTINED:
@@ -72,6 +79,7 @@ def execute(args: argparse.Namespace) -> int:
         handoffs=stuck,
         quarantined=sum(row.state is HandoffState.QUARANTINED for row in rows),
         unknown_state=sum(row.state is None for row in rows),
+        leases_at_ms=None if view is None else view.at_ms,
     )
     if args.json:
         _offline.print_json(report)
@@ -80,7 +88,9 @@ def execute(args: argparse.Namespace) -> int:
     return _offline.EXIT_OK
 
 
-def _stuck(source: LogSource, row: HandoffRow, now: int) -> StuckHandoff | None:
+def _stuck(
+    source: LogSource, row: HandoffRow, now: int, leases: dict[str, str]
+) -> StuckHandoff | None:
     """What the handoff waits for, or None if it waits for nothing (its log says complete)."""
     quarantined = row.state is HandoffState.QUARANTINED
     stuck = StuckHandoff(
@@ -141,7 +151,9 @@ def _stuck(source: LogSource, row: HandoffRow, now: int) -> StuckHandoff | None:
         # An action the log does not hold (it diverges: `verify` says how) waits since the input.
         since = since_input if w.action is None else logged_at.get(w.action.action_id, since_input)
         engine = engines.get(w.role, w.role.value)
-        return WaitingFor(w.role, engine, w.fact, w.action, since, now - since)
+        return WaitingFor(
+            w.role, engine, w.fact, w.action, since, now - since, lease=leases.get(engine)
+        )
 
     return msgspec.structs.replace(
         stuck,
@@ -175,7 +187,10 @@ def _print(report: StuckReport) -> None:
             rows.append([*first, f"nothing ({_text.printable(h.state)})", "-", "-", *tail])
         for i, w in enumerate(h.waiting):
             what = f"fact {w.fact}" if w.action is None else f"outcome of {_text.action(w.action)}"
-            cells = [what, f"{w.role.value} {_text.printable(w.engine)}", _text.instant(w.since_ms)]
+            engine = f"{w.role.value} {_text.printable(w.engine)}"
+            if w.lease is not None:
+                engine += f" (lease {w.lease})"
+            cells = [what, engine, _text.instant(w.since_ms)]
             rows.append([*first, *cells, *tail] if i == 0 else ["", "", *cells, "", ""])
     _text.print_table(columns, rows)
     waiting = sum(h.handoff.state is not HandoffState.QUARANTINED for h in report.handoffs)
@@ -189,3 +204,5 @@ def _print(report: StuckReport) -> None:
     if report.quarantined:
         line += f", and {report.quarantined} quarantined"
     print(f"{line} (now {_text.instant(report.now_ms)})")
+    if report.leases_at_ms is not None:
+        print(f"leases as the worker saw them at {_text.instant(report.leases_at_ms)}")

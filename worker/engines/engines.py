@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from kvhandoff.client import BusUnavailable, Connection, Engine, Handlers, HandoffFacts
+from kvhandoff.client.lease import DEFAULT_LEASE_TTL_S
 from kvhandoff.events.ids import HandoffId
 from kvhandoff.events.messages import (
     ACCEPTED,
@@ -112,6 +113,7 @@ class MockEngine(abc.ABC):
         model: EngineModel,
         faults: Faults,
         remember: int,
+        lease_ttl_s: float | None = DEFAULT_LEASE_TTL_S,
     ) -> None:
         self.engine_id = engine_id
         self.engine_type = engine_type
@@ -134,9 +136,11 @@ class MockEngine(abc.ABC):
                 reserve_destination=execute,
                 activate_destination=execute,
                 cancel_destination=execute,
+                fenced=self._fenced,
             ),
             remember=remember,
             interference=self,
+            lease_ttl_s=lease_ttl_s,
         )
 
     @property
@@ -196,6 +200,17 @@ class MockEngine(abc.ABC):
                 return NOOP
             return ActionFailed(f"{self.engine_id} is a {self.role} engine")
         return self._execute_own(record, action)
+
+    def _fenced(self, handoff_ids: list[HandoffId]) -> None:
+        """The lease lapsed: the tier may have answered for these handoffs, so give back what
+        they hold. A decode of a handoff that completed goes on: the tier answers for open
+        handoffs only."""
+        for handoff_id in handoff_ids:
+            record = self._handoffs.get(handoff_id)
+            if record is None or (record.completed and record.state is HandoffState.DECODING):
+                continue
+            logger.warning("handoff %s: %s fenced: dropped", handoff_id, self.engine_id)
+            self._free(record, HandoffState.CANCELED)
 
     @abc.abstractmethod
     def _execute_own(self, record: _Handoff, action: Action) -> Outcome:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvhandoff.client import Connection
 from kvhandoff.client.connection import Watch
+from kvhandoff.client.lease import DEFAULT_LEASE_TTL_S
 from kvhandoff.events.codec import encode
 from kvhandoff.events.ids import HandoffId
 from kvhandoff.events.messages import Complete
@@ -39,6 +40,8 @@ class EnginesConfig:
     # How many completed handoffs each engine remembers (to answer repeats and to spot leaks);
     # older ones that hold nothing are forgotten, so a long run has bounded memory.
     retain_completed: int = 100_000
+    # Each engine's lease (client.lease); None: the engines take none (today's engines).
+    lease_ttl_s: float | None = DEFAULT_LEASE_TTL_S
 
     def __post_init__(self) -> None:
         unknown = sorted(self.left_out - set(self.roster.engine_ids()))
@@ -72,6 +75,7 @@ class MockEngines:
                         model=config.model,
                         faults=config.faults,
                         remember=config.retain_completed,
+                        lease_ttl_s=config.lease_ttl_s,
                     )
         self._completed: OrderedDict[HandoffId, None] = OrderedDict()
         self._watches: list[Watch] = []

@@ -1,0 +1,290 @@
+"""Engine leases against a real worker: an engine cut off from NATS past its lease fences itself
+(drops what it held, publishes no late success), the tier answers for it so the handoff ends
+`canceled` long before its deadline, the answers are in the log as the tier's, and the engine,
+back on the bus, serves new handoffs under a new incarnation. A start naming an engine whose
+lease expired is rejected."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvhandoff.client import Connection, Engine, Frontend, Handlers, HandoffRejected
+from kvhandoff.events.ids import HandoffId
+from kvhandoff.events.leases import ENGINE_UNAVAILABLE, LEASE_EXPIRED
+from kvhandoff.events.messages import (
+    ACCEPTED,
+    APPLIED,
+    SCHEDULED,
+    SUBMITTED,
+    ActionOutcome,
+    ActivateDestination,
+    CancelDestination,
+    CancelSource,
+    EngineType,
+    Failed,
+    HandoffCompletion,
+    Input,
+    Outcome,
+    ReleaseSource,
+    ReserveDestination,
+    StartHandoff,
+    StartTransfer,
+    SubmitPrefill,
+)
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.healthy import TIMING
+from kvhandoff.worker.logreader import open_log
+from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.schema import HandoffState
+from tests.client.conftest import Connect
+from tests.client.proxy import CuttableProxy
+from tests.worker.conftest import WorkerProcess, logged, logged_inputs
+
+WAIT_S = 60.0
+LEASE_TTL_S = 1.0
+DEADLINE_MS = 120_000  # far beyond what the lease takes: a deadline cannot be what ends it
+SOURCE = "lease-prefill-0"
+DESTINATION = "lease-decode-0"
+
+
+class Engines:
+    """A source whose prefill never reports held until told, and a healthy destination."""
+
+    def __init__(self, source_connection: Connection, destination_connection: Connection) -> None:
+        self.fenced: list[HandoffId] = []
+        self.hold = True
+        self.source = Engine(
+            source_connection,
+            SOURCE,
+            Handlers(
+                submit_prefill=self.submit_prefill,
+                start_transfer=self.start_transfer,
+                release_source=self.cleanup,
+                cancel_source=self.cleanup,
+                fenced=self.fenced.extend,
+            ),
+            lease_ttl_s=LEASE_TTL_S,
+        )
+        self.destination = Engine(
+            destination_connection,
+            DESTINATION,
+            Handlers(
+                reserve_destination=self.reserve_destination,
+                activate_destination=self.activate,
+                cancel_destination=self.cleanup,
+            ),
+            lease_ttl_s=LEASE_TTL_S,
+        )
+        self.submitted = asyncio.Event()
+
+    async def submit_prefill(self, action: SubmitPrefill) -> Outcome:
+        self.submitted.set()
+        if not self.hold:
+            self.source.spawn(self.source.source_held(action.handoff_id, TIMING))
+        return SUBMITTED
+
+    async def start_transfer(self, action: StartTransfer) -> Outcome:
+        self.source.spawn(self.source.transfer_completed(action.handoff_id))
+        return SCHEDULED
+
+    async def reserve_destination(self, action: ReserveDestination) -> Outcome:
+        self.destination.spawn(self.destination.destination_reserved(action.handoff_id, 128))
+        return ACCEPTED
+
+    async def activate(self, action: ActivateDestination) -> Outcome:
+        return APPLIED
+
+    async def cleanup(self, action: ReleaseSource | CancelSource | CancelDestination) -> Outcome:
+        return APPLIED
+
+
+def start_message(source: str = SOURCE) -> StartHandoff:
+    return StartHandoff(uuid.uuid4(), EngineType.VLLM, source, DESTINATION, DEADLINE_MS)
+
+
+async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answers_for_it(
+    worker: WorkerProcess, connect: Connect, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    proxy = CuttableProxy(nats_server.port)
+    await proxy.open()
+    engines = Engines(await connect(proxy.url), await connect())
+    await engines.source.start()
+    await engines.destination.start()
+    first_incarnation = engines.source.lease.incarnation if engines.source.lease else None
+    frontend = await Frontend.open(await connect())
+    handoff_id = await frontend.start(start_message())
+    await asyncio.wait_for(engines.submitted.wait(), WAIT_S)
+    # `stuck` shows what it waits on, and that the engine's lease is live.
+    await until_stuck_shows(tmp_path / "kvhandoff.db", f"source {SOURCE} (lease live)")
+
+    await proxy.cut()  # the source can neither renew its lease nor answer
+    complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
+
+    assert complete.completion is HandoffCompletion.CANCELED
+    assert engines.fenced == [handoff_id]  # it dropped what it held
+    inputs = await completed_inputs(tmp_path / "kvhandoff.db", handoff_id)
+    assert Failed(handoff_id, LEASE_EXPIRED) in inputs
+    tier_answers = [i for i in inputs if isinstance(i, ActionOutcome) and i.by_tier]
+    assert [type(i.outcome).__name__ for i in tier_answers] == ["Noop"]  # its CancelSource
+    replay = subprocess.run(  # noqa: ASYNC221  # the worker is another process: nothing waits
+        [sys.executable, "-m", "kvhandoff.worker.cli", "replay", str(tmp_path / "kvhandoff.db"),
+         str(handoff_id)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert f"failed reason={LEASE_EXPIRED}" in replay.stdout, replay.stdout
+    assert "noop by the tier (engine lease gone)" in replay.stdout, replay.stdout
+
+    # Back on the bus: a new incarnation, which serves new handoffs (once the tier saw it:
+    # until then a start naming it is rejected).
+    await proxy.open()
+    engines.hold = False
+    completion = await until_admitted(frontend)
+    assert completion is HandoffCompletion.SUCCESS
+    assert engines.source.lease is not None
+    assert engines.source.lease.incarnation not in (None, first_incarnation)
+    assert engines.fenced == [handoff_id]  # nothing of the new incarnation's was fenced
+    await engines.source.stop()
+    await engines.destination.stop()
+    await proxy.cut()
+
+
+async def completed_inputs(db: Path, handoff_id: HandoffId) -> list[Input]:
+    """The handoff's logged inputs, once its local file holds its completion (the file commits
+    behind the publishes, the `Complete` included)."""
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while logged(db, handoff_id).handoff.state is HandoffState.OPEN:
+        assert loop.time() < give_up_at, "the file never held the completion"
+        await asyncio.sleep(0.05)  # poll interval
+    return logged_inputs(db, handoff_id)
+
+
+async def until_stuck_shows(db: Path, text: str) -> None:
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while True:
+        stuck = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvhandoff.worker.cli", "stuck", str(db),
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await stuck.communicate()
+        if text in out.decode():
+            return
+        assert loop.time() < give_up_at, f"stuck never showed {text!r}: {out.decode()}"
+        await asyncio.sleep(0.1)  # poll interval: the handoff reaches the file, the view too
+
+
+async def until_admitted(frontend: Frontend, source: str = SOURCE) -> HandoffCompletion:
+    """Start handoffs naming `source` until one is admitted; how that one ended."""
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while True:
+        handoff_id = await frontend.start(start_message(source))
+        try:
+            return (await frontend.wait(handoff_id, timeout_s=WAIT_S)).completion
+        except HandoffRejected as exc:
+            assert ENGINE_UNAVAILABLE in str(exc)
+        assert loop.time() < give_up_at, "never admitted"
+        await asyncio.sleep(LEASE_TTL_S / 4)  # the tier's watch sees the next renewal
+
+
+async def test_a_start_naming_an_engine_whose_lease_expired_is_rejected(
+    worker: WorkerProcess, connect: Connect
+) -> None:
+    connection = await connect()
+    gone = Engine(connection, "lease-gone-0", Handlers(), lease_ttl_s=LEASE_TTL_S)
+    await gone.start()
+    await gone.stop()  # the lease is no longer renewed and expires
+    frontend = await Frontend.open(connection)
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while True:
+        handoff_id = await frontend.start(start_message(source="lease-gone-0"))
+        try:
+            complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
+        except HandoffRejected as exc:
+            assert f"{ENGINE_UNAVAILABLE}: lease-gone-0's lease expired" in str(exc)
+            return
+        # Admitted while the tier still saw the lease: it ended once the tier saw it go.
+        assert complete.completion is HandoffCompletion.CANCELED
+        assert loop.time() < give_up_at
+
+
+async def test_a_worker_that_starts_after_an_engine_died_answers_for_it_at_its_claim(
+    worker: WorkerProcess, connect: Connect, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    engines = Engines(await connect(), await connect())
+    await engines.source.start()
+    await engines.destination.start()
+    frontend = await Frontend.open(await connect())
+    handoff_id = await frontend.start(start_message())
+    await asyncio.wait_for(engines.submitted.wait(), WAIT_S)
+    # Once its outcome is logged, no outcome is owed by the source: the new owner learns that
+    # the source is gone from the bucket alone (its claim's sweep, or its republishing of the
+    # actions the file does not mark published, whichever comes first).
+    db = tmp_path / "kvhandoff.db"
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while not _outcome_logged(db, handoff_id):
+        assert loop.time() < give_up_at, "the prefill's outcome was never logged"
+        await asyncio.sleep(0.05)  # poll interval
+
+    worker.kill()  # SIGKILL: no worker sees the lease expire
+    await engines.source.stop()  # its lease expires while no worker runs
+    await until_expired(nats_server, SOURCE)
+    worker.start()  # the new owner learns from the bucket that the source is gone
+
+    complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
+    assert complete.completion is HandoffCompletion.CANCELED
+    inputs = await completed_inputs(tmp_path / "kvhandoff.db", handoff_id)
+    assert Failed(handoff_id, LEASE_EXPIRED) in inputs
+    assert any(isinstance(i, ActionOutcome) and i.by_tier for i in inputs)
+    await engines.destination.stop()
+
+
+async def until_expired(nats_server: EmbeddedNats, engine_id: str) -> None:
+    """Return once the lease bucket holds the delete marker of `engine_id`'s lease."""
+    bus = await Bus.connect(NatsSettings(url=nats_server.url), "test-lease-watch")
+    gone = asyncio.Event()
+
+    def seen(key: str, value: bytes | None) -> None:
+        if key == engine_id and value is None:
+            gone.set()
+
+    watch = await bus.watch_leases(Subjects().lease_bucket, seen)
+    await asyncio.wait_for(gone.wait(), WAIT_S)
+    await watch.unsubscribe()
+    await bus.close()
+
+
+def _outcome_logged(db: Path, handoff_id: HandoffId) -> bool:
+    with open_log(db) as log:
+        if handoff_id not in {row.handoff_id for row in log.handoffs()}:
+            return False  # not in the file yet: it commits behind the replicated log
+    return any(isinstance(i, ActionOutcome) for i in logged_inputs(db, handoff_id))
+
+
+async def test_with_require_leases_a_start_naming_an_unleased_engine_is_rejected(
+    nats_server: EmbeddedNats, connect: Connect, tmp_path: Path
+) -> None:
+    worker = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db", "--require-leases")
+    worker.start()
+    try:
+        connection = await connect()
+        unleased = Engine(connection, SOURCE, Handlers(), lease_ttl_s=None)
+        await unleased.start()
+        frontend = await Frontend.open(connection)
+        handoff_id = await frontend.start(start_message())
+        with pytest.raises(HandoffRejected, match=f"{SOURCE} holds no lease"):
+            await frontend.wait(handoff_id, timeout_s=WAIT_S)
+        await unleased.stop()
+    finally:
+        worker.stop()

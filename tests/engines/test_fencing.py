@@ -1,0 +1,79 @@
+"""A mock engine whose lease lapses (its connection cut through a proxy) fences itself: it drops
+what the handoff held at once, and once back on the bus answers a later cancel
+of that handoff with `noop` and anything else with a refusal, while it serves new handoffs."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+from kvhandoff.client import Connection
+from kvhandoff.events.leases import LEASE_EXPIRED
+from kvhandoff.events.messages import (
+    NOOP,
+    SUBMITTED,
+    ActionFailed,
+    ActionOutcome,
+    CancelSource,
+    StartTransfer,
+    SubmitPrefill,
+)
+from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.engines import EngineModel, EnginesConfig, MockEngines
+from kvhandoff.worker.natsserver import EmbeddedNats
+from tests.client.proxy import CuttableProxy
+from tests.engines.harness import ONE_PAIR, PROMPT, SOURCE, WorkerSide, held
+
+WAIT_S = 30.0
+# A prefill of several seconds: the handoff is held, not yet reported, when the lease lapses.
+SLOW = EngineModel(shortest_prompt=PROMPT, longest_prompt=PROMPT, prefill_tokens_per_s=20.0)
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + WAIT_S
+    while not condition():
+        assert loop.time() < give_up_at, f"not within {WAIT_S}s: {what}"
+        await asyncio.sleep(0.02)  # poll interval
+
+
+async def test_an_engine_whose_lease_lapsed_drops_its_handoffs_and_refuses_their_actions(
+    nats_server: EmbeddedNats, subjects: Subjects, worker_side: WorkerSide
+) -> None:
+    proxy = CuttableProxy(nats_server.port)
+    await proxy.open()
+    bus = await Bus.connect(NatsSettings(url=proxy.url), "test-fenced-engines")
+    config = EnginesConfig(roster=ONE_PAIR, model=SLOW, lease_ttl_s=1.0)
+    engines = MockEngines(Connection(bus, subjects), config)
+    await engines.start()
+    source = engines.engines[SOURCE]
+    h = uuid.uuid4()
+    await worker_side.send(SOURCE, SubmitPrefill(h, 0))
+    await worker_side.expect(h, ActionOutcome(h, 0, SUBMITTED))
+    await until(lambda: held(source) > 0, "the prefill holds its blocks")
+
+    await proxy.cut()
+    await until(lambda: source.client.stats.fenced == 1, "the engine fenced itself")
+
+    assert held(source) == 0  # dropped at once, while still cut off
+    await proxy.open()
+    lease = source.client.lease
+    assert lease is not None
+    await until(lease.valid, "a new lease")
+    await worker_side.send(SOURCE, CancelSource(h, 1))
+    await worker_side.send(SOURCE, StartTransfer(h, 2, 0.0))
+    await worker_side.expect(
+        h,
+        ActionOutcome(h, 1, NOOP),
+        ActionOutcome(h, 2, ActionFailed(f"{SOURCE}: {LEASE_EXPIRED}, the handoff was dropped")),
+    )
+    # A new handoff is served as usual.
+    fresh = uuid.uuid4()
+    await worker_side.send(SOURCE, SubmitPrefill(fresh, 0))
+    await worker_side.expect(fresh, ActionOutcome(fresh, 0, SUBMITTED))
+    await engines.stop()
+    await bus.close()
+    await proxy.cut()
