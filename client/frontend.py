@@ -21,7 +21,7 @@ that fails (in a cluster, a node died and the stream is electing a new leader) i
 after a pause, until the wait's timeout.
 
 Which `Complete` ends a wait. A handoff can complete twice: a terminal fact after a success
-reopens the cleanup and it completes again as canceled (see the README, "Cleanup"). `wait`
+reopens the cleanup and it completes again as canceled (see `docs/handoff.md`, "Cleanup"). `wait`
 returns the first `Complete` seen, except for a handoff this frontend canceled: a `Canceled`
 fact always ends in a `Complete(canceled)`, even when it crossed the success, so `wait` returns
 that one, unless the worker rejects the cancel, which then changed nothing. A rejected

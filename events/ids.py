@@ -2,8 +2,8 @@
 
 The constraints are msgspec `Meta` annotations, so they are enforced when a message is decoded
 from the wire, and cost nothing when the core constructs messages itself. They appear in the
-JSON Schema (`kvhandoff schema`) with the reason for each, and the README's Messages section
-lists them.
+JSON Schema (`kvhandoff schema`) with the reason for each, and the Messages section of
+`docs/handoff.md` lists them.
 
 Why every value is bounded: a message that decodes is logged, digested, re-encoded, stored in
 SQLite and turned into timers. A value that any of those cannot hold (an integer past int64, a

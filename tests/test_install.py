@@ -1,6 +1,6 @@
 """kvhandoff as another project gets it: installed (not from the checkout), under the one import
-name `kvhandoff`, beside that project's own `worker` and `events` packages; and the README's
-example for such a project's integration tests is `mypy --strict` clean.
+name `kvhandoff`, beside that project's own `worker` and `events` packages; and the example in
+`docs/tier.md` for such a project's integration tests is `mypy --strict` clean.
 
 The wheel is built from a copy of the checkout (`pip wheel`, as `pip install <checkout>` or a
 git URL builds it) and installed without its dependencies into a fresh venv, which borrows them
@@ -80,12 +80,12 @@ def test_a_project_with_its_own_worker_and_events_installs_and_uses_kvhandoff(
     assert "usage: kvhandoff" in _run(env / "bin" / "kvhandoff", "--help", cwd=project)
 
 
-def test_the_readme_integration_test_example_is_mypy_strict_clean(tmp_path: Path) -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### In your own integration tests") :]
+def test_the_docs_integration_test_example_is_mypy_strict_clean(tmp_path: Path) -> None:
+    page = (ROOT / "docs" / "tier.md").read_text()
+    section = page[page.index("## In your own integration tests") :]
     [example] = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:1]
     assert "from kvhandoff.worker.testing import" in example
-    path = tmp_path / "readme_example.py"
+    path = tmp_path / "docs_example.py"
     path.write_text(example)
     # From the checkout, so that mypy finds kvhandoff/ (an editable install is an import hook,
     # which mypy does not follow); with the project's mypy settings, strict among them.

@@ -12,7 +12,8 @@ The state machine drives one coordinator with arbitrary inputs in arbitrary orde
     and the input; (e) a second coordinator fed the accepted inputs through `handle` issues the
     same actions and compares equal, as does a replay of the whole log at the end;
 (f) an accepted input applied again at once returns [] and changes nothing;
-(g) the `StartTransfer` delay is finite, >= 0, and the README's formula of the accepted facts.
+(g) the `StartTransfer` delay is finite, >= 0, and the formula of the accepted facts in
+    `docs/handoff.md`.
 """
 
 from __future__ import annotations

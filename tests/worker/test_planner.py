@@ -258,7 +258,7 @@ def test_a_late_input_for_a_handoff_known_by_its_tombstone_is_answered_as_its_lo
     assert "ended (succeeded)" in plan.terms[0][1].reason
     assert not plan.publish and not plan.batch.events and not planner.open
 
-    # Past its life, the tombstone is gone: a start is a new handoff (the README says so).
+    # Past its life, the tombstone is gone: a start is a new handoff (docs/durability.md says so).
     later_ms = NOW_MS + ttl_ms + 1
     again = [Delivery(encode(start), SUBJECTS.input(start.handoff_id), 1, 103)]
     plan = planner.plan(again, planner.decode(again), {}, later_ms, later_ms / 1000)
