@@ -30,6 +30,7 @@ from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.tier import TierSettings
 
 # What a step that should take milliseconds may take on a busy two-core machine, elections
 # included.
@@ -51,6 +52,17 @@ async def bus(nats_cluster: NatsCluster) -> AsyncIterator[Bus]:
     await bus.wait_jetstream(WITHIN_S)
     yield bus
     await bus.close()
+
+
+@pytest.fixture
+async def other(nats_cluster: NatsCluster, bus: Bus) -> AsyncIterator[Bus]:
+    """A second worker's Bus, for a partition's log written by two owners (the default tier's
+    log stream, opened)."""
+    settings = TierSettings(partitions=1)
+    await bus.open_partition_log(settings.log_stream, settings.prefix)
+    other = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-other-owner")
+    yield other
+    await other.close()
 
 
 @pytest.fixture

@@ -7,29 +7,18 @@ exactly one can append; a claimant learns every input applied before it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import BusError, Fenced
-from kvhandoff.worker.natsserver import NatsCluster
 from kvhandoff.worker.ownership import Appended, Claimed, Entry, PartitionLog, read_entries
 
 PREFIX = "kvhandoff"
 LOG_STREAM = "KVHANDOFF_LOG"
 PARTITION = 2
-
-
-@pytest.fixture
-async def other(nats_cluster: NatsCluster, bus: Bus) -> AsyncIterator[Bus]:
-    await bus.open_partition_log(LOG_STREAM, PREFIX)
-    other = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-other-owner")
-    yield other
-    await other.close()
 
 
 def log_of(bus: Bus, owner: str) -> PartitionLog:

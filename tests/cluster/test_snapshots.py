@@ -10,32 +10,24 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator
 
 import pytest
 from nats.js import JetStreamContext
 
 from kvhandoff.worker.bus import Bus, partition_log_subject
-from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import Fenced
 from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.ownership import Appended, Claimed, PartitionLog, Snapshot
-from tests.cluster.test_ownership import LOG_STREAM, PARTITION, PREFIX, entries
+from kvhandoff.worker.ownership import Appended, Claimed, Snapshot
+from tests.cluster.test_ownership import (
+    LOG_STREAM,
+    PARTITION,
+    PREFIX,
+    entries,
+    log_of,
+)
 
 SUBJECT = partition_log_subject(PREFIX, PARTITION)
 BIG = 3 * 1024 * 1024  # three of the bus's largest messages, and more
-
-
-@pytest.fixture
-async def other(nats_cluster: NatsCluster, bus: Bus) -> AsyncIterator[Bus]:
-    await bus.open_partition_log(LOG_STREAM, PREFIX)
-    other = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-other-owner")
-    yield other
-    await other.close()
-
-
-def log_of(bus: Bus, owner: str) -> PartitionLog:
-    return PartitionLog(bus, LOG_STREAM, PREFIX, PARTITION, owner)
 
 
 async def on_subject(js: JetStreamContext) -> int:
