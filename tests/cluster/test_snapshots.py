@@ -2,7 +2,8 @@
 replaces the entries before it in one compare-and-set roll-up, so the next claim reads it and
 the tail after it, never more; a snapshot over one message goes as one atomic batch and is read
 back whole; a zombie's snapshot, alone or as a batch, is refused whole and drops nothing; a
-writer killed (SIGKILL) in the middle of a batch leaves the previous snapshot and its tail.
+writer killed (SIGKILL) in the middle of a batch leaves the previous snapshot and its tail, and
+one killed as it sends a one-message snapshot leaves the new one or the old one and its tail.
 """
 
 from __future__ import annotations
@@ -162,3 +163,51 @@ async def test_a_writer_killed_in_the_middle_of_a_snapshots_batch_leaves_the_las
     assert caught.applied == {7, 8}
     assert caught.previous_owner == "dies"
     assert [type(e) for e in await entries(js)] == [Snapshot, Appended, Claimed]
+
+
+# A child that claims, snapshots, appends a tail, then sends a second snapshot as one message
+# and kills itself (SIGKILL) once it is on the wire, before any answer.
+_KILLED_AFTER_SENDING = """
+import asyncio, os, signal, sys
+from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.ownership import PartitionLog
+
+async def main(url):
+    bus = await Bus.connect(NatsSettings(url=url), "dies-after-sending")
+    log = PartitionLog(bus, %(stream)r, %(prefix)r, %(partition)d, "dies")
+    await log.claim()
+    await log.snapshot([7], b"first")
+    await log.append([8], b"tail 8")
+
+    async def dying(subject, payload, timeout=None, headers=None):
+        await bus._nc.publish(subject, payload, headers=headers)
+        await bus._nc.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    bus._js.publish = dying
+    await log.snapshot([7, 8], b"second")
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_a_writer_killed_as_it_sends_a_one_message_snapshot_leaves_one_or_the_other(
+    nats_cluster: NatsCluster, bus: Bus, other: Bus
+) -> None:
+    script = _KILLED_AFTER_SENDING % {
+        "stream": LOG_STREAM, "prefix": PREFIX, "partition": PARTITION,
+    }  # fmt: skip
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, nats_cluster.url, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await asyncio.wait_for(child.communicate(), 60)
+    assert child.returncode == -9, stderr.decode()
+
+    caught = await log_of(other, "next").claim()
+    # The roll-up is one message: it landed whole and replaced the first snapshot and its tail,
+    # or it did not, and those are there; never a mix.
+    assert (caught.snapshot, caught.records, caught.applied) in [
+        (b"second", [], {7, 8}),
+        (b"first", [b"tail 8"], {7, 8}),
+    ]
