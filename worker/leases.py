@@ -65,6 +65,7 @@ from kvhandoff.worker.errors import BusError
 from kvhandoff.worker.lease_view import LeaseView, write_view
 from kvhandoff.worker.metrics import Metrics
 from kvhandoff.worker.planner import OpenHandoff
+from kvhandoff.worker.stoppable import unless_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +120,21 @@ class EngineLeases:
         the tier's own set-up is."""
         while not stop.is_set():
             try:
-                await self._bus.open_lease_bucket(self._bucket, MARKER_TTL_S)
-                self._subscription = await self._bus.watch_leases(self._bucket, self._on_entry)
+                # A JetStream that does not answer holds each request for its timeout: a stop
+                # abandons it, so that a worker told to stop exits promptly.
+                watching = await unless_stopped(stop, self._watch())
+                if watching is not None:
+                    self._subscription = watching
                 return
             except BusError as exc:
                 logger.warning("leases: cannot watch the bucket yet (%s); retrying", exc)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_START_RETRY_S):
                     await stop.wait()
+
+    async def _watch(self) -> Subscription:
+        await self._bus.open_lease_bucket(self._bucket, MARKER_TTL_S)
+        return await self._bus.watch_leases(self._bucket, self._on_entry)
 
     async def stop(self) -> None:
         """Stop watching, and give up the answers still being published (the next owner's

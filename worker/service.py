@@ -115,6 +115,7 @@ from kvhandoff.worker.ownership import CaughtUp
 from kvhandoff.worker.partition_owner import Decided, SnapshotPolicy
 from kvhandoff.worker.planner import Plan, Planner
 from kvhandoff.worker.rows import HandoffLog, HandoffRow, Tombstone
+from kvhandoff.worker.schema import HandoffState
 from kvhandoff.worker.store import (
     Batch,
     Committed,
@@ -360,14 +361,13 @@ class Worker:
         marked = [i for i, entry in enumerate(entries) if entry.inputs[:1] == [_int(mark)]]
         missing = entries[marked[-1] + 1 :] if marked else entries
         catch_up = Batch()
-        if not marked and caught.snapshot is not None:
-            # The file's last entry is not after the snapshot: it holds what the snapshot sums
-            # up, if its mark is the snapshot's, and otherwise takes the snapshot's state.
-            state = self._logged_state(partition, caught.snapshot)
-            if mark is None or state.mark != int(mark):
-                catch_up.merge = state.live_state()
-                if state.mark is not None:
-                    catch_up.meta[MARK_KEY] = str(state.mark)
+        state = None if caught.snapshot is None else self._logged_state(partition, caught.snapshot)
+        # A file whose last entry is not after the snapshot holds what the snapshot sums up if
+        # its mark is the snapshot's, and otherwise takes the snapshot's state.
+        if not marked and state is not None and (mark is None or state.mark != int(mark)):
+            catch_up.merge = state.live_state()
+            if state.mark is not None:
+                catch_up.meta[MARK_KEY] = str(state.mark)
         for entry in missing:
             entry.add_to(catch_up)
         # Marks of this worker's earlier tenure; those not confirmed yet are republished.
@@ -380,7 +380,7 @@ class Worker:
             except StoreError:
                 self._metrics.commit_failures.inc()  # e.g. a full disk, at each claim
                 raise
-        await self._rebuild(part)
+        await self._rebuild(part, await self._tombstones(part, state, entries))
         self.leases.sweep(part.planner.open.values())
         elapsed = time.perf_counter() - began
         logger.info(
@@ -413,19 +413,28 @@ class Worker:
             LoggedState(mark, state.handoffs, state.marks, state.events, tombstones)
         )
 
-    async def _tombstones(self, part: _Partition) -> dict[UUID, Tombstone]:
-        """The tombstones a claim starts with, oldest first: those the file got from snapshots,
-        and those of the handoffs whose rows it holds that ended within --tombstone-ttl."""
+    async def _tombstones(
+        self, part: _Partition, state: LoggedState | None, entries: list[LoggedRows]
+    ) -> dict[UUID, Tombstone]:
+        """The tombstones a claim starts with, oldest first, cut to --tombstone-ttl: the
+        snapshot's, and those of the handoffs that ended in the entries after it, whose rows
+        the file now holds (bounded by the interval between snapshots). Without a snapshot (a
+        log from before them), those the file got from snapshots and those of every handoff
+        whose rows it holds that ended within the TTL."""
         since_ms = now_ms() - int(self._config.tombstone_ttl_s * 1000)
-        tombstones = await part.log.tombstones(since_ms)
-        for loaded in (await part.log.load(await part.log.ended_since(since_ms))).values():
-            if isinstance(loaded, HandoffLog):
-                row = loaded.handoff
+        if state is not None:
+            tombstones = list(state.tombstones)
+            ended = {row.handoff_id for e in entries for row in e.handoffs if _ended(row)}
+        else:
+            tombstones = await part.log.tombstones(since_ms)
+            ended = set(await part.log.ended_since(since_ms))
+        for loaded in (await part.log.load(ended)).values():
+            if isinstance(loaded, HandoffLog) and _ended(row := loaded.handoff):
                 digests = sorted({e.digest for e in loaded.events if e.digest is not None})
                 ended_ms = row.completed_at_ms or row.updated_at_ms
                 tombstones.append(Tombstone(row.handoff_id, row.state_name, ended_ms, digests))
         tombstones.sort(key=lambda tombstone: tombstone.completed_at_ms)
-        return {tombstone.handoff_id: tombstone for tombstone in tombstones}
+        return {t.handoff_id: t for t in tombstones if t.completed_at_ms >= since_ms}
 
     def on_release(self, partition: int) -> None:
         """The partition's owner stopped (handed over, fenced or failed): this worker times
@@ -582,14 +591,14 @@ class Worker:
         part = self._partitions[partition] = _Partition(partition, log, lock, planner, timers, task)
         return part
 
-    async def _rebuild(self, part: _Partition) -> None:
+    async def _rebuild(self, part: _Partition, tombstones: dict[UUID, Tombstone]) -> None:
         """Replace the planner's memory with the file's open handoffs and their timers;
         publish the backlog."""
         planner = part.planner
         planner.open.clear()
         planner.deferred.clear()
         planner.quarantined = await part.log.quarantined()
-        planner.tombstones = await self._tombstones(part)
+        planner.tombstones = tombstones
         quarantines = Batch()
         loaded = await part.log.open_handoffs()
         try:
@@ -738,6 +747,11 @@ class Worker:
         handoff = inbound.subject.removeprefix(self._inputs_of).partition(".")[2]
         subject = f"{self._config.nats.subject_prefix}.in.{handoff}"
         return _Canonical(inbound.data, subject, inbound.stream_seq, inbound.deliveries)
+
+
+def _ended(row: HandoffRow) -> bool:
+    """The handoff succeeded or was canceled: it has a tombstone."""
+    return row.state in (HandoffState.SUCCEEDED, HandoffState.CANCELED)
 
 
 def _int(mark: str | None) -> int | None:
