@@ -138,6 +138,7 @@ class Plan:
     new_deadlines: list[tuple[UUID, float]] = field(default_factory=list)  # handoff, due (s)
     answered: list[tuple[UUID, int]] = field(default_factory=list)
     left_memory: list[UUID] = field(default_factory=list)
+    ended: list[Tombstone] = field(default_factory=list)  # of the handoffs it ended
     inputs: Counter[str] = field(default_factory=Counter)
     issued: Counter[str] = field(default_factory=Counter)
     reasons: Counter[str] = field(default_factory=Counter)
@@ -237,19 +238,22 @@ class Planner:
                 handoff_id = handoff.start.handoff_id
                 if self.open.pop(handoff_id, None) is not None:
                     r.plan.left_memory.append(handoff_id)
-                self._entomb(handoff, now_ms)
+                self._entomb(handoff, r.plan, now_ms)
         return r.plan
 
-    def _entomb(self, handoff: OpenHandoff, now_ms: int) -> None:
-        """Keep the tombstone of a handoff that ended, for its life (see `tombstones`)."""
+    def _entomb(self, handoff: OpenHandoff, plan: Plan, now_ms: int) -> None:
+        """Keep the tombstone of a handoff that ended, for its life (see `tombstones`), and
+        give it to the plan, whose log entry carries it (so that a claim reads it there)."""
         if self.tombstone_ttl_ms is None:
             return
         row = handoff.row
         ended_ms = row.completed_at_ms or row.updated_at_ms
         if ended_ms >= now_ms - self.tombstone_ttl_ms:
-            self.tombstones[handoff.start.handoff_id] = Tombstone(
+            tombstone = Tombstone(
                 handoff.start.handoff_id, row.state_name, ended_ms, sorted(handoff.digests)
             )
+            self.tombstones[tombstone.handoff_id] = tombstone
+            plan.ended.append(tombstone)
 
     def _forget_tombstones(self, now_ms: int) -> None:
         """Drop the tombstones past their life, the oldest first (they are kept in the order

@@ -170,7 +170,7 @@ def tier_settings(config: WorkerConfig) -> TierSettings:
     )  # fmt: skip
 
 
-class LoggedRows(msgspec.Struct, frozen=True, tag="rows", tag_field="kind"):
+class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", tag_field="kind"):
     """One batch's rows, as appended to the partition's replicated log (`Appended.records`)
     and committed to its local file: a `worker.store.Batch`, whose outbox marks are those the
     server confirmed since the previous batch (so that a new owner republishes only the
@@ -184,14 +184,18 @@ class LoggedRows(msgspec.Struct, frozen=True, tag="rows", tag_field="kind"):
     # (handoff id, seq, at_ms): outbox marks. msgspec writes a UUID as its text, so entries
     # appended when this was a str read the same.
     published: list[tuple[UUID, int, int]]
+    # The tombstones of the handoffs the batch ended: what a claim that reads this entry after
+    # a snapshot keeps of them, without reading their rows (none in entries from before).
+    ended: list[Tombstone] = []
 
     @classmethod
     def of(
-        cls, inputs: list[int], batch: Batch, published: list[tuple[UUID, int, int]]
-    ) -> LoggedRows:
+        cls, inputs: list[int], batch: Batch, published: list[tuple[UUID, int, int]],
+        ended: list[Tombstone],
+    ) -> LoggedRows:  # fmt: skip
         return cls(
             inputs, batch.events, list(batch.handoffs.values()), batch.rejections,
-            batch.quarantined, published,
+            batch.quarantined, published, ended,
         )  # fmt: skip
 
     def add_to(self, batch: Batch) -> None:
@@ -417,14 +421,18 @@ class Worker:
         self, part: _Partition, state: LoggedState | None, entries: list[LoggedRows]
     ) -> dict[UUID, Tombstone]:
         """The tombstones a claim starts with, oldest first, cut to --tombstone-ttl: the
-        snapshot's, and those of the handoffs that ended in the entries after it, whose rows
-        the file now holds (bounded by the interval between snapshots). Without a snapshot (a
-        log from before them), those the file got from snapshots and those of every handoff
-        whose rows it holds that ended within the TTL."""
+        snapshot's, and those the entries after it carry (`LoggedRows.ended`). Without a
+        snapshot (a log from before them), those the file got from snapshots and those of every
+        handoff whose rows it holds that ended within the TTL, read with their events."""
         since_ms = now_ms() - int(self._config.tombstone_ttl_s * 1000)
         if state is not None:
-            tombstones = list(state.tombstones)
-            ended = {row.handoff_id for e in entries for row in e.handoffs if _ended(row)}
+            tombstones = [*state.tombstones, *(t for e in entries for t in e.ended)]
+            known = {t.handoff_id for t in tombstones}
+            # Entries written before they carried their tombstones: read those rows.
+            ended = {
+                row.handoff_id for e in entries for row in e.handoffs
+                if _ended(row) and row.handoff_id not in known
+            }  # fmt: skip
         else:
             tombstones = await part.log.tombstones(since_ms)
             ended = set(await part.log.ended_since(since_ms))
@@ -481,7 +489,7 @@ class Worker:
         if not inputs:
             # Early inputs only: nothing to append or act on; the marks wait for the next batch.
             return Decided(b"", deferred)
-        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part))
+        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part), plan.ended)
         part.decided.append((inputs, plan, rows))
         return Decided(_ENCODER.encode(rows), deferred)
 

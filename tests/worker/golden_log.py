@@ -59,7 +59,7 @@ def entries() -> list[bytes]:
             deliveries.append(Delivery(encode(message), subjects.input(message.handoff_id), 1, seq))
         plan = planner.plan(deliveries, planner.decode(deliveries), {}, AT_MS, AT_MS / 1000)
         inputs = [d.stream_seq for d in deliveries]
-        rows = LoggedRows.of(inputs, plan.batch, marks)
+        rows = LoggedRows.of(inputs, plan.batch, marks, [])
         marks = [(action.handoff_id, n, AT_MS) for _, n, action in plan.publish]
         appended = Appended(epoch=1, inputs=inputs, records=encoder.encode(rows))
         log.append(encoder.encode(appended))
