@@ -55,6 +55,7 @@ from kvhandoff.worker.engines import EnginesReport
 from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster, free_port
 
 KVHANDOFF = [sys.executable, "-m", "kvhandoff.worker.cli"]
+_SUBMIT_GIVE_UP_S = 120.0
 
 
 def one_run(url: str, ttl_s: float, handoffs: int, run: int) -> list[float]:
@@ -90,15 +91,21 @@ async def _measure(
 ) -> list[float]:
     async with await Connection.open(settings, "bench-leases") as connection:
         frontend = await Frontend.open(connection)
-        while not await connection.engine_listening(doomed_id, wait_s=0.5):
-            pass  # the probe waits
+        # An engine listens once its lease is stored. The decode engine's id serves every run,
+        # and the last run's process left its lease to lapse: a handoff started before this
+        # run's process took it again is rejected ("lease expired"), as on the cluster at 1 s.
+        for engine_id in (doomed_id, "vllm-decode-0"):
+            while not await connection.engine_listening(engine_id, wait_s=0.5):
+                pass  # the probe waits
         ids = []
         for _ in range(handoffs):
             start = StartHandoff(uuid.uuid4(), EngineType.VLLM, doomed_id, "vllm-decode-0", 600_000)
             ids.append(await frontend.start(start))
         # The engine ran the handler of each prefill (its report counts them).
-        while await _submitted(connection, doomed_id) < handoffs:
-            pass  # the report's gather waits
+        give_up = time.monotonic() + _SUBMIT_GIVE_UP_S
+        while (submitted := await _submitted(connection, doomed_id)) < handoffs:
+            if time.monotonic() > give_up:  # some were rejected: say so rather than hang
+                raise SystemExit(f"{doomed_id} submitted {submitted} of {handoffs} prefills")
         killed = time.monotonic()
         os.kill(doomed.pid, signal.SIGKILL)
         ended = []
