@@ -16,6 +16,7 @@ from kvhandoff.events.messages import (
     ActionFailed,
     ActionOutcome,
     CancelSource,
+    Input,
     StartTransfer,
     SubmitPrefill,
 )
@@ -65,11 +66,18 @@ async def test_an_engine_whose_lease_lapsed_drops_its_handoffs_and_refuses_their
     await until(lease.valid, "a new lease")
     await worker_side.send(SOURCE, CancelSource(h, 1))
     await worker_side.send(SOURCE, StartTransfer(h, 2, 0.0))
-    await worker_side.expect(
-        h,
+    expected = [
         ActionOutcome(h, 1, NOOP),
         ActionOutcome(h, 2, ActionFailed(f"{SOURCE}: {LEASE_EXPIRED}, the handoff was dropped")),
-    )
+    ]
+    # The `submitted` stored before the cut may come again: its publish, in flight as the
+    # connection went, is retried once it is back (at least once, as the bus promises).
+    submitted = ActionOutcome(h, 0, SUBMITTED)
+    answers: list[Input] = []
+    while len(answers) < len(expected):
+        if (answer := await worker_side.next(h)) != submitted:
+            answers.append(answer)
+    assert answers == expected
     # A new handoff is served as usual.
     fresh = uuid.uuid4()
     await worker_side.send(SOURCE, SubmitPrefill(fresh, 0))
