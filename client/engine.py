@@ -89,6 +89,8 @@ from kvhandoff.events.messages import (
 
 logger = logging.getLogger(__name__)
 
+_CANCEL_AGAIN_S = 0.05  # how long `stop` waits before it cancels a task again
+
 A = TypeVar("A", SubmitPrefill, StartTransfer, ReleaseSource, CancelSource, ReserveDestination,
             ActivateDestination, CancelDestination)  # fmt: skip
 
@@ -230,9 +232,15 @@ class Engine:
             with contextlib.suppress(BusUnavailable):  # closing: nothing more to receive
                 await watch.close()
         tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        pending = {task for task in tasks if not task.done()}
+        while pending:
+            # Python 3.11's wait_for (nats-py waits on every request with it) drops a
+            # cancellation that coincides with what it waits for, and the lease's renewal loop
+            # would then renew for ever: cancel until every task took it.
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=_CANCEL_AGAIN_S)
+        await asyncio.gather(*tasks, return_exceptions=True)  # all done: their outcomes read
         if self._log is not None:
             self._log.close()
             self._log = None
