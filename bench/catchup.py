@@ -61,20 +61,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nats
-from memory import retagged
-from nats.aio.client import Client
+from memory import WAIT_S, ClosedLoop
 from nats.aio.msg import Msg
 from rich.console import Console
 from rich.table import Table
-from traffic import ROOT, SUBJECTS, interleave, load_average, new_start, resident_mb
+from traffic import ROOT, SUBJECTS, load_average, new_start, resident_mb
 
 from kvhandoff.events.codec import encode
 from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.config import DEFAULT_STREAM, log_stream_of
 from kvhandoff.worker.natsserver import EmbeddedNats
 
-_WAIT_S = 60.0  # the longest the worker may go without completing a handoff
-_FLUSH_EVERY = 2_000  # inputs published between flushes (and checks of how far ahead)
 _CLAIM_TIMEOUT_S = 300.0
 _LOG_STREAM = log_stream_of(DEFAULT_STREAM)
 _CLAIMED = re.compile(r"claimed as epoch \d+ by \S+ \(.*?; read (\d+) entries(, a snapshot first)?")
@@ -112,29 +109,12 @@ class Case:
     fresh: Claim
 
 
-class Feeder:
-    """Publishes the inputs and counts the completions."""
-
-    def __init__(self, nc: Client) -> None:
-        self._nc = nc
-        self.completed = 0
-        self.advanced = asyncio.Event()
+class Feeder(ClosedLoop):
+    """Publishes the inputs (`memory.ClosedLoop`) and counts the completions."""
 
     async def on_done(self, _msg: Msg) -> None:
         self.completed += 1
         self.advanced.set()
-
-    async def feed(self, handoffs: int, window: int, seed: int, ahead: int) -> None:
-        started = 0
-        inputs = interleave(retagged(handoffs), window, seed)
-        for published, (subject, payload) in enumerate(inputs, 1):
-            await self._nc.publish(subject, payload)
-            started += payload.startswith(b'{"type":"start_handoff"')
-            if published % _FLUSH_EVERY == 0:
-                await self._nc.flush()
-                await self._keep_within(started - ahead)
-        await self._nc.flush()
-        await self._keep_within(handoffs)
 
     async def open(self, handoffs: int) -> None:
         """Start `handoffs` more that nobody will answer."""
@@ -142,16 +122,6 @@ class Feeder:
             start = new_start(i)
             await self._nc.publish(SUBJECTS.input(start.handoff_id), encode(start))
         await self._nc.flush()
-
-    async def _keep_within(self, completed: int) -> None:
-        while self.completed < completed:
-            self.advanced.clear()
-            try:
-                await asyncio.wait_for(self.advanced.wait(), _WAIT_S)
-            except TimeoutError:
-                raise SystemExit(
-                    f"the worker completed no handoff in {_WAIT_S:.0f}s, at {self.completed:,}"
-                ) from None
 
 
 async def make_history(url: str, worker: WorkerChild, args: argparse.Namespace,
@@ -163,10 +133,10 @@ async def make_history(url: str, worker: WorkerChild, args: argparse.Namespace,
         await nc.flush()
         await feeder.feed(handoffs, args.window, args.seed, args.ahead)
         await feeder.open(args.open)
-        deadline = time.monotonic() + _WAIT_S
+        deadline = time.monotonic() + WAIT_S
         while worker.metric("kvhandoff_open_handoffs") < args.open:
             if time.monotonic() > deadline:
-                raise SystemExit(f"the worker did not open {args.open} handoffs in {_WAIT_S}s")
+                raise SystemExit(f"the worker did not open {args.open} handoffs in {WAIT_S}s")
             await asyncio.sleep(0.1)
     finally:
         await nc.close()

@@ -53,7 +53,7 @@ from traffic import (
 
 from kvhandoff.worker.natsserver import EmbeddedNats
 
-_WAIT_S = 60.0  # the longest the worker may go without completing a handoff
+WAIT_S = 60.0  # the longest the worker may go without completing a handoff
 _FLUSH_EVERY = 2_000  # inputs published between flushes (and checks of how far ahead)
 
 
@@ -77,16 +77,47 @@ def retagged(handoffs: int) -> Iterator[list[tuple[str, bytes]]]:
         yield [(s.subject.replace(old, new), s.payload.replace(old_b, new_b)) for s in template]
 
 
-class Feeder:
+class ClosedLoop:
+    """Publishes the scripted inputs no further ahead of the completions than asked; a
+    subclass counts the completions (`completed`, `advanced`) as they come."""
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self.completed = 0
+        self.advanced = asyncio.Event()
+
+    async def feed(self, handoffs: int, window: int, seed: int, ahead: int) -> None:
+        started = 0
+        inputs = interleave(retagged(handoffs), window, seed)
+        for published, (subject, payload) in enumerate(inputs, 1):
+            await self._nc.publish(subject, payload)
+            started += payload.startswith(b'{"type":"start_handoff"')
+            if published % _FLUSH_EVERY == 0:
+                await self._nc.flush()
+                await self._keep_within(started - ahead)
+        await self._nc.flush()
+        await self._keep_within(handoffs)
+
+    async def _keep_within(self, completed: int) -> None:
+        """Wait until at least `completed` handoffs have completed."""
+        while self.completed < completed:
+            self.advanced.clear()
+            try:
+                await asyncio.wait_for(self.advanced.wait(), WAIT_S)
+            except TimeoutError:
+                raise SystemExit(
+                    f"the worker completed no handoff in {WAIT_S:.0f}s, at {self.completed:,}"
+                ) from None
+
+
+class Feeder(ClosedLoop):
     """Publishes the inputs, counts the completions, samples the worker's resident size."""
 
     def __init__(self, nc: Client, worker: WorkerChild, every: int) -> None:
-        self._nc = nc
+        super().__init__(nc)
         self._worker = worker
         self._every = every
-        self.completed = 0
         self.last_s = 0.0  # when the latest handoff completed
-        self.advanced = asyncio.Event()
         self.samples: list[Sample] = []
         self._began = time.perf_counter()
         self._cpu0 = cpu_seconds(worker.pid) or 0.0
@@ -112,29 +143,6 @@ class Feeder:
         cores = (s.worker_cpu_s - last.worker_cpu_s) / wall
         print(f"{s.handoffs:>10,} {s.seconds:>8.0f} {s.rss_mb:>7.1f} {rate:>10,.0f} {cores:>11.2f}"
               f"  {s.load}", flush=True)  # fmt: skip
-
-    async def feed(self, handoffs: int, window: int, seed: int, ahead: int) -> None:
-        started = 0
-        inputs = interleave(retagged(handoffs), window, seed)
-        for published, (subject, payload) in enumerate(inputs, 1):
-            await self._nc.publish(subject, payload)
-            started += payload.startswith(b'{"type":"start_handoff"')
-            if published % _FLUSH_EVERY == 0:
-                await self._nc.flush()
-                await self._keep_within(started - ahead)
-        await self._nc.flush()
-        await self._keep_within(handoffs)
-
-    async def _keep_within(self, completed: int) -> None:
-        """Wait until at least `completed` handoffs have completed."""
-        while self.completed < completed:
-            self.advanced.clear()
-            try:
-                await asyncio.wait_for(self.advanced.wait(), _WAIT_S)
-            except TimeoutError:
-                raise SystemExit(
-                    f"the worker completed no handoff in {_WAIT_S:.0f}s, at {self.completed:,}"
-                ) from None
 
 
 def slope(samples: Sequence[Sample]) -> float:
