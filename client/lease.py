@@ -28,7 +28,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvhandoff.client.connection import Connection
-from kvhandoff.client.errors import BusUnavailable
+from kvhandoff.client.errors import BusUnavailable, Refused
 from kvhandoff.events.leases import EngineLease
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ DEFAULT_LEASE_TTL_S = 5.0
 RENEWALS_PER_TTL = 4  # vLLM renews a sixth of its TTL, SGLang misses two beats of five seconds
 FENCE_MARGIN = 0.2  # of the TTL: the engine's lease ends this much before the tier's
 ACQUIRE_GIVE_UP_S = 30.0
+_ACQUIRE_RETRY_S = 0.5  # between attempts at the first lease, while NATS cannot answer
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -70,8 +71,19 @@ class Lease:
     async def acquire(self) -> None:
         """Take a lease with a fresh incarnation; `BusUnavailable` if NATS does not store it
         within `ACQUIRE_GIVE_UP_S` (the first one may create the bucket, and wait for a
-        cluster to elect its leader)."""
-        await self._renew(uuid.uuid4().hex, give_up_s=ACQUIRE_GIVE_UP_S)
+        cluster to elect its leader: each attempt that times out meanwhile is made again)."""
+        give_up_at = time.monotonic() + ACQUIRE_GIVE_UP_S
+        while True:
+            left_s = give_up_at - time.monotonic()
+            try:
+                await self._renew(uuid.uuid4().hex, give_up_s=max(left_s, _ACQUIRE_RETRY_S))
+                return
+            except Refused:
+                raise  # no later attempt would be let in
+            except BusUnavailable:
+                if time.monotonic() + _ACQUIRE_RETRY_S >= give_up_at:
+                    raise
+            await asyncio.sleep(_ACQUIRE_RETRY_S)
 
     async def run(self) -> None:
         """Renew until cancelled; fence once a renewal comes too late."""
