@@ -243,8 +243,13 @@ class Frontend:
             ) from exc
 
     async def state(self, handoff_id: HandoffId) -> HandoffStatus:
-        """The handoff's state from the last `Complete` the completion stream keeps."""
+        """The handoff's state from the last `Complete` the completion stream keeps, or, while
+        the stream has none, from the one that ended this frontend's wait on it."""
         last = await self._connection.last_complete(self._done_stream, handoff_id)
+        if last is None and (watched := self._watched.get(handoff_id)) is not None:
+            # The server hands a publish to core subscribers before its stream stores it, so
+            # a read right after a wait returned can come before the stream has the Complete.
+            last = watched.end()
         if last is None:
             return HandoffStatus.OPEN
         if last.completion is HandoffCompletion.SUCCESS:
