@@ -68,9 +68,9 @@ from rich.table import Table
 from traffic import ROOT, SUBJECTS, load_average, new_start, resident_mb
 
 from kvhandoff.events.codec import encode
-from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.config import DEFAULT_STREAM, log_stream_of
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.child import WorkerChild
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 
 _CLAIM_TIMEOUT_S = 300.0
 _LOG_STREAM = log_stream_of(DEFAULT_STREAM)

@@ -11,7 +11,7 @@ durable consumer (the worker's stream and consumer settings, `max_ack_pending` a
 sets it) and a fresh completion stream, then drains it into a fresh SQLite file:
 
 - ``worker``: `Worker.run`, what `kvhandoff run` runs (a tier of one partition, see
-  `worker.service`): each batch of up to `--batch-size` (default 512) inputs is pulled through
+  `worker.tier.service`): each batch of up to `--batch-size` (default 512) inputs is pulled through
   the lean `worker.bus.Pull`, decided, appended to the partition's replicated log (a JetStream
   stream), acted on (published, acknowledged) and queued for the SQLite file, whose commits run
   behind. The clock stops once the last input was acted on, every row is in the SQLite file
@@ -85,11 +85,11 @@ from traffic import (
 
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings, WorkerConfig
-from kvhandoff.worker.metrics import Metrics
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.partition_owner import Decided, max_ack_pending
-from kvhandoff.worker.service import Worker, tier_settings
-from kvhandoff.worker.store import Batch
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.log.store import Batch
+from kvhandoff.worker.tier.metrics import Metrics
+from kvhandoff.worker.tier.owner import Decided, max_ack_pending
+from kvhandoff.worker.tier.service import Worker, tier_settings
 
 # The package's own modules, as their code objects name them (kvhandoff/ links events/ and
 # worker/, so their files are found under it, not under the repository's root).

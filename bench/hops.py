@@ -78,12 +78,12 @@ from traffic import (
 from kvhandoff.events.codec import decode_action, encode
 from kvhandoff.events.messages import Action, ActionOutcome, Input, StartHandoff
 from kvhandoff.worker.bus import Bus, Pull, partition_log_subject
-from kvhandoff.worker.child import Child
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.healthy import success_script
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.partition_owner import max_ack_pending
+from kvhandoff.worker.engines.healthy import success_script
+from kvhandoff.worker.harness.child import Child
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.tier.owner import max_ack_pending
 
 _WAIT_S = 60.0  # the longest any closed-loop step may take before the bench gives up
 _ECHO_PAD = b" " * 120  # echo payloads about the size of an input

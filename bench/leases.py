@@ -14,8 +14,8 @@ left on the lease at the kill (up to one TTL, a quarter less on average: the lea
 every quarter TTL), plus one batch.
 
 `--cluster` runs the same measurement on a three-node JetStream cluster on loopback
-(`worker.natsserver.NatsCluster`): every process is given all three nodes' URLs, the worker is
-the same `kvhandoff run` at one partition, and the lease bucket and the tier's streams are R3.
+(`worker.harness.natsserver.NatsCluster`): every process is given all three nodes' URLs, the worker
+is the same `kvhandoff run` at one partition, and the lease bucket and the tier's streams are R3.
 
 `--renewals N` measures instead what N engines' leases cost the bus. On one nats-server with a
 monitoring port, beside an idle `kvhandoff run` (which watches the lease bucket, so every
@@ -49,10 +49,10 @@ from kvhandoff.client import Connection, Frontend
 from kvhandoff.client.lease import DEFAULT_LEASE_TTL_S, RENEWALS_PER_TTL, Lease
 from kvhandoff.events.messages import EngineType, HandoffCompletion, StartHandoff
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import EnginesReport
-from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster, free_port
+from kvhandoff.worker.harness.child import WorkerChild
+from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster, free_port
 
 KVHANDOFF = [sys.executable, "-m", "kvhandoff.worker.cli"]
 _SUBMIT_GIVE_UP_S = 120.0

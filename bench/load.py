@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvhandoff.client import Connection
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import EngineModel, EnginesConfig, MockEngines
-from kvhandoff.worker.loadgen import LoadConfig, LoadReport, run_load
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
 
 
 def main() -> None:

@@ -7,16 +7,17 @@ What is written
 ---------------
 `--handoffs` (default 20,000) success handoffs, half source-first (vLLM) and half
 destination-first (SGLang), through the worker's own code: each input, as the JSON an engine
-publishes, goes through `worker.planner.Planner` (decode, load what is not in memory, plan) into
-the plan's `Batch`, and the batch is committed by `worker.store.EventLog`, one group commit per
-`--batch-size` inputs (default 512, the worker's default). So the rows are exactly the worker's:
-one input row and its action rows per accepted input, the handoff's row upserted once per batch,
-and the outbox marks of a batch's actions riding on the next commit (as `worker.service` adds
-them). Nothing is published: no NATS. The inputs come from the protocol itself (the scripted
-engines' success answers to the coordinator's actions, `tests.worker.scripted_engine`), and are
-interleaved as a closed loop of `--window` (default 256) handoffs in flight would interleave
-them (a seeded random pick among the open handoffs emits that handoff's next input), so a batch
-mixes many handoffs and their rows land in the log the way a live worker's do.
+publishes, goes through `worker.tier.planner.Planner` (decode, load what is not in memory, plan)
+into the plan's `Batch`, and the batch is committed by `worker.log.store.EventLog`, one group
+commit per `--batch-size` inputs (default 512, the worker's default). So the rows are exactly the
+worker's: one input row and its action rows per accepted input, the handoff's row upserted once per
+batch, and the outbox marks of a batch's actions riding on the next commit (as
+`worker.tier.service` adds them). Nothing is published: no NATS. The inputs come from the protocol
+itself (the scripted engines' success answers to the coordinator's actions,
+`tests.worker.scripted_engine`), and are interleaved as a closed loop of `--window` (default 256)
+handoffs in flight would interleave them (a seeded random pick among the open handoffs emits that
+handoff's next input), so a batch mixes many handoffs and their rows land in the log the way a live
+worker's do.
 
 What is measured
 ----------------
@@ -66,9 +67,9 @@ from kvhandoff.events.coordinator import HandoffCoordinator  # noqa: E402
 from kvhandoff.events.messages import EngineType, HandoffCompletion, Input, StartHandoff  # noqa: E402
 from kvhandoff.events.subjects import Subjects  # noqa: E402
 from kvhandoff.worker.clock import now_ms  # noqa: E402
-from kvhandoff.worker.healthy import success_script  # noqa: E402
-from kvhandoff.worker.planner import Planner  # noqa: E402
-from kvhandoff.worker.store import Batch, EventLog  # noqa: E402
+from kvhandoff.worker.engines.healthy import success_script  # noqa: E402
+from kvhandoff.worker.log.store import Batch, EventLog  # noqa: E402
+from kvhandoff.worker.tier.planner import Planner  # noqa: E402
 
 _SUBJECTS = Subjects()
 _DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out
@@ -77,7 +78,7 @@ _ACK_WAIT_S = 30.0  # the worker's default; nothing here is early, so nothing wa
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """An input as the planner reads it from JetStream (`worker.planner.Delivery`)."""
+    """An input as the planner reads it from JetStream (`worker.tier.planner.Delivery`)."""
 
     data: bytes
     subject: str

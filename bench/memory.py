@@ -51,7 +51,7 @@ from traffic import (
     scripted_handoff,
 )
 
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 
 WAIT_S = 60.0  # the longest the worker may go without completing a handoff
 _FLUSH_EVERY = 2_000  # inputs published between flushes (and checks of how far ahead)

@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvhandoff.worker.bus import Bus, Pull
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.partition_owner import max_ack_pending
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.tier.owner import max_ack_pending
 
 _STREAM = "BENCH_PULL"
 _SUBJECT = "bench.pull"

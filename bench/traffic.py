@@ -14,7 +14,7 @@ handoff's own inputs stay in order, and about `window` handoffs are open at a ti
 
 The rest is what the benches measure with: the load average, a process's CPU time and resident
 size from /proc, nearest-rank percentiles, and `WorkerChild`, `kvhandoff run` as a child process
-(`worker.child`, which the demo and the tests share) with its metrics endpoint read.
+(`worker.harness.child`, which the demo and the tests share) with its metrics endpoint read.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TypeVar
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import kvhandoff.worker.child  # noqa: E402
+import kvhandoff.worker.harness.child  # noqa: E402
 from kvhandoff.events.codec import encode  # noqa: E402
 from kvhandoff.events.coordinator import HandoffCoordinator  # noqa: E402
 from kvhandoff.events.messages import (  # noqa: E402
@@ -46,8 +46,8 @@ from kvhandoff.events.messages import (  # noqa: E402
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects  # noqa: E402
-from kvhandoff.worker.child import metric_sum  # noqa: E402
-from kvhandoff.worker.healthy import success_script  # noqa: E402
+from kvhandoff.worker.engines.healthy import success_script  # noqa: E402
+from kvhandoff.worker.harness.child import metric_sum  # noqa: E402
 
 SUBJECTS = Subjects()
 DEADLINE_MS = 600_000  # far beyond any run: no handoff may time out
@@ -175,7 +175,7 @@ def resident_mb(pid: int) -> float | None:
     return None
 
 
-class WorkerChild(kvhandoff.worker.child.WorkerChild):
+class WorkerChild(kvhandoff.worker.harness.child.WorkerChild):
     """`kvhandoff run` with its defaults, on a fresh log, metrics on a free port: started (and
     healthy) when made, as every bench wants it."""
 

@@ -8,7 +8,7 @@ fresh `incarnation` per lease taken tells a restarted engine, or one that fenced
 back, from the one before it.
 
 When a lease expires, or a new incarnation replaces it, the tier answers for the old incarnation
-(`worker.leases`): a `Failed(reason=LEASE_EXPIRED)` for each of its handoffs still active, and
+(`worker.tier.leases`): a `Failed(reason=LEASE_EXPIRED)` for each of its handoffs still active, and
 `ActionOutcome(Noop, by_tier=True)` for each cleanup it owes. Each answer is published with the
 message id `answer_id` names, so that two workers answering the same expiry (a failover, a
 redelivered watch) store it once.

@@ -7,6 +7,6 @@ links to:
 - `kvhandoff.events`: the pure core (ids, wire messages, log records, codec, coordinator,
   replay). Imports only the standard library and msgspec.
 - `kvhandoff.worker`: the IO shell (configuration, the event log, the one NATS module, the
-  service, the mock engines, the log tools, the CLI, `kvhandoff.worker.testing`).
+  service, the mock engines, the log tools, the CLI, `kvhandoff.worker.harness.containers`).
 - `kvhandoff.client`: the engine and frontend clients.
 """

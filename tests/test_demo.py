@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 
 from kvhandoff.worker.commands._demo_cluster import ClusterReport
-from kvhandoff.worker.loadgen import LoadReport
+from kvhandoff.worker.loadgen.generator import LoadReport
 
 
 def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 import kvhandoff.events.errors
 import kvhandoff.worker.errors
-import kvhandoff.worker.testing
+import kvhandoff.worker.harness.containers
 
 _ROOT = re.compile(r"( *)(\w+Error)")
 _BRANCH = re.compile(r" *[│ ]*[├└]── (\w+)")
@@ -50,7 +50,11 @@ def defined(module: ModuleType, root: type[Exception]) -> dict[str, type[Excepti
     ("module", "root", "elsewhere"),
     [
         (kvhandoff.events.errors, kvhandoff.events.errors.HandoffError, []),
-        (kvhandoff.worker.errors, kvhandoff.worker.errors.WorkerError, [kvhandoff.worker.testing]),
+        (
+            kvhandoff.worker.errors,
+            kvhandoff.worker.errors.WorkerError,
+            [kvhandoff.worker.harness.containers],
+        ),
     ],
     ids=["events", "worker"],
 )

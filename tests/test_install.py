@@ -29,13 +29,13 @@ import events
 import worker
 from kvhandoff.client import Frontend
 from kvhandoff.events.messages import EngineType, StartHandoff
-from kvhandoff.worker.testing import KvhandoffWorkerContainer, NatsContainer
+from kvhandoff.worker.harness.containers import KvhandoffWorkerContainer, NatsContainer
 
-import kvhandoff.worker.testing as testing
+import kvhandoff.worker.harness.containers as testing
 
 assert worker.NAME == "their worker" and events.NAME == "their events"
 assert "site-packages" in testing.__file__, testing.__file__  # the wheel, not a checkout
-assert KvhandoffWorkerContainer.__module__ == "kvhandoff.worker.testing"
+assert KvhandoffWorkerContainer.__module__ == "kvhandoff.worker.harness.containers"
 assert StartHandoff.__module__ == "kvhandoff.events.messages"
 print("ok", EngineType.VLLM.value, Frontend.__name__, NatsContainer.__name__)
 """
@@ -84,7 +84,7 @@ def test_the_docs_integration_test_example_is_mypy_strict_clean(tmp_path: Path) 
     page = (ROOT / "docs" / "tier.md").read_text()
     section = page[page.index("## In your own integration tests") :]
     [example] = re.findall(r"```python\n(.*?)```", section, flags=re.S)[:1]
-    assert "from kvhandoff.worker.testing import" in example
+    assert "from kvhandoff.worker.harness.containers import" in example
     path = tmp_path / "docs_example.py"
     path.write_text(example)
     # From the checkout, so that mypy finds kvhandoff/ (an editable install is an import hook,

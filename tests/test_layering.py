@@ -30,7 +30,7 @@ OFFLINE_COMMANDS = [
     f"kvhandoff.worker.commands.{name}"
     for name in ("list", "stuck", "replay", "verify", "export", "compact", "conformance", "schema")
 ]
-OFFLINE = [*OFFLINE_COMMANDS, "kvhandoff.worker.logreader"]
+OFFLINE = [*OFFLINE_COMMANDS, "kvhandoff.worker.log.reader"]
 # The one module that talks to nats-py: connecting, the barrier, durable publishing and the pull
 # exist once, and every nats-py error is translated there.
 NATS_SEAM = "kvhandoff.worker.bus"
@@ -146,22 +146,23 @@ def test_the_module_discovery_sees_the_code() -> None:
         modules_of("events")
     )
     assert {
-        "kvhandoff.worker.store",
+        "kvhandoff.worker.log.store",
         "kvhandoff.worker.bus",
         "kvhandoff.worker.commands.run",
     } <= set(modules_of("worker"))
     # The users of the bus that once had their own nats-py code.
     assert {
         "kvhandoff.worker.engines",
-        "kvhandoff.worker.loadgen",
-        "kvhandoff.worker.testing",
+        "kvhandoff.worker.loadgen.generator",
+        "kvhandoff.worker.harness.containers",
         "kvhandoff.worker.commands.engines",
         "kvhandoff.worker.commands.demo",
     } <= set(modules_of("worker"))
     assert source_file("bench.load") is not None
     assert any(top(i.module) == "nats" for i in imports_of("kvhandoff.worker.bus"))
     assert any(
-        i.module == "kvhandoff.worker.store" for i in imports_of("kvhandoff.worker.commands.run")
+        i.module == "kvhandoff.worker.log.store"
+        for i in imports_of("kvhandoff.worker.commands.run")
     )
 
 
@@ -199,11 +200,12 @@ def test_the_client_imports_the_core_and_of_the_worker_only_the_bus() -> None:
 def test_the_log_and_the_bus_never_import_each_other() -> None:
     bad = [
         *violations(
-            ["kvhandoff.worker.store", "kvhandoff.worker.schema"], {"kvhandoff.worker.bus", "nats"}
+            ["kvhandoff.worker.log.store", "kvhandoff.worker.log.schema"],
+            {"kvhandoff.worker.bus", "nats"},
         ),
         *violations(
             ["kvhandoff.worker.bus"],
-            {"kvhandoff.worker.store", "kvhandoff.worker.schema", "aiosqlite"},
+            {"kvhandoff.worker.log.store", "kvhandoff.worker.log.schema", "aiosqlite"},
         ),
     ]
     assert not bad, "\n".join(bad)
@@ -213,7 +215,7 @@ def test_the_mock_engines_and_the_load_generator_use_the_client_not_the_bus() ->
     # They are the client's first users: an engine or a frontend needs nothing else.
     users = [m for m in modules_of("worker") if m.startswith("kvhandoff.worker.engines")]
     assert "kvhandoff.worker.engines.host" in users
-    bad = list(violations([*users, "kvhandoff.worker.loadgen"], {NATS_SEAM, "nats"}))
+    bad = list(violations([*users, "kvhandoff.worker.loadgen.generator"], {NATS_SEAM, "nats"}))
     assert not bad, "go through client.Connection:\n" + "\n".join(bad)
 
 
@@ -327,5 +329,10 @@ def test_the_benches_are_programs_that_import_no_tests() -> None:
 def test_everything_loads_under_the_one_kvhandoff_name() -> None:
     # A downstream project has its own `worker` or `events` very likely: ours must never
     # be loaded under those names, whatever imports what.
-    ours = [m for folder in FOLDERS for m in modules_of(folder) if m != "kvhandoff.worker.testing"]
+    ours = [
+        m
+        for folder in FOLDERS
+        for m in modules_of(folder)
+        if m != "kvhandoff.worker.harness.containers"
+    ]
     assert_load_no(set(FOLDERS), ours)

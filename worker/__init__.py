@@ -1,2 +1,13 @@
-"""kvhandoff's IO shell: configuration, the SQLite event log, the NATS bus, the service that
-ties them to the pure core, timers, the mock engines, the load generator and the CLI."""
+"""kvhandoff's IO shell, one folder per concern:
+
+- `bus/`: the NATS transport, the one place that imports nats-py.
+- `tier/`: one worker of a tier: membership, the balance rule, each partition's ownership,
+  planner, timers and outbox, the engines' leases, and the `kvhandoff run` service.
+- `log/`: the local event log file (SQLite): schema, rows, the writer, the offline reader.
+- `engines/`: the mock engines, and what a healthy engine answers.
+- `loadgen/`: the load generator, which plays the frontend.
+- `conformance/`: holding engines to the wire contract (`kvhandoff engine-check`).
+- `harness/`: what starts `nats-server`, child processes and containers, for tests and demos.
+- `commands/` and `cli.py`: the `kvhandoff` command line; `config.py`, `errors.py`, `clock.py`,
+  `stoppable.py`, `logging_setup.py`: what they share.
+"""

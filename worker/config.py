@@ -109,12 +109,12 @@ class WorkerConfig:
     consumer: str = "kvhandoff-worker"
     # Empty: the tier's, named after `stream` (`done_stream_of`, `log_stream_of`).
     done_stream: str = ""
-    log_stream: str = ""  # the partitions' replicated logs (worker.service)
+    log_stream: str = ""  # the partitions' replicated logs (worker.tier.service)
     completion_ttl_s: float = 3600.0
     batch_size: int = 512
     retry_interval_s: float = 5.0
     # The input consumers' ack wait: short, since a new owner is pinned only after it (see
-    # worker.tier.TierSettings); it also bounds how long an early input is deferred.
+    # worker.tier.membership.TierSettings); it also bounds how long an early input is deferred.
     ack_wait_s: float = 1.0
     synchronous: str = "FULL"
     retention_s: float | None = None
@@ -124,19 +124,19 @@ class WorkerConfig:
     metrics_port: int = 9464
     log_format: str = "text"
     log_level: str = "INFO"
-    # The tier (worker.service). Without a data directory the worker runs the one partition
+    # The tier (worker.tier.service). Without a data directory the worker runs the one partition
     # whose file is `db_path`: the embedded default, a tier of one partition.
     partitions: int = 1
     data_dir: Path | None = None
-    priority_timeout_s: float = 3.0  # worker.tier.TierSettings'
-    # Snapshots of each partition's state in its replicated log (worker.partition_owner):
+    priority_timeout_s: float = 3.0  # worker.tier.membership.TierSettings'
+    # Snapshots of each partition's state in its replicated log (worker.tier.owner):
     # every this many entries, or this long with any; 0 entries: never.
     snapshot_every: int = 10_000
     snapshot_interval_s: float = 60.0
     # How long a handoff that ended is remembered by its tombstone, for a late input that
-    # names it (worker.planner): at least the longest deadline plus the bus's duplicate window.
+    # names it (worker.tier.planner): at least the longest deadline plus the bus's duplicate window.
     tombstone_ttl_s: float = 300.0
-    # Engine leases (worker.leases): reject a start naming an engine that holds none.
+    # Engine leases (worker.tier.leases): reject a start naming an engine that holds none.
     require_leases: bool = False
 
     def __post_init__(self) -> None:
@@ -149,7 +149,7 @@ class WorkerConfig:
     @property
     def tier_retention_s(self) -> float:
         """How long the files keep their completed handoffs and rejections: `--retention`, or a
-        week. The replicated log has no age limit (worker.service's "Retention")."""
+        week. The replicated log has no age limit (worker.tier.service's "Retention")."""
         return TIER_RETENTION_S if self.retention_s is None else self.retention_s
 
     def validate(self) -> None:

@@ -1,6 +1,6 @@
 """The worker's exceptions, rooted at one class. Driver errors (nats, sqlite) are translated
 into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's in
-`worker.store` (the writer) and `worker.logreader` (the offline reader), nats-py's in
+`worker.log.store` (the writer) and `worker.log.reader` (the offline reader), nats-py's in
 `worker.bus`. What the core raises (`events.errors`) passes through the worker as it is.
 
     WorkerError
@@ -17,17 +17,17 @@ into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's 
     │       └── PartitionsMismatch  the input stream was made for other partitions, or a
     │                               worker of an earlier version
     ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
-    ├── ChildError         a process we started (`worker.child`) did not come up
+    ├── ChildError         a process we started (`worker.harness.child`) did not come up
     ├── NatsServerError    the embedded nats-server did not start
-    └── ContainerError     a test container did not start (worker.testing)
+    └── ContainerError     a test container did not start (worker.harness.containers)
 
 Who handles what apart: `kvhandoff run` exits 2 on `ConfigError`, `StoreLocked`, `BusRefused`,
 `StreamMismatch` (`PartitionsMismatch` included) and `LogDiverges` (retrying cannot help), 1 on
 any other `StoreError` or `BusError` it cannot serve through. Once running, a partition whose
-commit or append failed is handed back and claimed again at the next round (worker.tier), its
-handoffs rebuilt from the log; a handoff whose row or record is `StoreCorrupt` or `LogCorrupt`
-is quarantined, not the whole load. The offline commands print any `WorkerError` or
-`events.errors.HandoffError` as one line, exit 2.
+commit or append failed is handed back and claimed again at the next round
+(worker.tier.membership), its handoffs rebuilt from the log; a handoff whose row or record is
+`StoreCorrupt` or `LogCorrupt` is quarantined, not the whole load. The offline commands print any
+`WorkerError` or `events.errors.HandoffError` as one line, exit 2.
 """
 
 from __future__ import annotations

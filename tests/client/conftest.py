@@ -9,7 +9,7 @@ import pytest
 
 from kvhandoff.client import Connection
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.worker.conftest import nats_server, worker  # noqa: F401  # fixtures, reused
 
 Connect = Callable[..., Awaitable[Connection]]

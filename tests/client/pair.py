@@ -1,5 +1,5 @@
 """A source and a destination engine written with the client alone, healthy (they answer with
-`worker.healthy`'s success path), with what a test needs to steer and watch them: every
+`worker.engines.healthy`'s success path), with what a test needs to steer and watch them: every
 handler call is counted, and a gate can hold an action kind until the test opens it."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvhandoff.events.messages import (
     StartTransfer,
     SubmitPrefill,
 )
-from kvhandoff.worker.healthy import TIMING
+from kvhandoff.worker.engines.healthy import TIMING
 
 SOURCE = "test-prefill-0"
 DESTINATION = "test-decode-0"

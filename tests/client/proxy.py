@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from kvhandoff.worker.natsserver import free_port
+from kvhandoff.worker.harness.natsserver import free_port
 
 
 class CuttableProxy:

@@ -30,8 +30,8 @@ from kvhandoff.events.messages import (
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Message
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.healthy import TIMING
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.engines.healthy import TIMING
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.conftest import Connect
 from tests.worker.conftest import WorkerProcess
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import msgspec
 
-from kvhandoff.worker.loadgen import LoadReport
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.loadgen.generator import LoadReport
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.schema import HandoffState
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTERNAL = "vllm-prefill-0"

@@ -13,7 +13,7 @@ import pytest
 
 from kvhandoff.client import CompletionTimeout, Frontend, HandoffStatus
 from kvhandoff.events.messages import Complete, EngineType, HandoffCompletion, StartHandoff
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.conftest import Connect
 from tests.client.pair import DESTINATION, SOURCE, Pair
 from tests.client.proxy import CuttableProxy

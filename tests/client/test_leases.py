@@ -40,10 +40,10 @@ from kvhandoff.events.messages import (
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.healthy import TIMING
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.engines.healthy import TIMING
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.schema import HandoffState
 from tests.client.conftest import Connect
 from tests.client.proxy import CuttableProxy
 from tests.worker.conftest import WorkerProcess, logged, logged_inputs

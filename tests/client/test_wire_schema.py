@@ -30,7 +30,7 @@ from kvhandoff.events.messages import EngineType
 from kvhandoff.worker.bus import Bus, Message
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import EnginesConfig, MockEngines, Roster
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 
 HANDOFFS = 300
 

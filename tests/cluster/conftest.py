@@ -1,5 +1,5 @@
 """Fixtures for the scale-out tests: a real three-node JetStream cluster of nats-server
-processes on loopback (`worker.natsserver.NatsCluster`), a `Bus` connected to all of it,
+processes on loopback (`worker.harness.natsserver.NatsCluster`), a `Bus` connected to all of it,
 nats-py's JetStream beside it to observe and to play the other clients, and what the owner
 and worker processes of the failover tests publish when they act."""
 
@@ -27,10 +27,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.tier import TierSettings
+from kvhandoff.worker.harness.child import WorkerChild
+from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.membership import TierSettings
 
 # What a step that should take milliseconds may take on a busy two-core machine, elections
 # included.
@@ -126,7 +126,7 @@ async def acted(nats_cluster: NatsCluster) -> AsyncIterator[Acted]:
 
 
 class TierWorker(WorkerChild):
-    """`kvhandoff run --partitions 4` (worker.service, or `partitions`) with its own data
+    """`kvhandoff run --partitions 4` (worker.tier.service, or `partitions`) with its own data
     directory (`tmp / name`, or `data_dir`), and any further arguments of `run`."""
 
     def __init__(
@@ -171,8 +171,8 @@ def workers() -> Iterator[list[TierWorker]]:
 
 class StatusChild:
     """A test module of tests/cluster run as a child process that writes its status as JSON:
-    what the owner and tier tests start. (Its `process` is never None, unlike worker.child's,
-    which the waits here rely on.)"""
+    what the owner and tier tests start. (Its `process` is never None, unlike
+    worker.harness.child's, which the waits here rely on.)"""
 
     def __init__(
         self, module: str, name: str, tmp: Path, args: list[str], env: dict[str, str]

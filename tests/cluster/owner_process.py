@@ -1,15 +1,15 @@
-"""A worker that owns one partition through `worker.partition_owner`, as a real process that the
+"""A worker that owns one partition through `worker.tier.owner`, as a real process that the
 tests can SIGKILL, SIGSTOP and SIGCONT.
 
 Run as `python -m tests.cluster.owner_process URL NAME PARTITION STATUS_FILE`. It opens the
 partitioned input stream, the log stream and the partition's consumer (as every worker of the
 tier does, idempotently), then owns the partition: its records are the inputs' payloads, and it
 acts by publishing, after each append, the stream sequence of every input it applied to
-`kvhandoff.acted.<NAME>`. As worker.service does with its outbox, it counts an act done only
+`kvhandoff.acted.<NAME>`. As worker.tier.service does with its outbox, it counts an act done only
 once `Bus.flush` confirmed its publishes, and each claim publishes again the acts of its own
 appended inputs that were not confirmed (a flush that failed as NATS lost a node): at least once,
 so a lost act shows up again. At the end it writes what it did to STATUS_FILE, as JSON (its
-`worker.metrics.TierMetrics` under "metrics"), and exits 0
+`worker.tier.metrics.TierMetrics` under "metrics"), and exits 0
 once stopped by SIGTERM (after handing the partition over), or 3 once fenced. Its consumer's
 priority timeout is 3 s, or KVHANDOFF_PRIORITY_TIMEOUT.
 
@@ -33,9 +33,9 @@ from prometheus_client import CollectorRegistry
 
 from kvhandoff.worker.bus import Bus, Inbound, Member
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.metrics import TierMetrics
-from kvhandoff.worker.ownership import CaughtUp, PartitionLog
-from kvhandoff.worker.partition_owner import Decided, PartitionOwner
+from kvhandoff.worker.tier.metrics import TierMetrics
+from kvhandoff.worker.tier.owner import Decided, PartitionOwner
+from kvhandoff.worker.tier.ownership import CaughtUp, PartitionLog
 
 PREFIX = "kvhandoff"
 STREAM = "KVHANDOFF_IN"

@@ -1,4 +1,4 @@
-"""The balance rule of the tier (worker.partitions), without NATS: property-based over the
+"""The balance rule of the tier (worker.tier.balance), without NATS: property-based over the
 partition count and the set of live workers. Every partition has exactly one worker; every
 worker gets floor(P / live) or ceil(P / live); every worker computes the same assignment from
 the same set, in whatever order it read it; a worker's moves lead exactly to its share.
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
 from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.partitions import assign, fair_share, partition_of, rebalance
+from kvhandoff.worker.tier.balance import assign, fair_share, partition_of, rebalance
 from tests.cluster.conftest import publish
 
 names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)

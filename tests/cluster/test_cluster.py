@@ -1,5 +1,5 @@
-"""The three-node cluster the scale-out tests run on (`worker.natsserver.NatsCluster`): it forms
-a JetStream meta group, every node serves JetStream, and a node killed with SIGKILL while it
+"""The three-node cluster the scale-out tests run on (`worker.harness.natsserver.NatsCluster`): it
+forms a JetStream meta group, every node serves JetStream, and a node killed with SIGKILL while it
 leads a replicated stream loses nothing that stream acknowledged, then rejoins on restart.
 
 nats-py plays the client here, so that these tests check the cluster and nothing of ours.
@@ -17,7 +17,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js.api import StreamConfig
 
-from kvhandoff.worker.natsserver import CLUSTER_SIZE, NatsCluster
+from kvhandoff.worker.harness.natsserver import CLUSTER_SIZE, NatsCluster
 from tests.cluster.conftest import WITHIN_S
 
 STREAM = "REPLICATED"

@@ -1,4 +1,4 @@
-"""Failover of a partition's owner (worker.partition_owner, worker.ownership), with real
+"""Failover of a partition's owner (worker.tier.owner, worker.tier.ownership), with real
 processes on the real three-node cluster.
 
 A crashed owner. Owner A applies and appends a batch, and dies (SIGKILL) before acknowledging
@@ -34,9 +34,9 @@ import nats
 import pytest
 from nats.js import JetStreamContext
 
-from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.ownership import Appended, Claimed, Entry
-from kvhandoff.worker.partitions import partition_of
+from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.balance import partition_of
+from kvhandoff.worker.tier.ownership import Appended, Claimed, Entry
 from tests.cluster.conftest import WITHIN_S, Acted, StatusChild, publish, until
 from tests.cluster.owner_process import (
     FENCED_EXIT,
@@ -122,7 +122,7 @@ class Inputs:
         """How many of these inputs (in the order applied) came after a later input of their
         handoff. JetStream redelivers a dead owner's many unacknowledged inputs in the order
         their ack waits ran out, not in stream order, among newer ones: without the owner's
-        `InputOrder` this was some 20 (see worker.partition_owner, "Order"). An input acted on
+        `InputOrder` this was some 20 (see worker.tier.owner, "Order"). An input acted on
         again (an owner publishes again, at its claim, acts that NATS did not confirm) is judged
         by its first act: publishing again is at least once, not a change of order."""
         handoff_of = {seq: n % len(self._handoffs) for n, seq in enumerate(self.published)}

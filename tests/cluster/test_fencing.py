@@ -16,7 +16,7 @@ from nats.js import JetStreamContext
 from kvhandoff.worker.bus import Bus, partition_log_subject
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import Fenced
-from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.harness.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S
 
 PREFIX = "kvhandoff"

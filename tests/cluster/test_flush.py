@@ -15,7 +15,7 @@ import pytest
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import BusError
-from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.harness.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S
 
 

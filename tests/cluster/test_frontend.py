@@ -16,7 +16,7 @@ from kvhandoff.events.messages import Complete, HandoffCompletion
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.harness.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S, until
 
 DONE_STREAM = "KVHANDOFF_DONE"

@@ -1,4 +1,4 @@
-"""The order a partition's new owner applies inputs in (worker.input_order), without NATS,
+"""The order a partition's new owner applies inputs in (worker.tier.input_order), without NATS,
 property-based: whatever order the orphans (inputs the old owner was given and never had
 acknowledged) come back in, interleaved with newer inputs and with redeliveries of anything,
 each handoff's inputs are admitted in stream order, each once, and all of them in the end.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvhandoff.worker.input_order import InputOrder
+from kvhandoff.worker.tier.input_order import InputOrder
 
 
 @dataclass(frozen=True)

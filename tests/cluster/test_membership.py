@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 
 from kvhandoff.worker.bus import MEMBER_TTL_S, MEMBERS_BUCKET, Bus, Member
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.harness.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S
 
 TIER = "KVHANDOFF_IN"  # the tier's input stream

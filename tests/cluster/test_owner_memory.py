@@ -1,4 +1,4 @@
-"""A partition owner (worker.partition_owner) does not remember every input it ever applied:
+"""A partition owner (worker.tier.owner) does not remember every input it ever applied:
 once the consumer's ack floor has passed them, it forgets them (they are never delivered
 again), so a long-running owner's memory stays flat; but not past a floor that a new leader of
 the consumer may report lower, and so deliver again what is above it."""
@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from kvhandoff.worker.bus import Bus, Inbound
-from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.ownership import PartitionLog
-from kvhandoff.worker.partition_owner import Decided, PartitionOwner
-from kvhandoff.worker.partitions import partition_of
+from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.balance import partition_of
+from kvhandoff.worker.tier.owner import Decided, PartitionOwner
+from kvhandoff.worker.tier.ownership import PartitionLog
 from tests.cluster.conftest import WITHIN_S
 
 PREFIX, STREAM, LOG_STREAM, PARTITIONS = "kvhandoff", "KVHANDOFF_IN", "KVHANDOFF_LOG", 2

@@ -1,4 +1,4 @@
-"""A partition owner (worker.partition_owner) that is asked to stop while idle stops at once:
+"""A partition owner (worker.tier.owner) that is asked to stop while idle stops at once:
 its fetch is woken (`Pull.wake`), so neither a graceful shutdown nor a hand-over waits out the
 fetch's timeout."""
 
@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from kvhandoff.worker import partition_owner
 from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier import owner as owner_module
 from tests.cluster.conftest import WITHIN_S
 from tests.cluster.test_owner_memory import INPUTS, _owner_of
 
@@ -18,7 +18,7 @@ from tests.cluster.test_owner_memory import INPUTS, _owner_of
 async def test_an_idle_owner_stops_at_once_though_its_fetch_would_wait_an_hour(
     nats_cluster: NatsCluster, bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(partition_owner, "_FETCH_TIMEOUT_S", 3600.0)
+    monkeypatch.setattr(owner_module, "_FETCH_TIMEOUT_S", 3600.0)
     applied: list[int] = []
     async with _owner_of(bus, applied) as (owner, running), asyncio.timeout(2 * WITHIN_S):
         while len(applied) < INPUTS:

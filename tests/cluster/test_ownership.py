@@ -1,4 +1,4 @@
-"""A partition's fenced log (worker.ownership) on the real cluster, in one process: a claim
+"""A partition's fenced log (worker.tier.ownership) on the real cluster, in one process: a claim
 catches up and counts the epoch on; a later claim fences the earlier owner, whose every later
 append is refused, the first by JetStream and the rest by itself; of two racing claimants
 exactly one can append; a claimant learns every input applied before it.
@@ -14,7 +14,7 @@ from nats.js.errors import NotFoundError
 
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.errors import BusError, Fenced
-from kvhandoff.worker.ownership import Appended, Claimed, Entry, PartitionLog, read_entries
+from kvhandoff.worker.tier.ownership import Appended, Claimed, Entry, PartitionLog, read_entries
 
 PREFIX = "kvhandoff"
 LOG_STREAM = "KVHANDOFF_LOG"

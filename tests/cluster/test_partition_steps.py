@@ -1,4 +1,4 @@
-"""A partition's steps (worker.service's `decide` and `act`) in process, against a real
+"""A partition's steps (worker.tier.service's `decide` and `act`) in process, against a real
 nats-server and real SQLite, with the local file's writer held: `act` does not wait for the
 local commit, and `decide` waits for it only before it reads a handoff that the queued batch
 took out of memory."""
@@ -21,13 +21,13 @@ from kvhandoff.events.messages import EngineType, StartHandoff
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings, WorkerConfig
-from kvhandoff.worker.metrics import Metrics
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.ownership import CaughtUp
-from kvhandoff.worker.rows import HandoffLog
-from kvhandoff.worker.service import Worker
-from kvhandoff.worker.store import EventLog, Loaded
-from kvhandoff.worker.tier import TierSettings
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.log.rows import HandoffLog
+from kvhandoff.worker.log.store import EventLog, Loaded
+from kvhandoff.worker.tier.membership import TierSettings
+from kvhandoff.worker.tier.metrics import Metrics
+from kvhandoff.worker.tier.ownership import CaughtUp
+from kvhandoff.worker.tier.service import Worker
 from tests.worker.test_planner import success_inputs
 
 PREFIX = "kvhandoff"

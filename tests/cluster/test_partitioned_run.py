@@ -1,4 +1,4 @@
-"""`kvhandoff run --partitions 4 --data-dir DIR` (worker.service) as real processes on the
+"""`kvhandoff run --partitions 4 --data-dir DIR` (worker.tier.service) as real processes on the
 real three-node cluster, with the scripted engines answering, under the faults of issue 11:
 
 - two workers share the load; one is killed with SIGKILL mid-load, and still every handoff
@@ -62,13 +62,13 @@ from kvhandoff.events.messages import (
 )
 from kvhandoff.worker.bus import MEMBER_TTL_S, Bus
 from kvhandoff.worker.config import partition_path
-from kvhandoff.worker.healthy import success_script
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
-from kvhandoff.worker.ownership import Appended, Claimed, Entry, Snapshot
-from kvhandoff.worker.partitions import assign, partition_of
-from kvhandoff.worker.schema import HandoffState
-from kvhandoff.worker.tier import TierSettings
+from kvhandoff.worker.engines.healthy import success_script
+from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.tier.balance import assign, partition_of
+from kvhandoff.worker.tier.membership import TierSettings
+from kvhandoff.worker.tier.ownership import Appended, Claimed, Entry, Snapshot
 from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 from tests.cluster.test_tier import the_log
 from tests.worker.conftest import logged_inputs
@@ -617,7 +617,7 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
     )
 
 
-RESENT_LINE = "published on a connection that NATS lost"  # worker.service's warning
+RESENT_LINE = "published on a connection that NATS lost"  # worker.tier.service's warning
 
 
 async def test_actions_written_to_a_connection_that_dies_are_published_again(
@@ -657,7 +657,7 @@ async def test_actions_written_to_a_connection_that_dies_are_published_again(
 
 
 # "partition <p>: <Fenced>; another worker owns it now, <owner> stops acting for it (applied
-# <n> inputs, acknowledged <m>)": worker.partition_owner's line when its append is refused.
+# <n> inputs, acknowledged <m>)": worker.tier.owner's line when its append is refused.
 FENCED_LINE = re.compile(
     r"partition (\d+): .*another worker owns it now, .* stops acting for it "
     r"\(applied (\d+) inputs, acknowledged (\d+)\)"

@@ -1,4 +1,4 @@
-"""The timers of `kvhandoff run --partitions` (worker.service, worker.timers), as real
+"""The timers of `kvhandoff run --partitions` (worker.tier.service, worker.tier.timers), as real
 processes on the real three-node cluster with the scripted engines: a deadline whose engine
 never answers times the handoff out (a second `TimedOut`, as a fenced owner's late timer would
 publish it, is dropped as a duplicate); an action without an outcome is published again with
@@ -30,9 +30,9 @@ from kvhandoff.events.messages import (
     TimedOut,
 )
 from kvhandoff.worker.config import partition_path
-from kvhandoff.worker.healthy import success_script
-from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.partitions import partition_of
+from kvhandoff.worker.engines.healthy import success_script
+from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.balance import partition_of
 from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 from tests.worker.conftest import logged_inputs
 from tests.worker.scripted_engine import Script, ScriptedEngines

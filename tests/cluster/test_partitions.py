@@ -29,7 +29,7 @@ from kvhandoff.worker.bus import (
 )
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import ConfigError, PartitionsMismatch
-from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
+from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
 from tests.cluster.conftest import WITHIN_S, publish
 from tests.worker.conftest import WorkerProcess
 

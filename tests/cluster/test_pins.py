@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import BusError, PinMismatch
-from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.harness.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S, publish
 
 PREFIX = "kvhandoff"

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from kvhandoff.events.messages import Action, EngineType, Input, StartHandoff
 from kvhandoff.worker.config import partition_path
-from kvhandoff.worker.healthy import success_script
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.engines.healthy import success_script
+from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.schema import HandoffState
 from tests.cluster.conftest import WITHIN_S, TierWorker, until
 from tests.cluster.test_partitioned_run import (
     HANDOFFS,

@@ -1,4 +1,4 @@
-"""Snapshots of a partition's fenced log (worker.ownership) on the real cluster: a snapshot
+"""Snapshots of a partition's fenced log (worker.tier.ownership) on the real cluster: a snapshot
 replaces the entries before it in one compare-and-set roll-up, so the next claim reads it and
 the tail after it, never more; a snapshot over one message goes as one atomic batch and is read
 back whole; a zombie's snapshot, alone or as a batch, is refused whole and drops nothing; a
@@ -17,8 +17,8 @@ from nats.js import JetStreamContext
 
 from kvhandoff.worker.bus import Bus, partition_log_subject
 from kvhandoff.worker.errors import Fenced
-from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.ownership import Appended, Claimed, Snapshot
+from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.ownership import Appended, Claimed, Snapshot
 from tests.cluster.test_ownership import (
     LOG_STREAM,
     PARTITION,
@@ -120,7 +120,7 @@ _KILLED_MID_BATCH = """
 import asyncio, os, signal, sys
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.tier.ownership import PartitionLog
 
 async def main(url):
     bus = await Bus.connect(NatsSettings(url=url), "dies-mid-batch")
@@ -171,7 +171,7 @@ _KILLED_AFTER_SENDING = """
 import asyncio, os, signal, sys
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.ownership import PartitionLog
+from kvhandoff.worker.tier.ownership import PartitionLog
 
 async def main(url):
     bus = await Bus.connect(NatsSettings(url=url), "dies-after-sending")

@@ -1,5 +1,5 @@
-"""The tier (worker.tier) with real worker processes on the real three-node cluster: workers
-share the partitions by the balance rule; a worker killed with SIGKILL mid-load has its
+"""The tier (worker.tier.membership) with real worker processes on the real three-node cluster:
+workers share the partitions by the balance rule; a worker killed with SIGKILL mid-load has its
 partitions taken over by the others; a worker that joins mid-load takes its share by clean
 hand-overs. The checks are on the replicated log: every input the stream acknowledged is
 applied exactly once, and each handoff's inputs in stream order; the failover and the join are
@@ -20,9 +20,9 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.ownership import Appended, Claimed, Entry, read_entries
-from kvhandoff.worker.partitions import partition_of
+from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.balance import partition_of
+from kvhandoff.worker.tier.ownership import Appended, Claimed, Entry, read_entries
 from tests.cluster.conftest import WITHIN_S, Acted, StatusChild, publish, until
 from tests.cluster.tier_process import KILL_BEFORE_ACTING, PARTITIONS, SETTINGS
 

@@ -1,4 +1,4 @@
-"""The tier's metrics (worker.metrics.TierMetrics), scraped from the /metrics of real
+"""The tier's metrics (worker.tier.metrics.TierMetrics), scraped from the /metrics of real
 `kvhandoff run --partitions 4` children on the real three-node cluster, while the real mock
 engines (`kvhandoff engines`) and load generator (`kvhandoff load`) run the handoffs; every
 process is given all three nodes' URLs, comma-separated.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvhandoff.worker.child import Child
-from kvhandoff.worker.natsserver import NatsCluster
+from kvhandoff.worker.harness.child import Child
+from kvhandoff.worker.harness.natsserver import NatsCluster
 from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 
 HANDOFFS = 40  # per load: every partition gets inputs (a miss is 4 * 0.75**40, 4e-5)

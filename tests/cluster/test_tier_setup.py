@@ -1,6 +1,6 @@
-"""A tier worker (worker.tier) started while the cluster cannot answer JetStream's API (two of
-its three nodes down: no meta leader) keeps trying to set up, and owns every partition once the
-cluster has its quorum back, rather than exiting and leaving the tier a worker short."""
+"""A tier worker (worker.tier.membership) started while the cluster cannot answer JetStream's API
+(two of its three nodes down: no meta leader) keeps trying to set up, and owns every partition once
+the cluster has its quorum back, rather than exiting and leaving the tier a worker short."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.natsserver import NatsCluster
-from kvhandoff.worker.partition_owner import Decided
-from kvhandoff.worker.tier import Tier, TierSettings
+from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.membership import Tier, TierSettings
+from kvhandoff.worker.tier.owner import Decided
 from tests.cluster.conftest import WITHIN_S
 
 
@@ -37,7 +37,7 @@ async def test_a_worker_started_without_a_quorum_sets_up_once_the_cluster_has_on
     bus = await Bus.connect(NatsSettings(url=survivor.url), "test-tier-setup")
     tier = Tier(bus, settings, _decide, _act, "w1")
     stop = asyncio.Event()
-    caplog.set_level(logging.WARNING, logger="kvhandoff.worker.tier")
+    caplog.set_level(logging.WARNING, logger="kvhandoff.worker.tier.membership")
     running = asyncio.create_task(tier.run(stop))
     try:
         async with asyncio.timeout(2 * WITHIN_S):

@@ -1,4 +1,5 @@
-"""A worker of the tier (`worker.tier.Tier`) as a real process that the tests can SIGKILL.
+"""A worker of the tier (`worker.tier.membership.Tier`) as a real process that the tests can
+SIGKILL.
 
 Run as `python -m tests.cluster.tier_process URL NAME STATUS_FILE`. It owns its share of the
 partitions; its record of a batch is the stream sequences of its inputs, and it acts by
@@ -7,7 +8,7 @@ publishing, after each append, the stream sequence of every input it applied to
 each of its partition owners did to STATUS_FILE, as JSON, and exits 0.
 
 At a claim it publishes the partition's last record again, as the real coordinator republishes
-its outbox at a claim (worker.service): an owner acts on a batch only after appending it,
+its outbox at a claim (worker.tier.service): an owner acts on a batch only after appending it,
 and appends the next only after acting, so the previous owner may have died (SIGKILL) between
 its last append and its publishes. The new owner skips those inputs, which the log says were
 applied, so without this they would never be acted on. Acting is at least once; the log says
@@ -31,9 +32,9 @@ from pathlib import Path
 
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.ownership import CaughtUp
-from kvhandoff.worker.partition_owner import Decided
-from kvhandoff.worker.tier import Tier, TierSettings
+from kvhandoff.worker.tier.membership import Tier, TierSettings
+from kvhandoff.worker.tier.owner import Decided
+from kvhandoff.worker.tier.ownership import CaughtUp
 
 PARTITIONS = 4
 SETTINGS = TierSettings(partitions=PARTITIONS)

@@ -9,7 +9,8 @@
 - No registry is reachable here, so testcontainers' reaper (Ryuk) is off. Every fixture removes
   its containers, and the session removes whatever is still labelled with its testcontainers
   session id (a container whose start failed half-way, say).
-- `nats`, `workers` / `worker`, `engines` and `loads` start the containers of `worker.testing`
+- `nats`, `workers` / `worker`, `engines` and `loads` start the containers of
+`worker.harness.containers`
   on one network. Loads run `kvhandoff load --json -` in a container, so the report arrives on
   its stdout and the exit code says whether every handoff ended with no leak.
 """
@@ -41,13 +42,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from testcontainers.core.labels import LABEL_SESSION_ID, SESSION_ID
 
-from kvhandoff.worker.loadgen import LoadReport
-from kvhandoff.worker.testing import (
+from kvhandoff.worker.harness.containers import (
     KvhandoffCommandContainer,
     KvhandoffWorkerContainer,
     MockEnginesContainer,
     NatsContainer,
 )
+from kvhandoff.worker.loadgen.generator import LoadReport
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "deploy" / "build-images.sh"

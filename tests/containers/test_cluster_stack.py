@@ -23,7 +23,7 @@ import docker.errors
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvhandoff.worker.natsserver import free_ports
+from kvhandoff.worker.harness.natsserver import free_ports
 from tests.containers.conftest import ROOT, wait_until
 
 pytestmark = pytest.mark.containers

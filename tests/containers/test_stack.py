@@ -19,9 +19,13 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.worker.commands.verify import verify_log
-from kvhandoff.worker.loadgen import LoadReport
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.testing import KvhandoffWorkerContainer, MockEnginesContainer, NatsContainer
+from kvhandoff.worker.harness.containers import (
+    KvhandoffWorkerContainer,
+    MockEnginesContainer,
+    NatsContainer,
+)
+from kvhandoff.worker.loadgen.generator import LoadReport
+from kvhandoff.worker.log.reader import open_log
 from tests.containers.conftest import (
     Loads,
     Workers,
@@ -38,7 +42,8 @@ CONCURRENCY = ("--concurrency", "32")
 # A handoff takes well under a second here, a few seconds across a worker restart or a NATS
 # restart: a lost Complete (see the NATS restart) should not cost a minute.
 WAIT_TIMEOUT = ("--wait-timeout", "30")
-# The worker's log message when it finds that NATS does not answer (worker.service, worker.bus).
+# The worker's log message when it finds that NATS does not answer (worker.tier.service,
+# worker.bus).
 BUS_TROUBLE = ("publishing failed", "fetch failed", "disconnected from NATS")
 
 

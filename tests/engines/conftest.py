@@ -14,10 +14,10 @@ import pytest
 from kvhandoff.client import Connection
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.child import WorkerChild
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.engines.harness import FAST, ONE_PAIR, WorkerSide
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvhandoff.events.messages import ActionOutcome, SourceHeld, SubmitPrefill
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.engines.harness import FAST, SOURCE, WorkerSide
 
 KVHANDOFF = [sys.executable, "-m", "kvhandoff.worker.cli"]

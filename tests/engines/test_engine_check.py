@@ -16,18 +16,18 @@ import pytest
 
 from kvhandoff.events.messages import Role
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker import enginecheck
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.enginecheck import EngineCheck, role_of
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.conformance import engine_check as kit
+from kvhandoff.worker.conformance.engine_check import EngineCheck, role_of
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.engines.broken_engine import Break, BrokenEngine
 from tests.engines.conftest import StartEngines
 from tests.engines.harness import SOURCE
 
 ROOT = Path(__file__).resolve().parents[2]
 KVHANDOFF = [sys.executable, "-m", "kvhandoff.worker.cli"]
-RULES = set(enginecheck.RULES)
+RULES = set(kit.RULES)
 # The broken engine's slow part ends within milliseconds of what the rules watch for.
 QUIET_S = 0.3
 

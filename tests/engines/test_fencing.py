@@ -24,7 +24,7 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import EngineModel, EnginesConfig, MockEngines
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.proxy import CuttableProxy
 from tests.engines.harness import ONE_PAIR, PROMPT, SOURCE, WorkerSide, held
 

@@ -31,9 +31,9 @@ from kvhandoff.events.messages import (
 from kvhandoff.events.records import InputRecord
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.schema import HandoffState
 
 KVHANDOFF = [sys.executable, "-m", "kvhandoff.worker.cli"]
 ROSTER = ["--engine-types", "vllm", "--sources", "2", "--destinations", "1"]

@@ -28,10 +28,16 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.commands._demo import print_external
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import Faults, Roster
-from kvhandoff.worker.loadgen import FinalStates, LoadConfig, LoadProgress, LoadReport, run_load
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.loadgen.generator import (
+    FinalStates,
+    LoadConfig,
+    LoadProgress,
+    LoadReport,
+    run_load,
+)
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.schema import HandoffState
 from tests.engines.conftest import StartEngines
 from tests.engines.harness import FAST, ONE_PAIR
 
@@ -227,7 +233,7 @@ async def test_a_load_told_to_wait_for_the_engines_starts_its_handoffs_once_they
     nats_server: EmbeddedNats, subjects: Subjects, start_engines: StartEngines
 ) -> None:
     # An engine that is not listening yet when the load starts would get its first actions only
-    # after the worker's retry interval (worker.loadgen, `engines_wait_s`).
+    # after the worker's retry interval (worker.loadgen.generator, `engines_wait_s`).
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
     stream = f"IN_{subjects.prefix}"

@@ -15,7 +15,7 @@ from kvhandoff.events.messages import EngineType, StartHandoff
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import EngineModel, Roster, prompt_tokens
 from kvhandoff.worker.errors import ConfigError
-from kvhandoff.worker.loadgen import LoadConfig, latency_summary, plan_handoffs
+from kvhandoff.worker.loadgen.generator import LoadConfig, latency_summary, plan_handoffs
 
 
 @given(st.uuids(), st.integers(1, 10_000), st.integers(0, 10_000))

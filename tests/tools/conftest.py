@@ -14,7 +14,7 @@ from uuid import UUID
 import pytest
 
 from kvhandoff.worker.cli import main
-from kvhandoff.worker.partitions import partition_of
+from kvhandoff.worker.tier.balance import partition_of
 from tests.tools.golden.generate import SCENARIOS, TAMPERED, tamper, write_log
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -23,7 +23,7 @@ from kvhandoff.events.codec import (
 )
 from kvhandoff.events.messages import Action, Input
 from kvhandoff.events.records import InputRecord, LogRecord
-from kvhandoff.worker.schema import LAYOUT_1
+from kvhandoff.worker.log.schema import LAYOUT_1
 
 #: Layout 2's key of a handoff, by its id (the first parameter).
 KEY_OF = "(SELECT handoff_key FROM handoffs WHERE handoff_id = ?1)"

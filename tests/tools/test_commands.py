@@ -24,7 +24,7 @@ from rich.console import Console
 from kvhandoff.events.messages import APPLIED, ActionOutcome
 from kvhandoff.events.records import InputRecord, LogRecord
 from kvhandoff.worker.commands import _text
-from kvhandoff.worker.reports import (
+from kvhandoff.worker.log.reports import (
     REPORTS,
     ListReport,
     ReplayReport,
@@ -603,7 +603,7 @@ def test_the_offline_commands_do_not_import_nats() -> None:
 
 def test_the_log_reader_imports_neither_nats_nor_aiosqlite() -> None:
     code = (
-        "import kvhandoff.worker.logreader, kvhandoff.worker.commands.replay, "
+        "import kvhandoff.worker.log.reader, kvhandoff.worker.commands.replay, "
         "kvhandoff.worker.commands.verify, sys; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'aiosqlite')))"
     )

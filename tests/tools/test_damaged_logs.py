@@ -18,14 +18,14 @@ import pytest
 
 from kvhandoff.events.messages import ActionFailed, ActionOutcome, SourceHeld
 from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
-from kvhandoff.worker.reports import (
+from kvhandoff.worker.log.reports import (
     FindingKind,
     ListReport,
     ReplayReport,
     StuckReport,
     VerifyReport,
 )
-from kvhandoff.worker.schema import TOMBSTONES
+from kvhandoff.worker.log.schema import TOMBSTONES
 from tests.tools import logedit
 from tests.tools.conftest import IDS, V1, Run
 from tests.tools.test_commands import report
@@ -453,7 +453,7 @@ def test_verify_finds_a_tombstone_that_the_files_own_rows_contradict(
     kvhandoff: Run, writable_log_v2: Path
 ) -> None:
     """A file caught up from a snapshot keeps the tombstones of the handoffs that ended
-    (worker.store); one that says another end than the file's own rows of the handoff is a
+    (worker.log.store); one that says another end than the file's own rows of the handoff is a
     finding, one that agrees is none."""
     agreed, contradicted = IDS["source-first-success"], IDS["frontend-cancel"]
     with sqlite3.connect(writable_log_v2) as db:

@@ -1,4 +1,4 @@
-"""The offline commands over a partitioned worker's data directory (`worker.logreader.DataDir`):
+"""The offline commands over a partitioned worker's data directory (`worker.log.reader.DataDir`):
 the golden handoffs spread over three partition files read as the one log that holds them all.
 
 Each command's JSON over the directory is compared with its JSON over the one-file twin
@@ -16,9 +16,9 @@ from uuid import UUID
 
 import pytest
 
-from kvhandoff.worker.logreader import DataDir, SqliteLog, open_log
-from kvhandoff.worker.reports import ListReport, StuckReport, VerifyReport
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.log.reader import DataDir, SqliteLog, open_log
+from kvhandoff.worker.log.reports import ListReport, StuckReport, VerifyReport
+from kvhandoff.worker.log.schema import HandoffState
 from tests.tools.conftest import IDS, PARTITIONS, V2, GoldenDataDir, Run
 from tests.tools.golden.generate import write_log
 from tests.tools.test_commands import report

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.events.replay import StoredRecord, check_stored, find_divergence, timeline
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.schema import LAYOUT_VERSION
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.schema import LAYOUT_VERSION
 from tests.tools.conftest import GOLDEN, IDS, V1, V2
 from tests.tools.golden.generate import generate
 
@@ -98,7 +98,7 @@ def _rows(path: Path) -> dict[str, list[tuple[object, ...]]]:
 
 
 # Tables added to layout 2 after its goldens were frozen, without a new version: a file of
-# this build has them, empty until a snapshot fills them (worker.schema.TOMBSTONES).
+# this build has them, empty until a snapshot fills them (worker.log.schema.TOMBSTONES).
 ADDED_TO_LAYOUT_2 = {"tombstones"}
 
 

@@ -1,5 +1,5 @@
-"""One contract for every reader of the event log (`worker.rows.HandoffReader`), run against each:
-the offline SQLite reader, the JSONL export reader, the reader of a partitioned worker's data
+"""One contract for every reader of the event log (`worker.log.rows.HandoffReader`), run against
+each: the offline SQLite reader, the JSONL export reader, the reader of a partitioned worker's data
 directory, and the worker's own reads.
 
 In the manner of eventsourcing's recorder test case: `ReaderContract` holds the tests, and each
@@ -32,11 +32,11 @@ from kvhandoff.events.coordinator import HandoffCoordinator
 from kvhandoff.events.errors import LogCorrupt
 from kvhandoff.events.messages import Canceled, EngineType, HandoffCompletion, Input, StartHandoff
 from kvhandoff.events.records import ActionRecord, InputRecord
-from kvhandoff.worker.healthy import success_script
-from kvhandoff.worker.logreader import DataDir, JsonlLog, SqliteLog, write_jsonl
-from kvhandoff.worker.rows import HandoffLog, HandoffReader, HandoffRow, LoggedEvent
-from kvhandoff.worker.schema import HandoffState
-from kvhandoff.worker.store import Batch, CorruptHandoff, EventLog
+from kvhandoff.worker.engines.healthy import success_script
+from kvhandoff.worker.log.reader import DataDir, JsonlLog, SqliteLog, write_jsonl
+from kvhandoff.worker.log.rows import HandoffLog, HandoffReader, HandoffRow, LoggedEvent
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.log.store import Batch, CorruptHandoff, EventLog
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`worker.logreader`: both forms of the log, and both layouts of the SQLite one, behind one
+"""`worker.log.reader`: both forms of the log, and both layouts of the SQLite one, behind one
 interface, read-only, with the JSONL export round-tripping exactly and every record passing the
 codec's version check."""
 
@@ -17,7 +17,7 @@ from kvhandoff.events.errors import LogCorrupt
 from kvhandoff.events.records import InputRecord
 from kvhandoff.worker.commands.verify import verify_log
 from kvhandoff.worker.errors import StoreCorrupt, StoreError
-from kvhandoff.worker.logreader import (
+from kvhandoff.worker.log.reader import (
     ExportHeader,
     JsonlLog,
     SqliteLog,
@@ -25,7 +25,7 @@ from kvhandoff.worker.logreader import (
     read_jsonl,
     write_jsonl,
 )
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.log.schema import HandoffState
 from tests.tools.conftest import IDS, V1, V2
 
 CANCEL = UUID(IDS["frontend-cancel"])

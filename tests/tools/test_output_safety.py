@@ -21,8 +21,8 @@ from rich.console import Console
 from kvhandoff.events.messages import ActionFailed, ActionOutcome, SourceHeld, StartHandoff
 from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
 from kvhandoff.worker.commands import _text, export
-from kvhandoff.worker.logreader import SqliteLog
-from kvhandoff.worker.reports import ListReport
+from kvhandoff.worker.log.reader import SqliteLog
+from kvhandoff.worker.log.reports import ListReport
 from tests.tools import logedit
 from tests.tools.conftest import IDS, V1, Run
 from tests.tools.test_commands import EXPORT, LOG, report

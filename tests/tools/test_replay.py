@@ -36,7 +36,7 @@ from kvhandoff.events.replay import (
     timeline,
     verify,
 )
-from kvhandoff.worker.logreader import SqliteLog
+from kvhandoff.worker.log.reader import SqliteLog
 from tests.tools.conftest import IDS, V1
 
 

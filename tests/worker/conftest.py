@@ -11,16 +11,16 @@ import pytest
 
 from kvhandoff.events.messages import Action, Input
 from kvhandoff.events.records import ActionRecord, InputRecord
-from kvhandoff.worker.child import WorkerChild
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.rows import HandoffLog
+from kvhandoff.worker.harness.child import WorkerChild
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.rows import HandoffLog
 from tests.worker.scripted_engine import ScriptedEngines
 
 
 class WorkerProcess(WorkerChild):
-    """`kvhandoff run` in a child process (`worker.child`), restartable on the same database,
-    with retries and redeliveries sped up for tests: the embedded default, a tier of one
+    """`kvhandoff run` in a child process (`worker.harness.child`), restartable on the same
+    database, with retries and redeliveries sped up for tests: the embedded default, a tier of one
     partition whose log is `db`."""
 
     def __init__(

@@ -2,7 +2,7 @@
 after batch k's rows were appended to the partition's replicated log, before any of them is in
 the local file, before k's actions are published or its inputs acknowledged, with batch k+1
 decided behind it (its plan made, its append not sent) and the inputs of later batches
-delivered and waiting (worker.service, worker.partition_owner).
+delivered and waiting (worker.tier.service, worker.tier.owner).
 
 Run as `python -m tests.worker.crashing_worker run ...`; it crashes at the first `act` after
 KVHANDOFF_CRASH_AFTER_BATCHES batches of rows were acted on that has a later batch decided
@@ -16,9 +16,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvhandoff.worker import service
 from kvhandoff.worker.bus import Inbound
 from kvhandoff.worker.cli import main
+from kvhandoff.worker.tier import service
 
 _AFTER = int(os.environ.get("KVHANDOFF_CRASH_AFTER_BATCHES", "3"))
 _acted = {"batches": 0}

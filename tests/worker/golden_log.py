@@ -4,7 +4,7 @@
 
 The file is the payloads of one partition's log subject, in order, as a msgpack list of bytes:
 the `Claimed` of an owner of that version, then one `Appended` per batch, each holding the
-`LoggedRows` of the batch as that version's `worker.service` encoded them. Two handoffs:
+`LoggedRows` of the batch as that version's `worker.tier.service` encoded them. Two handoffs:
 `DONE`, whose every input was applied (it succeeded, its actions marked published), and
 `OPEN`, of which only the start was (its `SubmitPrefill` is outstanding, published but not
 marked: its mark would ride a next batch). Ids and times are fixed.
@@ -25,9 +25,9 @@ import msgspec
 from kvhandoff.events.codec import encode
 from kvhandoff.events.messages import EngineType, Input, StartHandoff
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.ownership import Appended, Claimed
-from kvhandoff.worker.planner import Planner
-from kvhandoff.worker.service import LoggedRows
+from kvhandoff.worker.tier.ownership import Appended, Claimed
+from kvhandoff.worker.tier.planner import Planner
+from kvhandoff.worker.tier.service import LoggedRows
 from tests.worker.test_planner import Delivery, success_inputs
 
 AT_MS = 1_796_600_000_000  # 2026-12-06

@@ -34,7 +34,7 @@ from kvhandoff.events.messages import (
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.healthy import success_script
+from kvhandoff.worker.engines.healthy import success_script
 
 Script = Callable[[Action], list[Input]]
 

@@ -1,5 +1,5 @@
-"""`worker.child`, the one wrapper of child processes that the demo, the tests and the benches
-share: what it says when a child fails to come up, and how it stops one."""
+"""`worker.harness.child`, the one wrapper of child processes that the demo, the tests and the
+benches share: what it says when a child fails to come up, and how it stops one."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.worker.child import Child, metric_sum
 from kvhandoff.worker.errors import ChildError
+from kvhandoff.worker.harness.child import Child, metric_sum
 
 
 class NeverReady(Child):

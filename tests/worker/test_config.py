@@ -17,8 +17,8 @@ import kvhandoff.worker.commands.run as run_command
 from kvhandoff.worker.cli import build_parser, main
 from kvhandoff.worker.config import NatsSettings, WorkerConfig, worker_config
 from kvhandoff.worker.errors import ConfigError
-from kvhandoff.worker.service import tier_settings
-from kvhandoff.worker.tier import TierSettings
+from kvhandoff.worker.tier.membership import TierSettings
+from kvhandoff.worker.tier.service import tier_settings
 
 
 @pytest.fixture(autouse=True)
@@ -302,8 +302,8 @@ def test_run_with_an_invalid_setting_exits_2_before_connecting(
 def test_a_tier_priority_timeout_within_the_ack_wait_and_pull_expiry_exits_2_before_connecting(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """The tier's timings are checked together (worker.tier.TierSettings): a pin that lapses
-    before the old owner's unacknowledged inputs are due again would let a new owner apply
+    """The tier's timings are checked together (worker.tier.membership.TierSettings): a pin that
+    lapses before the old owner's unacknowledged inputs are due again would let a new owner apply
     newer inputs first. Nothing listens at the URL: the worker must not get as far."""
     monkeypatch.chdir(tmp_path)
     flags = ["--partitions", "4", "--data-dir", ".", "--nats-url", "nats://127.0.0.1:9"]
@@ -330,9 +330,10 @@ def test_the_ack_wait_is_the_input_consumers_and_the_priority_timeout_must_excee
 def test_kvhandoff_runs_defaults_are_the_tiers_and_its_help_says_them(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`WorkerConfig` does not import worker.tier (the client library imports worker.config for
-    its NATS settings, and may not load the tier), so the tier's timings are written in both:
-    they must agree, and `--ack-wait`'s help must give the pull's expiry that the check adds."""
+    """`WorkerConfig` does not import worker.tier.membership (the client library imports
+    worker.config for its NATS settings, and may not load the tier), so the tier's timings are
+    written in both: they must agree, and `--ack-wait`'s help must give the pull's expiry that the
+    check adds."""
     config = worker_config(parse())
     assert tier_settings(config) == TierSettings(partitions=1)
     with pytest.raises(SystemExit):

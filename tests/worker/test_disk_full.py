@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.events.replay import find_divergence
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 from tests.worker.test_faults import make_starts

@@ -18,10 +18,10 @@ from kvhandoff.events.coordinator import HandoffCoordinator
 from kvhandoff.events.messages import Complete, EngineType, ReserveDestination, StartHandoff
 from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.events.replay import find_divergence
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.rows import HandoffRow
-from kvhandoff.worker.schema import HandoffState
-from kvhandoff.worker.store import Batch, EventLog
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.log.store import Batch, EventLog
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 

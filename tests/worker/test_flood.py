@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.events.messages import EngineType, HandoffCompletion, StartHandoff
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.worker.bus_probe import BusProbe, assert_alive, poll, rejected_ids
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines

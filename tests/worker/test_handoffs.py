@@ -36,9 +36,9 @@ from kvhandoff.events.messages import (
     TimedOut,
     TransferCompleted,
 )
-from kvhandoff.worker.healthy import TIMING, success_script
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.engines.healthy import TIMING, success_script
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.schema import HandoffState
 from tests.worker.conftest import WorkerProcess, logged_actions, logged_inputs
 from tests.worker.scripted_engine import ScriptedEngines
 

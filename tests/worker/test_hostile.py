@@ -45,9 +45,9 @@ from kvhandoff.events.messages import (
     StartHandoff,
     SubmitPrefill,
 )
-from kvhandoff.worker.healthy import TIMING, success_script
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.planner import LOGGED_PAYLOAD_LIMIT
+from kvhandoff.worker.engines.healthy import TIMING, success_script
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.tier.planner import LOGGED_PAYLOAD_LIMIT
 from tests.worker.bus_probe import (
     SUBJECTS,
     BusProbe,

@@ -22,8 +22,8 @@ from kvhandoff.events.messages import (
 from kvhandoff.events.replay import find_divergence
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.commands.verify import verify_log
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.log.reader import open_log
 from tests.tools.conftest import IDS, V1
 from tests.worker.bus_probe import poll
 from tests.worker.conftest import WorkerProcess, logged, logged_actions

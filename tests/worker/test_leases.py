@@ -1,4 +1,4 @@
-"""The tier's reading of the lease bucket (`worker.leases.EngineLeases`), entry by entry: which
+"""The tier's reading of the lease bucket (`worker.tier.leases.EngineLeases`), entry by entry: which
 engines are live, gone or never leased; whom a start is refused for; and which answers it gives
 for a gone engine, under which message ids. The bus is a recorder of publishes: the watch and
 the publishing are exercised against real processes in tests/client and tests/engines."""
@@ -27,11 +27,11 @@ from kvhandoff.events.messages import (
 )
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.leases import EngineLeases, LeaseState
-from kvhandoff.worker.metrics import Metrics
-from kvhandoff.worker.planner import OpenHandoff
-from kvhandoff.worker.rows import HandoffRow
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.tier.leases import EngineLeases, LeaseState
+from kvhandoff.worker.tier.metrics import Metrics
+from kvhandoff.worker.tier.planner import OpenHandoff
 
 SOURCE, DESTINATION = "prefill-0", "decode-0"
 

@@ -1,4 +1,4 @@
-"""The local file trails the replicated log by a bounded amount (worker.service): with its
+"""The local file trails the replicated log by a bounded amount (worker.tier.service): with its
 commits slowed to a crawl, the worker decides no batch while more than `_COMMITS_AHEAD` local
 commits of the partition are queued, so it holds a bounded number of batches' rows in memory
 rather than queueing without end (unbounded, a drain faster than the file grew the worker by
@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.worker import service, store
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings, WorkerConfig
-from kvhandoff.worker.metrics import Metrics
-from kvhandoff.worker.natsserver import EmbeddedNats
-from kvhandoff.worker.partition_owner import Decided
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.log import store
+from kvhandoff.worker.tier import service
+from kvhandoff.worker.tier.metrics import Metrics
+from kvhandoff.worker.tier.owner import Decided
 from tests.worker.scripted_engine import ScriptedEngines
 from tests.worker.test_disk_full import poll
 from tests.worker.test_faults import make_starts

@@ -6,12 +6,19 @@ import json
 import logging
 import sys
 
-from kvhandoff.worker.logs import JsonFormatter
+from kvhandoff.worker.logging_setup import JsonFormatter
 
 
 def record(message: str, *args: object, **extra: object) -> logging.LogRecord:
-    made = logging.getLogger("kvhandoff.worker.service").makeRecord(
-        "kvhandoff.worker.service", logging.WARNING, __file__, 1, message, args, None, extra=extra
+    made = logging.getLogger("kvhandoff.worker.tier.service").makeRecord(
+        "kvhandoff.worker.tier.service",
+        logging.WARNING,
+        __file__,
+        1,
+        message,
+        args,
+        None,
+        extra=extra,
     )
     return made
 
@@ -21,7 +28,7 @@ def test_a_line_is_one_json_object_with_the_message_formatted() -> None:
     entry = json.loads(line)
     assert entry["msg"] == "handoff h-1: rejected input: why"
     assert entry["level"] == "warning"
-    assert entry["logger"] == "kvhandoff.worker.service"
+    assert entry["logger"] == "kvhandoff.worker.tier.service"
     assert entry["ts"].endswith("Z")
     assert "\n" not in line
 

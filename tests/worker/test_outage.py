@@ -27,7 +27,7 @@ import pytest
 from kvhandoff.events.messages import Complete, EngineType, StartHandoff
 from kvhandoff.events.replay import find_divergence
 from kvhandoff.worker.clock import now_ms
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.worker.bus_probe import DONE_STREAM, BusProbe, assert_running, poll
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines

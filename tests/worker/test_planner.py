@@ -25,10 +25,10 @@ from kvhandoff.events.codec import decode_record, encode, join_record
 from kvhandoff.events.coordinator import HandoffCoordinator
 from kvhandoff.events.messages import Canceled, EngineType, Input, StartHandoff
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.healthy import success_script
-from kvhandoff.worker.planner import Planner
-from kvhandoff.worker.rows import HandoffLog, HandoffRow, LoggedEvent
-from kvhandoff.worker.store import Batch, Loaded
+from kvhandoff.worker.engines.healthy import success_script
+from kvhandoff.worker.log.rows import HandoffLog, HandoffRow, LoggedEvent
+from kvhandoff.worker.log.store import Batch, Loaded
+from kvhandoff.worker.tier.planner import Planner
 
 SUBJECTS = Subjects()
 NOW_MS = 1_700_000_000_000

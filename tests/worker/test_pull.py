@@ -31,7 +31,7 @@ from kvhandoff.events.replay import find_divergence
 from kvhandoff.worker.bus import Bus, Inbound, Message, Pull
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import BusError, ConfigError, PinMismatch
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.worker.conftest import WorkerProcess, logged
 from tests.worker.scripted_engine import ScriptedEngines
 from tests.worker.test_faults import make_starts, wait_closed
@@ -234,7 +234,7 @@ async def test_fetch_returns_what_is_ready_at_once_and_waits_only_when_nothing_i
 async def test_wake_ends_a_waiting_fetch_at_once_and_a_later_fetch_waits_again(
     bus: Bus, js: JetStreamContext, requests: Requests
 ) -> None:
-    """What an owner that stops calls (worker.partition_owner), so that it does not wait out
+    """What an owner that stops calls (worker.tier.owner), so that it does not wait out
     its fetch's timeout: the fetch asked the server and waits for an empty consumer; woken, it
     returns [] well inside its 60 s. Woken between fetches, the next one returns at once, and
     only that one: then what comes is fetched as before."""

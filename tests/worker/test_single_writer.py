@@ -11,7 +11,7 @@ import time
 import uuid
 
 from kvhandoff.events.messages import EngineType, StartHandoff
-from kvhandoff.worker.natsserver import free_port
+from kvhandoff.worker.harness.natsserver import free_port
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
 

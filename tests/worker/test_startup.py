@@ -31,15 +31,15 @@ import pytest
 
 from kvhandoff.events.messages import EngineType, StartHandoff
 from kvhandoff.worker.bus import _refusal
-from kvhandoff.worker.child import Child
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.health import answers_ok, worker_healthz
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.natsserver import EmbeddedNats, free_port
+from kvhandoff.worker.harness.child import Child
+from kvhandoff.worker.harness.health import answers_ok, worker_healthz
+from kvhandoff.worker.harness.natsserver import EmbeddedNats, free_port
+from kvhandoff.worker.log.reader import open_log
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
 
-# What a worker logs once it serves the partition (worker.service).
+# What a worker logs once it serves the partition (worker.tier.service).
 CLAIMED = "partition 0: caught"
 PROMPTLY_S = 3.0  # well under nats-py's 5 s connect and JetStream request timeouts
 
@@ -204,7 +204,7 @@ def logged_ids(db: Path) -> set[uuid.UUID]:
 
 
 def tombstone_ids(db: Path) -> set[uuid.UUID]:
-    """The ended handoffs a worker's file knows by their tombstones (worker.store)."""
+    """The ended handoffs a worker's file knows by their tombstones (worker.log.store)."""
     with closing(sqlite3.connect(db)) as connection:
         return {
             uuid.UUID(hid) for (hid,) in connection.execute("SELECT handoff_id FROM tombstones")

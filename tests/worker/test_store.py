@@ -34,12 +34,12 @@ from kvhandoff.events.messages import (
     SubmitPrefill,
 )
 from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.errors import StoreConflict, StoreError, StoreLocked
-from kvhandoff.worker.healthy import success_script
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.rows import HandoffLog, HandoffRow, LoggedEvent
-from kvhandoff.worker.schema import RECORD_TYPES, HandoffState
-from kvhandoff.worker.store import (
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.rows import HandoffLog, HandoffRow, LoggedEvent
+from kvhandoff.worker.log.schema import RECORD_TYPES, HandoffState
+from kvhandoff.worker.log.store import (
     Batch,
     Compacted,
     CorruptHandoff,

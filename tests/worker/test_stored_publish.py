@@ -20,7 +20,7 @@ from nats.js.api import StreamConfig
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import BusError
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.worker.test_pull import until_connected
 
 STREAM = "STORED"

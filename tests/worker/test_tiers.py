@@ -15,7 +15,7 @@ import pytest
 from nats.js import JetStreamContext
 
 from kvhandoff.events.messages import EngineType, StartHandoff
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
 

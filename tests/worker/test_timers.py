@@ -8,7 +8,7 @@ import uuid
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvhandoff.worker.timers import TimerQueue
+from kvhandoff.worker.tier.timers import TimerQueue
 
 
 def test_pop_due_returns_due_keys_earliest_first_and_forgets_them() -> None:

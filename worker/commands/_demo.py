@@ -19,14 +19,14 @@ from pathlib import Path
 from rich.console import Console
 
 from kvhandoff.client import Connection
-from kvhandoff.worker.child import Child
 from kvhandoff.worker.commands.load import run_with_progress
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import Roster, request_reports
 from kvhandoff.worker.errors import ChildError
-from kvhandoff.worker.loadgen import LoadConfig, LoadProgress, LoadReport
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.harness.child import Child
+from kvhandoff.worker.loadgen.generator import LoadConfig, LoadProgress, LoadReport
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.schema import HandoffState
 
 READY_TIMEOUT_S = 30.0
 

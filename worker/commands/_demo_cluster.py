@@ -2,7 +2,7 @@
 killed midway.
 
 Theory of operation. It starts three nats-servers clustered on loopback with JetStream
-(worker.natsserver.NatsCluster), three workers of one tier (`kvhandoff run --partitions 16
+(worker.harness.natsserver.NatsCluster), three workers of one tier (`kvhandoff run --partitions 16
 --data-dir DIR`, each with a data directory of its own and every node's URL), and the mock
 engines and the load as the single demo does (worker.commands._demo). The load begins once the
 three workers have announced themselves (worker.bus: Membership), so that each takes its share
@@ -20,7 +20,7 @@ reopens the cleanup after the load saw the handoff end (a failover can hold a ha
 deadline), and that cleanup's actions may be dropped and retried. Then it stops the engines
 (which report leaks) and the surviving workers (each hands its partitions over and exits 0),
 and reads each partition's `Claimed` records in the
-replicated log (worker.ownership.read_claims). From them:
+replicated log (worker.tier.ownership.read_claims). From them:
 - who owned what: each worker's partitions just before the kill (the last claim before it) and
   at the end (the last claim);
 - the failover: for each partition the killed worker owned, the time from its SIGKILL to the
@@ -58,18 +58,18 @@ from rich.console import Console
 from rich.table import Table
 
 from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.child import WorkerChild
 from kvhandoff.worker.commands import _demo
 from kvhandoff.worker.commands.load import print_summary
 from kvhandoff.worker.commands.verify import verify_log
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import BusError, ChildError
-from kvhandoff.worker.loadgen import LoadConfig, LoadProgress, LoadReport
-from kvhandoff.worker.logreader import PARTITION_FILE, open_log
-from kvhandoff.worker.natsserver import EmbeddedNats, NatsCluster
-from kvhandoff.worker.ownership import Claimed, read_claims
-from kvhandoff.worker.schema import HandoffState
-from kvhandoff.worker.tier import TierSettings
+from kvhandoff.worker.harness.child import WorkerChild
+from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
+from kvhandoff.worker.loadgen.generator import LoadConfig, LoadProgress, LoadReport
+from kvhandoff.worker.log.reader import PARTITION_FILE, open_log
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.tier.membership import TierSettings
+from kvhandoff.worker.tier.ownership import Claimed, read_claims
 
 HANDOFFS = 600
 WORKERS = ("w1", "w2", "w3")  # the first is killed

@@ -26,7 +26,7 @@ from kvhandoff.events.errors import HandoffError
 from kvhandoff.worker.clock import now_ms, parse_duration_ms
 from kvhandoff.worker.commands import _text
 from kvhandoff.worker.errors import ConfigError, WorkerError
-from kvhandoff.worker.reports import json_schema
+from kvhandoff.worker.log.reports import json_schema
 
 EXIT_OK = 0
 EXIT_FAILED = 1

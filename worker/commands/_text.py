@@ -22,7 +22,7 @@ from rich.text import Text
 
 from kvhandoff.events.messages import Action, ActionOutcome, Failed
 from kvhandoff.events.replay import Change
-from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.log.rows import HandoffRow
 
 # C0 (including tab and newline: a log string must not break a line or a column), DEL, and C1.
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvhandoff.worker.clock import DURATION_HELP, duration_ms_arg
 from kvhandoff.worker.commands import _offline, _text
-from kvhandoff.worker.store import Compacted, EventLog
+from kvhandoff.worker.log.store import Compacted, EventLog
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -37,13 +37,13 @@ import msgspec
 from rich.console import Console
 
 from kvhandoff.client import BusUnavailable
-from kvhandoff.worker.child import Child, WorkerChild, metric_sum
 from kvhandoff.worker.commands import _demo, _demo_cluster
 from kvhandoff.worker.commands.load import print_summary
 from kvhandoff.worker.engines import Roster
 from kvhandoff.worker.errors import ChildError
-from kvhandoff.worker.loadgen import LoadProgress, LoadReport
-from kvhandoff.worker.natsserver import EmbeddedNats
+from kvhandoff.worker.harness.child import Child, WorkerChild, metric_sum
+from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.loadgen.generator import LoadProgress, LoadReport
 
 _HANDOFFS = 3000
 

@@ -1,5 +1,5 @@
 """`kvhandoff engine-check ENGINE_ID`: hold an engine on the bus to the wire contract, rule by
-rule (the scenarios are `worker.enginecheck`'s). Exit 0 only if every rule passes."""
+rule (the scenarios are `worker.conformance.engine_check`'s). Exit 0 only if every rule passes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kvhandoff.events.messages import Role
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings, add_nats_arguments, nats_settings
-from kvhandoff.worker.enginecheck import (
+from kvhandoff.worker.conformance.engine_check import (
     DEFAULT_QUIET_S,
     DEFAULT_WAIT_S,
     RULES,

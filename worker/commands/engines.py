@@ -34,7 +34,7 @@ from kvhandoff.worker.engines import (
     Roster,
 )
 from kvhandoff.worker.errors import ConfigError
-from kvhandoff.worker.logs import configure_logging
+from kvhandoff.worker.logging_setup import configure_logging
 
 
 def _engine_types(text: str) -> tuple[EngineType, ...]:

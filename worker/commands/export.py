@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 from kvhandoff.worker.commands import _offline, _text
-from kvhandoff.worker.logreader import PARTITION_FILE, open_log, write_jsonl
-from kvhandoff.worker.rows import HandoffLog
+from kvhandoff.worker.log.reader import PARTITION_FILE, open_log, write_jsonl
+from kvhandoff.worker.log.rows import HandoffLog
 
 # The files beside a SQLite database that hold part of it.
 _SQLITE_SIBLINGS = ("", "-wal", "-shm", "-journal")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvhandoff.worker.health import answers_ok, worker_healthz
+from kvhandoff.worker.harness.health import answers_ok, worker_healthz
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

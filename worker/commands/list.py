@@ -19,10 +19,10 @@ from typing import Any
 
 from kvhandoff.events.messages import EngineType, HandoffOrder
 from kvhandoff.worker.commands import _offline, _text
-from kvhandoff.worker.logreader import open_log
-from kvhandoff.worker.reports import ListedHandoff, ListReport
-from kvhandoff.worker.rows import HandoffRow
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.log.reader import open_log
+from kvhandoff.worker.log.reports import ListedHandoff, ListReport
+from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.log.schema import HandoffState
 
 # Each key gives None for a handoff that has no such value (an open handoff has no completion);
 # those sort last in either direction.

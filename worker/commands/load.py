@@ -25,8 +25,8 @@ from kvhandoff.worker.clock import DURATION_HELP, duration_arg
 from kvhandoff.worker.commands.engines import add_roster_arguments, print_leaks, roster
 from kvhandoff.worker.config import add_nats_arguments, nats_settings
 from kvhandoff.worker.errors import ConfigError
-from kvhandoff.worker.loadgen import LoadConfig, LoadProgress, LoadReport, run_load
-from kvhandoff.worker.logs import configure_logging
+from kvhandoff.worker.loadgen.generator import LoadConfig, LoadProgress, LoadReport, run_load
+from kvhandoff.worker.logging_setup import configure_logging
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -40,8 +40,8 @@ from kvhandoff.events.messages import (
 from kvhandoff.events.replay import Change, Step, timeline
 from kvhandoff.worker.commands import _offline, _text
 from kvhandoff.worker.errors import ConfigError
-from kvhandoff.worker.logreader import LogSource, open_log
-from kvhandoff.worker.reports import ReplayReport
+from kvhandoff.worker.log.reader import LogSource, open_log
+from kvhandoff.worker.log.reports import ReplayReport
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -1,17 +1,18 @@
 """`kvhandoff run`: the worker, until SIGTERM or SIGINT, which drain it (exit 0).
 
-Every worker is one worker of a partitioned tier (worker.service, worker.tier): alone, on the
-embedded default, it is the only worker of a tier of one partition, whose log is `--db`. With
-`--partitions P --data-dir DIR` each partition it owns has its log at `DIR/partition-<p>.db`.
+Every worker is one worker of a partitioned tier (worker.tier.service, worker.tier.membership):
+alone, on the embedded default, it is the only worker of a tier of one partition, whose log is
+`--db`. With `--partitions P --data-dir DIR` each partition it owns has its log at
+`DIR/partition-<p>.db`.
 
 Start-up goes: take the writer lock of `--db` (or of DIR, `DIR/worker.lock`), and exit 2 at
 once if another worker holds it; connect to NATS (retried until it answers); set up the streams,
 the consumers and the membership (retried while JetStream cannot answer: a tier starts with its
 cluster); announce itself and claim its share. A second worker on the same stream, with its own
 log, is a member of the tier like any other: at P = 1 it stands by and takes the partition over
-once the first stops or dies (worker.tier). A signal at any of these steps stops the worker
-promptly with exit 0. Exit 2 when it cannot start as configured: the configuration cannot work,
-another worker holds the log, NATS refuses our credentials or TLS, the input stream was made
+once the first stops or dies (worker.tier.membership). A signal at any of these steps stops the
+worker promptly with exit 0. Exit 2 when it cannot start as configured: the configuration cannot
+work, another worker holds the log, NATS refuses our credentials or TLS, the input stream was made
 with another partition count (or for a single worker of an earlier version), or a partition it
 claims holds an open handoff that this build's coordinator does not re-derive. Exit 1 when it
 stops on an error it cannot serve through.
@@ -41,11 +42,11 @@ from kvhandoff.worker.errors import (
     StoreLocked,
     StreamMismatch,
 )
-from kvhandoff.worker.logs import configure_logging
-from kvhandoff.worker.metrics import Metrics, MetricsServer
-from kvhandoff.worker.service import Worker, tier_settings
+from kvhandoff.worker.log.store import EventLog, WriterLock
+from kvhandoff.worker.logging_setup import configure_logging
 from kvhandoff.worker.stoppable import unless_stopped
-from kvhandoff.worker.store import EventLog, WriterLock
+from kvhandoff.worker.tier.metrics import Metrics, MetricsServer
+from kvhandoff.worker.tier.service import Worker, tier_settings
 
 logger = logging.getLogger("kvhandoff.worker.run")
 

@@ -8,7 +8,7 @@ a fact, when the last input was. Longest idle first; handoffs past their deadlin
 overdue (the worker should have timed them out).
 
 Beside the engine it waits on, the engine's lease (`lease live`, `lease expired`) as the worker
-last saw it, from the view the worker keeps beside its log (`worker.lease_view`): the command
+last saw it, from the view the worker keeps beside its log (`worker.tier.lease_view`): the command
 reads no bus, so that view's time is printed too. No lease shown: the worker knew of none.
 
 Quarantined handoffs are listed whatever their age, since they never progress on their own:
@@ -30,11 +30,11 @@ from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.events.replay import timeline
 from kvhandoff.worker.clock import DURATION_HELP, duration_ms_arg
 from kvhandoff.worker.commands import _offline, _text
-from kvhandoff.worker.lease_view import read_view
-from kvhandoff.worker.logreader import LogSource, open_log
-from kvhandoff.worker.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
-from kvhandoff.worker.rows import HandoffRow
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.log.reader import LogSource, open_log
+from kvhandoff.worker.log.reports import LoggedInput, StuckHandoff, StuckReport, WaitingFor
+from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.tier.lease_view import read_view
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ The log itself is checked too: a record that does not decode, a sequence that sk
 does not begin with the handoff's start, an input whose stored digest is not its own (a
 layout-1 log keeps one per input; a layout-2 log and an export keep none, and the report says
 that no digest was checked), a `handoffs` row whose state this build does not know, and a
-tombstone that a snapshot left in the file (worker.store) that the file's own rows of that
+tombstone that a snapshot left in the file (worker.log.store) that the file's own rows of that
 handoff contradict. Every bad handoff is reported, each under its own id, not just the first.
 
 Without HANDOFF ids the whole log is checked in one ordered pass that does not read handoff
@@ -32,10 +32,10 @@ from kvhandoff.events.codec import decode_record, input_digest
 from kvhandoff.events.records import InputRecord
 from kvhandoff.events.replay import Divergence, StoredCheck, StoredRecord, check_stored
 from kvhandoff.worker.commands import _offline, _text
-from kvhandoff.worker.logreader import LogSource, open_log
-from kvhandoff.worker.reports import Finding, FindingKind, VerifyReport
-from kvhandoff.worker.rows import HandoffRow
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.log.reader import LogSource, open_log
+from kvhandoff.worker.log.reports import Finding, FindingKind, VerifyReport
+from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.log.schema import HandoffState
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
     python tests/tools/golden/generate.py tests/tools/golden/v2
 
 The logs are written the way the worker writes them, in the layout this build writes
-(`worker.schema.LAYOUT_VERSION`): the pure coordinator decides, and `worker.store.EventLog`
+(`worker.log.schema.LAYOUT_VERSION`): the pure coordinator decides, and `worker.log.store.EventLog`
 commits each input with the actions it issued in one `Batch`, with the handoff's projection.
 Ids and times are fixed, so every run writes the same rows. Output:
 
@@ -59,10 +59,10 @@ from kvhandoff.events.messages import (
     TransferCompleted,
 )
 from kvhandoff.events.records import ActionRecord, InputRecord
-from kvhandoff.worker.logreader import open_log, write_jsonl
-from kvhandoff.worker.rows import HandoffRow
-from kvhandoff.worker.schema import HandoffState
-from kvhandoff.worker.store import Batch, EventLog
+from kvhandoff.worker.log.reader import open_log, write_jsonl
+from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.log.store import Batch, EventLog
 
 #: 2025-01-01T00:00:00Z; handoff k starts k minutes later.
 BASE_MS = 1_735_689_600_000
@@ -241,7 +241,7 @@ TAMPERED = [
 
 
 def _project(row: HandoffRow, coordinator: HandoffCoordinator, last_seq: int, now: int) -> None:
-    """The worker's projection after an accepted input (as `worker.service` keeps it): open
+    """The worker's projection after an accepted input (as `worker.tier.service` keeps it): open
     while the coordinator is, completed at the input that completed it, reopened for a cleanup
     after success."""
     row.last_seq, row.updated_at_ms = last_seq, now

@@ -5,7 +5,7 @@ Scheduling a key again replaces its deadline, cancelling forgets it, and stale h
 are skipped when they surface. It reads no clock and knows no asyncio.
 
 `HandoffTimers` runs two of them for one set of handoffs in memory (one owned partition's
-`worker.planner.Planner`) in a task of its own, until cancelled. Its owner tells it what
+`worker.tier.planner.Planner`) in a task of its own, until cancelled. Its owner tells it what
 changed, and it does the rest:
 
     rearm(adopted)   memory was rebuilt from the log: forget every timer; each adopted
@@ -46,9 +46,9 @@ from kvhandoff.events.messages import Action, Complete, TimedOut
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.errors import BusError
-from kvhandoff.worker.metrics import Metrics
-from kvhandoff.worker.planner import OpenHandoff, Plan, Planner
-from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.tier.metrics import Metrics
+from kvhandoff.worker.tier.planner import OpenHandoff, Plan, Planner
 
 logger = logging.getLogger(__name__)
 

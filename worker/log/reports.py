@@ -19,7 +19,7 @@ from msgspec import Struct
 
 from kvhandoff.events.messages import Action, HandoffOrder, Input, Role
 from kvhandoff.events.replay import Divergence, Timeline
-from kvhandoff.worker.rows import HandoffRow
+from kvhandoff.worker.log.rows import HandoffRow
 
 
 class ListedHandoff(Struct, frozen=True):
@@ -58,7 +58,7 @@ class WaitingFor(Struct, frozen=True):
     action: Action | None
     since_ms: int
     waited_ms: int
-    # The engine's lease as the worker last saw it (`worker.lease_view`): live or expired, or
+    # The engine's lease as the worker last saw it (`worker.tier.lease_view`): live or expired, or
     # None if the worker knew of no lease of it or left no view.
     lease: str | None = None
 

@@ -6,7 +6,7 @@ A log comes in three forms, read through one interface (`LogSource`):
 - the worker's SQLite file (`SqliteLog`), opened read-only (`file:...?mode=ro`) with the
   standard library's sqlite3, so a running worker can keep writing while a tool reads. Every
   read of one `SqliteLog` sees the same snapshot of the file (one read transaction), so what
-  one query says agrees with the next. It reads both layouts (`worker.schema`): layout 2,
+  one query says agrees with the next. It reads both layouts (`worker.log.schema`): layout 2,
   which this build writes, and layout 1, as an older worker left it and as the tools find it
   until the worker migrates it, with the input digests layout 1 keeps (layout 2 keeps none);
 - one handoff exported as self-contained JSONL (`JsonlLog`), for bug reports: a header line,
@@ -24,9 +24,9 @@ A log comes in three forms, read through one interface (`LogSource`):
   not read at one instant; each handoff's log is still read whole from one snapshot. A
   directory with no partition file is refused, as a file that is no log is.
 
-It returns the log's one set of row types (`worker.rows`: `HandoffRow`, `LoggedEvent`,
+It returns the log's one set of row types (`worker.log.rows`: `HandoffRow`, `LoggedEvent`,
 `HandoffLog`), read through the same `read_row`/`read_event` as the worker's own reads, and
-`LogSource` extends the readers' one protocol (`worker.rows.HandoffReader`).
+`LogSource` extends the readers' one protocol (`worker.log.rows.HandoffReader`).
 
 A `handoffs` row whose state this build does not know (a newer worker's, or a damaged row) is
 read, not refused: its `HandoffRow.state` is None and `unknown_state` holds what the row
@@ -62,7 +62,7 @@ from kvhandoff.events.errors import LogCorrupt
 from kvhandoff.events.records import SCHEMA_VERSION
 from kvhandoff.events.replay import StoredRecord
 from kvhandoff.worker.errors import StoreCorrupt, StoreError
-from kvhandoff.worker.rows import (
+from kvhandoff.worker.log.rows import (
     HandoffLog,
     HandoffReader,
     HandoffRow,
@@ -72,7 +72,7 @@ from kvhandoff.worker.rows import (
     read_record,
     read_row,
 )
-from kvhandoff.worker.schema import (
+from kvhandoff.worker.log.schema import (
     LAYOUT_1,
     LAYOUT_1_SCAN,
     LAYOUT_1_SCAN_OWNERS,
@@ -140,7 +140,7 @@ class LogSource(HandoffReader, Protocol):
         ...
 
     def disagreeing_tombstones(self) -> list[tuple[UUID, str, str]]:
-        """The tombstones (worker.store: what a snapshot said of the handoffs that ended) that
+        """The tombstones (worker.log.store: what a snapshot said of the handoffs that ended) that
         the rows of the same file contradict: (handoff, the tombstone's end, the row's state).
         A row started after the tombstone's end is another handoff of a reused id."""
         ...

@@ -75,7 +75,7 @@ class InputOrder(Generic[D]):
 
     def give_back(self, seqs: Iterable[int]) -> None:
         """These inputs, returned by `admit`, were not applied but deferred (early: see
-        worker.planner): a redelivery of one may be admitted again. Their orphans stay
+        worker.tier.planner): a redelivery of one may be admitted again. Their orphans stay
         counted as applied, so the handoff's newer inputs are not held behind them: an early
         input waits for its redelivery, not the handoff."""
         self._returned.difference_update(seqs)

@@ -2,8 +2,8 @@
 
 Theory of operation. A `Tier` announces its worker in the membership bucket (see "Membership"
 in worker.bus) and keeps the announcement alive. Every `rebalance_s` it lists the live workers
-and applies the balance rule (`worker.partitions.rebalance`): for each partition of its share
-that it does not run it starts a `worker.partition_owner.PartitionOwner`, and each one it runs
+and applies the balance rule (`worker.tier.balance.rebalance`): for each partition of its share
+that it does not run it starts a `worker.tier.owner.PartitionOwner`, and each one it runs
 outside its share it stops, which hands the partition over (finish the batch, nak what is in
 hand, unpin). An owner that was fenced ends by itself; the tier forgets it, and takes the
 partition up again at the next round if it is still in its share (its pull then waits while
@@ -19,7 +19,7 @@ leader) it keeps trying, so a worker that starts before its cluster is ready joi
 later rather than exits. Only another partition count than the stream's stops it.
 
 What decides what. Membership only sizes the shares; the pin decides who is served a
-partition's inputs; the compare-and-set log decides who acted (worker.ownership). So two
+partition's inputs; the compare-and-set log decides who acted (worker.tier.ownership). So two
 workers that disagree for a moment on who is live both pull a partition at worst, and one of
 them is kept waiting by the pin, or fenced.
 
@@ -31,14 +31,14 @@ and claims it. So a partition has a new owner within about MEMBER_TTL_S + rebala
 the catch-up, and priority_timeout when that is longer. A worker that joins takes its share
 at its first round; the others hand that share over at theirs.
 
-Metrics (`worker.metrics.TierMetrics`, if given): the partitions it runs an owner for, set at
+Metrics (`worker.tier.metrics.TierMetrics`, if given): the partitions it runs an owner for, set at
 each round; its owners count their claims, fences and hand-overs there. Health: `unserved`
 names the partitions of its share that no owner of it serves yet (not claimed since this
 worker took it, or since its owner failed, e.g. on a full disk); the worker's /healthz is red
 while there is one.
 
 The coordinator is not here: the `decide`, `act`, `on_claim` and `on_release` it is given run
-it (worker.service: the records to log, the actions to publish, the partitions' SQLite
+it (worker.tier.service: the records to log, the actions to publish, the partitions' SQLite
 files, the timers).
 """
 
@@ -54,9 +54,10 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Member, Membership
 from kvhandoff.worker.config import DEFAULT_STREAM, done_stream_of, log_stream_of
 from kvhandoff.worker.errors import BusError, ConfigError, LogDiverges, StreamMismatch
-from kvhandoff.worker.metrics import TierMetrics
-from kvhandoff.worker.ownership import PartitionLog
-from kvhandoff.worker.partition_owner import (
+from kvhandoff.worker.stoppable import unless_stopped
+from kvhandoff.worker.tier.balance import rebalance
+from kvhandoff.worker.tier.metrics import TierMetrics
+from kvhandoff.worker.tier.owner import (
     Act,
     Decide,
     OnClaim,
@@ -66,8 +67,7 @@ from kvhandoff.worker.partition_owner import (
     Snapshotter,
     max_ack_pending,
 )
-from kvhandoff.worker.partitions import rebalance
-from kvhandoff.worker.stoppable import unless_stopped
+from kvhandoff.worker.tier.ownership import PartitionLog
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class TierSettings:
     stream: str = DEFAULT_STREAM
     log_stream: str = ""  # empty: the tier's, named after `stream` (`log_stream_of`)
     consumer: str = "kvhandoff-worker"
-    # The completions a frontend reads (worker.service); empty: `done_stream_of(stream)`.
+    # The completions a frontend reads (worker.tier.service); empty: `done_stream_of(stream)`.
     done_stream: str = ""
     completion_ttl_s: float = 3600.0
     # The ack wait is shorter than the priority timeout less the pull expiry, so that a new
@@ -93,7 +93,7 @@ class TierSettings:
     priority_timeout_s: float = 3.0
     batch_size: int = 512  # inputs an owner pulls and appends at most at once
     rebalance_s: float = 1.0
-    # When owners snapshot their partitions (worker.partition_owner); None: never, so that
+    # When owners snapshot their partitions (worker.tier.owner); None: never, so that
     # claims read the whole log (a measure's baseline, bench/catchup.py).
     snapshots: SnapshotPolicy | None = field(default_factory=SnapshotPolicy)
 
@@ -152,7 +152,7 @@ class Tier:
     def unserved(self) -> set[int]:
         """The partitions of its share that no owner serves: the owner has not claimed the
         partition yet (it waits for the pin, or for the partition to be vacant: see
-        worker.partition_owner), or it ended (it failed, e.g. on a full disk), until the round
+        worker.tier.owner), or it ended (it failed, e.g. on a full disk), until the round
         that replaced it, or gave the partition to another worker, is over."""
         running = self._running
         return {

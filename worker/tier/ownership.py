@@ -47,7 +47,7 @@ those after it. The stream has no age limit (`Bus.open_partition_log`): snapshot
 
 What it does not do. It does not stop a fenced writer from acting on what it did not append:
 the caller must act (publish, acknowledge) only after its append returned, and stop at the
-first `Fenced` (see worker.partition_owner), nor decide when to snapshot (the owner does).
+first `Fenced` (see worker.tier.owner), nor decide when to snapshot (the owner does).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class Claimed(msgspec.Struct, frozen=True, tag="claimed", tag_field="entry"):
     """A worker took the partition, as owner number `epoch`."""
 
     epoch: int
-    owner: str  # "<label>/<member instance>" (worker.tier: Tier.owner_name; worker.bus.Member)
+    # "<label>/<member instance>" (worker.tier.membership: Tier.owner_name; worker.bus.Member)
+    owner: str
     at_ms: int  # the claimant's wall clock
 
     @property
@@ -87,7 +88,7 @@ class Appended(msgspec.Struct, frozen=True, tag="appended", tag_field="entry"):
 
 
 class HandedOver(msgspec.Struct, frozen=True, tag="handed_over", tag_field="entry"):
-    """The owner of `epoch` handed the partition over (worker.partition_owner, "Hand-over").
+    """The owner of `epoch` handed the partition over (worker.tier.owner, "Hand-over").
     It fences nothing: it only tells the next claimant how the previous owner left."""
 
     epoch: int

@@ -5,7 +5,7 @@ Theory of operation. A `PartitionOwner` pulls the partition's consumer in the pr
 worker.bus); a pull refused with 423 means another worker holds the pin, and this one keeps
 asking, which is how it takes the partition over once the holder stops pulling for the
 consumer's `priority_timeout`. The first batch under a pin id it has not claimed under makes it
-claim the partition's log (`worker.ownership.PartitionLog.claim`): catch up, append `Claimed`.
+claim the partition's log (`worker.tier.ownership.PartitionLog.claim`): catch up, append `Claimed`.
 Then, batch by batch:
 
     1. drop the inputs that some owner already applied (their stream sequences are in the log:
@@ -35,7 +35,7 @@ time limit), it may have landed or not: the owner leaves the batch unacknowledge
 anew before the next one, which reads the log and so learns which inputs were applied. If
 `act` raises `BusError` after the append landed, the inputs are applied all the same: the owner
 claims anew (a warning says so), and acting again is `on_claim`'s job, as for an owner that died
-between steps 3 and 4 (see "Left to others"). worker.service's `act` does not raise for
+between steps 3 and 4 (see "Left to others"). worker.tier.service's `act` does not raise for
 publishes that NATS lost: it publishes them again itself, since an idle partition may see no
 next batch, and so no claim, for a long time.
 
@@ -53,7 +53,7 @@ own redeliveries again, so a handoff's inputs can come to the new owner out of o
 claim, the owner reads what the consumer delivered and never had acknowledged
 (`Bus.unacknowledged`; what the owner holds itself is not read again, nearly all of it for a
 first batch over a backlog), keeps what the log does not say was applied (the orphans),
-and admits the inputs of each batch through `worker.input_order.InputOrder`: an input waits,
+and admits the inputs of each batch through `worker.tier.input_order.InputOrder`: an input waits,
 delivered but unacknowledged, until the orphans of its handoff before it are applied.
 
 Vacant partitions. The server pins a client only when it delivers to it, so a partition that
@@ -68,7 +68,7 @@ in between would have claimed, and so fenced this one. If instead a pull is refu
 wait keeps a clean hand-over clean: the old owner logs `HandedOver` and unpins within a round
 of the balance rule, well inside the priority timeout.
 
-Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.partitions giving the
+Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.tier.balance giving the
 partition to another worker), the owner finishes the batch in hand, gives back what it holds
 (nak: redelivered at once), logs `HandedOver` if it had claimed (so that the next claim counts
 as a hand-over, not a takeover) and releases the pin (`Bus.unpin`), so the next owner is
@@ -85,17 +85,17 @@ So a claim reads one snapshot and at most an interval of entries after it, howev
 partition's history. A snapshot that fails leaves the previous one and its tail in place: a
 refused one is a fence like any other, one in doubt is settled by claiming anew.
 
-Metrics (`worker.metrics.TierMetrics`, if given): each claim, by what the log said of the
+Metrics (`worker.tier.metrics.TierMetrics`, if given): each claim, by what the log said of the
 previous owner, and how long it took to be ready, the catch-up included; each fence; each
 hand-over.
 
-Left to others: running one owner per partition of a worker's share (worker.tier), and
-catching a local SQLite log up from the claimed records (worker.service, which `run`'s
+Left to others: running one owner per partition of a worker's share (worker.tier.membership), and
+catching a local SQLite log up from the claimed records (worker.tier.service, which `run`'s
 `on_claim` tells what the log held, before the next batch is decided). Acting again on what
 the previous owner appended: it may have died between step 3 and step 4, and step 1 here drops
-those inputs as applied, so only `on_claim` can act on them (worker.service republishes
+those inputs as applied, so only `on_claim` can act on them (worker.tier.service republishes
 what its file does not mark published; tests/cluster/tier_process.py, the last record).
-Acting on its own between batches (worker.service's timers): `on_release` says when that
+Acting on its own between batches (worker.tier.service's timers): `on_release` says when that
 must stop, at once, whatever ended the owner.
 
 Memory. The applied inputs it remembers (step 1) are cut, every `forget_every_s` (10 s), to
@@ -120,9 +120,9 @@ from typing import Literal
 
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch, StoreError
-from kvhandoff.worker.input_order import InputOrder
-from kvhandoff.worker.metrics import TierMetrics
-from kvhandoff.worker.ownership import CaughtUp, PartitionLog
+from kvhandoff.worker.tier.input_order import InputOrder
+from kvhandoff.worker.tier.metrics import TierMetrics
+from kvhandoff.worker.tier.ownership import CaughtUp, PartitionLog
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ logger = logging.getLogger(__name__)
 class Decided:
     """What `decide` made of a batch: the records to append for the inputs it applied, and the
     inputs it deferred (by stream sequence, with their delay): early inputs, not applied now,
-    given back to come again after the delay (see worker.planner)."""
+    given back to come again after the delay (see worker.tier.planner)."""
 
     records: bytes
     deferred: Mapping[int, float] = field(default_factory=dict)
@@ -183,7 +183,7 @@ _FETCH_BACKOFF_S = (0.1, 5.0)  # first and longest pause after a failed pull
 # What an input adds to its batch's log entry beyond its own bytes, at most: its actions and
 # its handoff's row. A batch is cut so that its inputs' bytes and this, each, stay within half
 # the largest message the server takes, so that its entry can be appended; a rejected input's
-# row keeps at most `worker.planner.LOGGED_PAYLOAD_LIMIT` of its bytes, so that one alone fits.
+# row keeps at most `worker.tier.planner.LOGGED_PAYLOAD_LIMIT` of its bytes, so that one alone fits.
 _ROW_OVERHEAD = 1024
 _VACANCY_POLL_S = 1.0  # how often an idle, unclaimed owner asks whether anyone is pinned
 _FORGET_EVERY_S = 10.0  # how often the applied inputs are cut to the consumer's ack floor

@@ -3,8 +3,8 @@
 Theory of operation
 -------------------
 The worker handles its input stream a batch at a time. This module decides what one batch does;
-`worker.service` carries the decision out (commit, publish, settle, timers) and owns every wait.
-A batch is planned in two calls, with the one read the plan may need between them:
+`worker.tier.service` carries the decision out (commit, publish, settle, timers) and owns every
+wait. A batch is planned in two calls, with the one read the plan may need between them:
 
     decoded = planner.decode(deliveries)     # bytes -> inputs; rejects what cannot be read
     loaded  = await log.load(planner.missing(decoded))   # handoffs not in memory (the executor)
@@ -66,16 +66,16 @@ from kvhandoff.events.messages import (
 from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.events.replay import rebuild
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.rows import HandoffRow, Tombstone
-from kvhandoff.worker.schema import HandoffState
-from kvhandoff.worker.store import Batch, CorruptHandoff, Loaded
+from kvhandoff.worker.log.rows import HandoffRow, Tombstone
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.log.store import Batch, CorruptHandoff, Loaded
 
 logger = logging.getLogger(__name__)
 
 DEFER_LIMIT = 12  # deliveries before an early input is rejected: well past twice the ack wait
 REJECTED_PAYLOAD_LIMIT = 2048  # bytes of a refused input quoted in its published rejection
 # Bytes of a refused input kept in the log: any more, and one input of the bus's largest size
-# (a megabyte by default) would make a log entry larger than the bus carries (worker.service).
+# (a megabyte by default) would make a log entry larger than the bus carries (worker.tier.service).
 LOGGED_PAYLOAD_LIMIT = 64 * 1024
 
 
@@ -174,7 +174,7 @@ class Planner:
         self.tombstones: dict[UUID, Tombstone] = {}
         # Early inputs waiting for their redelivery: stream sequence -> when it is due back.
         self.deferred: dict[int, float] = {}
-        # Engine leases (worker.leases): why a start is refused (an engine is gone), or None.
+        # Engine leases (worker.tier.leases): why a start is refused (an engine is gone), or None.
         self.admit: Callable[[StartHandoff], str | None] | None = None
 
     # --- The two steps --------------------------------------------------------------------

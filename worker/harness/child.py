@@ -30,8 +30,8 @@ from types import TracebackType
 from typing import Self
 
 from kvhandoff.worker.errors import ChildError
-from kvhandoff.worker.health import answers_ok, worker_healthz
-from kvhandoff.worker.natsserver import free_port
+from kvhandoff.worker.harness.health import answers_ok, worker_healthz
+from kvhandoff.worker.harness.natsserver import free_port
 
 _TAIL_CHARS = 4000  # of a child's output, quoted when it fails
 

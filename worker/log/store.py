@@ -29,9 +29,9 @@ flight they took 0.2 ms at p50 here, where the round trip to the reader's thread
 while the writer's thread was busy. The probe never waits for a lock (`timeout=0`): in the rare
 case that SQLite answers busy, the reader asks instead, which does wait.
 
-The layout is `worker.schema`'s layout 2; its rows are `worker.rows`' types, read back through
-the same `read_row`/`read_event` as the offline reader's (a row with a state this build does not
-know makes that handoff a `CorruptHandoff`, which the worker quarantines).
+The layout is `worker.log.schema`'s layout 2; its rows are `worker.log.rows`' types, read back
+through the same `read_row`/`read_event` as the offline reader's (a row with a state this build
+does not know makes that handoff a `CorruptHandoff`, which the worker quarantines).
 
 A log of layout 1 is migrated when the worker opens it (`EventLog.open(..., migrate=True)`,
 which only `kvhandoff run` asks for, under its `WriterLock`): in one transaction, so a log is
@@ -41,7 +41,7 @@ than its row) is kept whole, as written, so the handoff is quarantined when load
 have been before. An event with no handoff row has nowhere to go in layout 2, so such a log is
 refused rather than converted. The stored input digests are dropped (layout 2 derives them); the
 outbox marks become one per handoff, up to the first action that was not published. Other tools
-open a layout-1 log read-only (`worker.logreader`) and leave it as it is.
+open a layout-1 log read-only (`worker.log.reader`) and leave it as it is.
 
 The file. A new log is built under a temporary name and linked into place once its layout is
 written, so a log at the path is never a half-made one: an empty file there is a log that was
@@ -84,7 +84,7 @@ from kvhandoff.events.codec import split_record
 from kvhandoff.events.errors import LogCorrupt
 from kvhandoff.events.records import VERBATIM, ActionRecord, InputRecord, LogRecord
 from kvhandoff.worker.errors import StoreConflict, StoreCorrupt, StoreError, StoreLocked
-from kvhandoff.worker.rows import (
+from kvhandoff.worker.log.rows import (
     HandoffLog,
     HandoffRow,
     LoggedEvent,
@@ -93,7 +93,7 @@ from kvhandoff.worker.rows import (
     read_record,
     read_row,
 )
-from kvhandoff.worker.schema import (
+from kvhandoff.worker.log.schema import (
     ACTION_TYPES,
     HANDOFF_COLUMNS,
     INDEXES,

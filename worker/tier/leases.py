@@ -62,10 +62,10 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Subscription
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.errors import BusError
-from kvhandoff.worker.lease_view import LeaseView, write_view
-from kvhandoff.worker.metrics import Metrics
-from kvhandoff.worker.planner import OpenHandoff
 from kvhandoff.worker.stoppable import unless_stopped
+from kvhandoff.worker.tier.lease_view import LeaseView, write_view
+from kvhandoff.worker.tier.metrics import Metrics
+from kvhandoff.worker.tier.planner import OpenHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class EngineLeases:
         view: Path | None = None,
     ) -> None:  # fmt: skip
         self._bus = bus
-        self._view = view  # worker.lease_view: what `kvhandoff stuck` shows
+        self._view = view  # worker.tier.lease_view: what `kvhandoff stuck` shows
         self._bucket = subjects.lease_bucket
         self._subjects = subjects
         self._require = require

@@ -33,7 +33,7 @@ Example, a test module of a downstream project (a frontend) that starts one hand
     from kvhandoff.events.subjects import Subjects
     from kvhandoff.worker.bus import Bus, Message
     from kvhandoff.worker.config import NatsSettings
-    from kvhandoff.worker.testing import (
+    from kvhandoff.worker.harness.containers import (
         KvhandoffWorkerContainer,
         MockEnginesContainer,
         NatsContainer,
@@ -93,7 +93,7 @@ from testcontainers.core.network import Network
 from testcontainers.core.waiting_utils import WaitStrategy, WaitStrategyTarget
 
 from kvhandoff.worker.errors import WorkerError
-from kvhandoff.worker.health import answers_ok
+from kvhandoff.worker.harness.health import answers_ok
 
 __all__ = [
     "NATS_IMAGE",

@@ -17,7 +17,7 @@ ceil. Enough room always remains, because the quotas sum to P.
 
 What it is not. The assignment is a target, not ownership: a worker pulls only the partitions
 `assign` gives it, and hands over the others (drain, ack, unpin), but who owns a partition is
-decided by its consumer's pin and fenced by the compare-and-set log (worker.ownership). Two
+decided by its consumer's pin and fenced by the compare-and-set log (worker.tier.ownership). Two
 workers that briefly disagree on the member set (one saw a key expire, the other not yet) both
 pull a partition at worst; the pin serves one of them and the fence refuses the other's writes.
 Nor is the rule minimal in movement: when a worker joins, the partitions it takes move, and a

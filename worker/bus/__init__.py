@@ -48,7 +48,7 @@ log) and consumed through one durable pull consumer per partition with explicit 
 Partitions and Pins). JetStream redelivers an unacknowledged input only after the ack wait,
 while newer inputs keep flowing, so a new owner would see inputs out of order (a fact before the
 outcome it depends on); it reads what was delivered and never acknowledged first
-(`unacknowledged`, worker.partition_owner's "Order").
+(`unacknowledged`, worker.tier.owner's "Order").
 
 The pull. nats-py's `fetch` costs about 110 µs per message (a task and a `wait_for` each), so
 `Pull` speaks the pull protocol itself. It subscribes once to `<inbox>.*` and publishes pull
@@ -1871,7 +1871,7 @@ class Bus:
                 )
             )
 
-    # --- Engine leases (issue #34; used by client.lease and worker.leases) -----------------
+    # --- Engine leases (issue #34; used by client.lease and worker.tier.leases) -----------------
 
     async def open_lease_bucket(self, bucket: str, marker_ttl_s: float) -> None:
         """Create the lease bucket's stream if absent: a KV bucket (`$KV.<bucket>.<key>`, one

@@ -34,10 +34,10 @@ input by `events.codec.input_digest` of the logged inputs, computed when it load
 log, before it applies anything to it, whatever NATS redelivers and however long ago the
 original came.
 
-In memory, a `handoffs` row and an event are `worker.rows`' types, whoever reads them.
+In memory, a `handoffs` row and an event are `worker.log.rows`' types, whoever reads them.
 
 Layout 1 is still read by the offline tools (queries `LAYOUT_1_*` below), which also check its
-stored digests. The worker converts a layout-1 log to layout 2 when it starts (`worker.store`).
+stored digests. The worker converts a layout-1 log to layout 2 when it starts (`worker.log.store`).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ HANDOFF_COLUMNS = """handoff_id, engine_type, source, destination, started_at_ms
 SELECT_HANDOFFS = f"SELECT {HANDOFF_COLUMNS} FROM handoffs"
 SELECT_HANDOFF = f"{SELECT_HANDOFFS} WHERE handoff_id = ?"
 
-# Offline reads (worker.logreader), of either layout: every handoff's projection, unique-prefix
+# Offline reads (worker.log.reader), of either layout: every handoff's projection, unique-prefix
 # lookup of an id, why a handoff was quarantined.
 SELECT_HANDOFF_IDS_BETWEEN = """
 SELECT handoff_id FROM handoffs WHERE handoff_id >= ? AND handoff_id < ? ORDER BY handoff_id LIMIT ?

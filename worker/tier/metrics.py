@@ -4,8 +4,8 @@
     /healthz   200 once the worker has recovered and is connected to NATS, else 503
 
 Each worker owns its registry, so several workers (in tests) never collide. A worker of the
-tier (worker.service) adds `TierMetrics` to it: what its tier and partition owners did,
-counted where it happens (worker.tier, worker.partition_owner).
+tier (worker.tier.service) adds `TierMetrics` to it: what its tier and partition owners did,
+counted where it happens (worker.tier.membership, worker.tier.owner).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Metrics:
 
 
 class TierMetrics:
-    """A tier worker's ownership of partitions (worker.tier, worker.partition_owner)."""
+    """A tier worker's ownership of partitions (worker.tier.membership, worker.tier.owner)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry

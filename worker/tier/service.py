@@ -1,15 +1,15 @@
 """The worker: `kvhandoff run`, one worker of a tier, with the real coordinator.
 
-Every worker is one of a tier (worker.tier), and a tier of one partition is the embedded default:
-`kvhandoff run --db FILE` is the only worker of partition 0, whose local file is FILE (under the
-writer lock that `run` takes first). With `--partitions P --data-dir DIR` each partition it owns
-has its file at `DIR/partition-<p>.db` (the offline tools read `DIR/partition-*.db`), held
+Every worker is one of a tier (worker.tier.membership), and a tier of one partition is the embedded
+default: `kvhandoff run --db FILE` is the only worker of partition 0, whose local file is FILE
+(under the writer lock that `run` takes first). With `--partitions P --data-dir DIR` each partition
+it owns has its file at `DIR/partition-<p>.db` (the offline tools read `DIR/partition-*.db`), held
 under its own `WriterLock` from first claim until the worker stops. One code path serves both.
 
-Theory of operation. A `Worker` runs a `worker.tier.Tier` with the real coordinator in place of
-its stand-ins. Each partition this worker owns has a `worker.planner.Planner` (the handoffs in
-memory) and an `EventLog`, its local file. The tier's `PartitionOwner` drives three steps (see
-worker.partition_owner):
+Theory of operation. A `Worker` runs a `worker.tier.membership.Tier` with the real coordinator in
+place of its stand-ins. Each partition this worker owns has a `worker.tier.planner.Planner` (the
+handoffs in memory) and an `EventLog`, its local file. The tier's `PartitionOwner` drives three
+steps (see worker.tier.owner):
 
     on claim   the partition's replicated log was read (`CaughtUp`): commit to the local file
                the `Appended` entries it lacks (a new owner on another machine starts from an
@@ -56,19 +56,19 @@ Invariants.
   died between its append and its publishes, or handed over before its marks rode on a
   batch), and every action still outstanding: at least once, with the same action ids.
 
-Timers. Each owned partition has its own `worker.timers.HandoffTimers` over its planner: a
+Timers. Each owned partition has its own `worker.tier.timers.HandoffTimers` over its planner: a
 deadline publishes `TimedOut` to the handoff's input subject
 (so it is appended and logged like any other input), an action without an outcome is published
 again with the same action id after a growing backoff. They are armed from a plan only in `act`
 (what was not appended does not count), rearmed from the file at each claim (so the new owner
 of a dead worker's partition times out its handoffs, a partition with no input included: see
-"Vacant partitions" in worker.partition_owner), and dropped at release. What a worker that
+"Vacant partitions" in worker.tier.owner), and dropped at release. What a worker that
 was fenced published before it learnt so (at its next append) is harmless: a republished action
 is answered by action id like any other, and a second `TimedOut` of a handoff is an exact
 duplicate of the first, dropped by its digest (counted in `kvhandoff_duplicate_inputs_total`).
 
 The pipeline, per partition: decide batch k+1 while batch k is being appended, then act on k
-and acknowledge it, then append k+1 (see "Pipelining" in worker.partition_owner), while the
+and acknowledge it, then append k+1 (see "Pipelining" in worker.tier.owner), while the
 local commits run behind. What overlaps, and why it is safe: deciding k+1 only changes memory,
 which a failed or fenced append of k leaves ahead of the file (every claim rebuilds it, as
 above); `decide` keeps the plans in order until their `act`, and answers `after_previous`
@@ -108,15 +108,9 @@ from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
-from kvhandoff.worker.lease_view import view_path
-from kvhandoff.worker.leases import EngineLeases
-from kvhandoff.worker.metrics import Metrics, TierMetrics
-from kvhandoff.worker.ownership import CaughtUp
-from kvhandoff.worker.partition_owner import Decided, SnapshotPolicy
-from kvhandoff.worker.planner import Plan, Planner
-from kvhandoff.worker.rows import HandoffLog, HandoffRow, Tombstone
-from kvhandoff.worker.schema import HandoffState
-from kvhandoff.worker.store import (
+from kvhandoff.worker.log.rows import HandoffLog, HandoffRow, Tombstone
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.log.store import (
     Batch,
     Committed,
     CorruptHandoff,
@@ -124,8 +118,14 @@ from kvhandoff.worker.store import (
     LiveState,
     WriterLock,
 )
-from kvhandoff.worker.tier import Tier, TierSettings
-from kvhandoff.worker.timers import HandoffTimers
+from kvhandoff.worker.tier.lease_view import view_path
+from kvhandoff.worker.tier.leases import EngineLeases
+from kvhandoff.worker.tier.membership import Tier, TierSettings
+from kvhandoff.worker.tier.metrics import Metrics, TierMetrics
+from kvhandoff.worker.tier.owner import Decided, SnapshotPolicy
+from kvhandoff.worker.tier.ownership import CaughtUp
+from kvhandoff.worker.tier.planner import Plan, Planner
+from kvhandoff.worker.tier.timers import HandoffTimers
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def tier_settings(config: WorkerConfig) -> TierSettings:
 
 class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", tag_field="kind"):
     """One batch's rows, as appended to the partition's replicated log (`Appended.records`)
-    and committed to its local file: a `worker.store.Batch`, whose outbox marks are those the
+    and committed to its local file: a `worker.log.store.Batch`, whose outbox marks are those the
     server confirmed since the previous batch (so that a new owner republishes only the
     actions of the last batches, not the partition's history)."""
 
@@ -212,8 +212,8 @@ class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", ta
 
 class LoggedState(msgspec.Struct, frozen=True, tag="state", tag_field="kind"):
     """A partition's live state, as a snapshot of its replicated log holds it
-    (`worker.ownership.Snapshot.records`): a `worker.store.LiveState`, and the mark of the last
-    entry it sums up, so that a file that holds that entry already takes none of it."""
+    (`worker.tier.ownership.Snapshot.records`): a `worker.log.store.LiveState`, and the mark of the
+    last entry it sums up, so that a file that holds that entry already takes none of it."""
 
     mark: int | None  # the local file's mark after that entry (`MARK_KEY`)
     handoffs: list[HandoffRow]
@@ -407,7 +407,7 @@ class Worker:
     async def snapshot(self, partition: int) -> bytes:
         """The partition's live state as its next snapshot holds it (`LoggedState`): its file
         once every queued commit ended (every appended batch was acted on: see
-        worker.partition_owner), and the tombstones of the handoffs that ended lately."""
+        worker.tier.owner), and the tombstones of the handoffs that ended lately."""
         part = self._partitions[partition]
         await self._all_committed(part)
         state = await part.log.live_state()
@@ -647,7 +647,7 @@ class Worker:
     async def _publish(
         self, part: _Partition, actions: list[tuple[HandoffRow, int, Action]]
     ) -> None:
-        """Publish actions as worker.service does; their marks wait for the server's barrier,
+        """Publish actions as worker.tier.service does; their marks wait for the server's barrier,
         and they are published again if it fails, or if publishing fails (`_publish_again`).
         A seq of -1 is an action the file already marks (republished, not marked again)."""
         if not actions:

@@ -2,7 +2,7 @@
 the offline tools (`kvhandoff stuck`), which never reach NATS, can say whether an engine that a
 handoff waits on held a live lease.
 
-`worker.leases.EngineLeases` writes it whenever an engine's lease state changes (not at every
+`worker.tier.leases.EngineLeases` writes it whenever an engine's lease state changes (not at every
 renewal): `<db>.leases.json` beside a one-partition worker's file, `DIR/leases.json` in a data
 directory. It is a view, not a record: the lease bucket is the truth, and the file is as old as
 its `at_ms` says (a stopped worker's file keeps what it last knew).

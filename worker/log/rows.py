@@ -1,7 +1,7 @@
 """The event log's rows as Python holds them, one type each, whoever reads or writes them.
 
-`worker.schema` is the layout on disk; this is its mirror in memory, shared by the worker's
-writer (`worker.store`), the offline reader (`worker.logreader`, SQLite and JSONL export) and
+`worker.log.schema` is the layout on disk; this is its mirror in memory, shared by the worker's
+writer (`worker.log.store`), the offline reader (`worker.log.reader`, SQLite and JSONL export) and
 the commands and reports built on them:
 
     HandoffRow   one row of the `handoffs` projection. Mutable: the worker keeps one per handoff
@@ -20,8 +20,8 @@ as the core's `LogCorrupt`), from a live log, an offline copy or an export.
 `tests/tools/test_log_contract.py` holds all of them to that.
 
 `HandoffReader` is what every reader of one handoff offers, and the contract the suite checks:
-`worker.logreader.LogSource` (SQLite and JSONL) extends it, and the worker's own reads
-(`worker.store.EventLog.load`) return the same `HandoffLog`, asynchronously.
+`worker.log.reader.LogSource` (SQLite and JSONL) extends it, and the worker's own reads
+(`worker.log.store.EventLog.load`) return the same `HandoffLog`, asynchronously.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from kvhandoff.events.errors import LogCorrupt
 from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
 from kvhandoff.events.replay import LoggedRecord
 from kvhandoff.worker.errors import StoreCorrupt
-from kvhandoff.worker.schema import HandoffState
+from kvhandoff.worker.log.schema import HandoffState
 
 _KNOWN_STATES = frozenset(s.value for s in HandoffState)
 
@@ -53,7 +53,7 @@ class Quarantine(Struct, frozen=True):
 class HandoffRow(Struct, omit_defaults=True):
     """A handoff's row in the `handoffs` projection (module docstring).
 
-    The first ten fields are the table's columns in `worker.schema.HANDOFF_COLUMNS` order.
+    The first ten fields are the table's columns in `worker.log.schema.HANDOFF_COLUMNS` order.
     """
 
     handoff_id: UUID

@@ -1,0 +1,1 @@
+"""Holding an engine to the wire contract (`docs/contract.md`): `kvhandoff engine-check`."""

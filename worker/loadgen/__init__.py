@@ -1,0 +1,1 @@
+"""The load generator (`kvhandoff load`): plays the frontend against a tier and its engines."""
