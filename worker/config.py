@@ -291,6 +291,21 @@ def nats_settings(args: argparse.Namespace) -> NatsSettings:
     return settings
 
 
+def _add_duration_option(
+    group: argparse._ArgumentGroup, flag: str, env_var: str, default: str, help: str
+) -> None:
+    """A DURATION option that `env_var` sets when the flag is not given; the help ends by naming
+    both the variable and the default. argparse runs the string default through `type`, so
+    the option always arrives as seconds."""
+    group.add_argument(
+        flag,
+        type=duration_arg,
+        metavar="DURATION",
+        default=os.environ.get(env_var, default),
+        help=f"{help} (env {env_var}; default %(default)s)",
+    )
+
+
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_arguments(parser)
     env = os.environ
@@ -327,23 +342,21 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         f"(env KVHANDOFF_LOG_STREAM; default the input stream's name with _LOG for _IN: "
         f"{defaults.log_stream})",
     )
-    group.add_argument(
+    _add_duration_option(
+        group,
         "--completion-ttl",
-        type=duration_arg,
-        metavar="DURATION",
-        default=env.get("KVHANDOFF_COMPLETION_TTL", "1h"),
-        help="how long the completion stream keeps a completion "
-        "(env KVHANDOFF_COMPLETION_TTL; default %(default)s)",
+        "KVHANDOFF_COMPLETION_TTL",
+        "1h",
+        "how long the completion stream keeps a completion",
     )
     group.add_argument("--batch-size", type=int, default=defaults.batch_size,
                        help="most inputs per group commit (default %(default)s)")  # fmt: skip
-    group.add_argument(
+    _add_duration_option(
+        group,
         "--retry-interval",
-        type=duration_arg,
-        metavar="DURATION",
-        default=env.get("KVHANDOFF_RETRY_INTERVAL", f"{defaults.retry_interval_s}s"),
-        help="republish an action with no outcome after this long "
-        "(env KVHANDOFF_RETRY_INTERVAL; default %(default)s)",
+        "KVHANDOFF_RETRY_INTERVAL",
+        f"{defaults.retry_interval_s}s",
+        "republish an action with no outcome after this long",
     )
     group.add_argument(
         "--ack-wait",
@@ -402,14 +415,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "0700) if absent (env KVHANDOFF_DATA_DIR); replaces --db, which is the one partition's "
         "file without it",
     )
-    tier.add_argument(
+    _add_duration_option(
+        tier,
         "--priority-timeout",
-        type=duration_arg,
-        metavar="DURATION",
-        default=env.get("KVHANDOFF_PRIORITY_TIMEOUT", f"{defaults.priority_timeout_s}s"),
-        help="how long a partition's pin outlives its owner's last pull, and how long a vacant "
-        "partition waits before it is claimed: most of a failover "
-        "(env KVHANDOFF_PRIORITY_TIMEOUT; default %(default)s)",
+        "KVHANDOFF_PRIORITY_TIMEOUT",
+        f"{defaults.priority_timeout_s}s",
+        "how long a partition's pin outlives its owner's last pull, and how long a vacant "
+        "partition waits before it is claimed: most of a failover",
     )
     tier.add_argument(
         "--snapshot-every",
@@ -421,22 +433,20 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "never, so that claims read the whole log (env KVHANDOFF_SNAPSHOT_EVERY; default "
         "%(default)s)",
     )
-    tier.add_argument(
+    _add_duration_option(
+        tier,
         "--snapshot-interval",
-        type=duration_arg,
-        metavar="DURATION",
-        default=env.get("KVHANDOFF_SNAPSHOT_INTERVAL", f"{defaults.snapshot_interval_s}s"),
-        help="and at least this often while entries are appended "
-        "(env KVHANDOFF_SNAPSHOT_INTERVAL; default %(default)s)",
+        "KVHANDOFF_SNAPSHOT_INTERVAL",
+        f"{defaults.snapshot_interval_s}s",
+        "and at least this often while entries are appended",
     )
-    tier.add_argument(
+    _add_duration_option(
+        tier,
         "--tombstone-ttl",
-        type=duration_arg,
-        metavar="DURATION",
-        default=env.get("KVHANDOFF_TOMBSTONE_TTL", f"{defaults.tombstone_ttl_s}s"),
-        help="how long an ended handoff's id is remembered after a snapshot dropped its rows, "
-        "so that a late input for it is answered as a duplicate or rejected, not started anew "
-        "(env KVHANDOFF_TOMBSTONE_TTL; default %(default)s)",
+        "KVHANDOFF_TOMBSTONE_TTL",
+        f"{defaults.tombstone_ttl_s}s",
+        "how long an ended handoff's id is remembered after a snapshot dropped its rows, "
+        "so that a late input for it is answered as a duplicate or rejected, not started anew",
     )
     tier.add_argument(
         "--require-leases",

@@ -80,28 +80,26 @@ def roster(args: argparse.Namespace) -> Roster:
     return Roster(args.engine_types, args.sources, args.destinations)
 
 
+def _add_field_option(
+    group: argparse._ArgumentGroup, defaults: EngineModel | Faults, name: str, help: str
+) -> None:
+    """`--<name>` for one field of the model or the faults, typed and defaulted by the field, so
+    that an option cannot drift from the field it sets."""
+    default = getattr(defaults, name)
+    group.add_argument(
+        f"--{name.replace('_', '-')}", type=type(default), default=default, help=help
+    )
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     add_nats_arguments(parser)
     add_roster_arguments(parser)
     defaults = EngineModel()
     model = parser.add_argument_group("model (durations are divided by --speedup)")
-    model.add_argument(
-        "--block-size",
-        type=int,
-        default=defaults.block_size,
-        help="tokens per KV block (default %(default)s)",
-    )
-    model.add_argument(
-        "--kv-blocks",
-        type=int,
-        default=defaults.kv_blocks,
-        help="KV blocks per engine (default %(default)s)",
-    )
-    model.add_argument(
-        "--max-slots",
-        type=int,
-        default=defaults.max_slots,
-        help="handoffs an engine holds at once (default %(default)s)",
+    _add_field_option(model, defaults, "block_size", "tokens per KV block (default %(default)s)")
+    _add_field_option(model, defaults, "kv_blocks", "KV blocks per engine (default %(default)s)")
+    _add_field_option(
+        model, defaults, "max_slots", "handoffs an engine holds at once (default %(default)s)"
     )
     model.add_argument(
         "--prompt-tokens",
@@ -111,29 +109,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="prompt length range; derived from each handoff id, so give every engine process "
         f"the same range (default {defaults.shortest_prompt}:{defaults.longest_prompt})",
     )
-    model.add_argument(
-        "--prefill-tokens-per-s",
-        type=float,
-        default=defaults.prefill_tokens_per_s,
-        help="prefill speed (default %(default)s)",
+    _add_field_option(
+        model, defaults, "prefill_tokens_per_s", "prefill speed (default %(default)s)"
     )
-    model.add_argument(
-        "--decode-ms",
-        type=float,
-        default=defaults.decode_ms,
-        help="decode time after activation (default %(default)s)",
+    _add_field_option(
+        model, defaults, "decode_ms", "decode time after activation (default %(default)s)"
     )
-    model.add_argument(
-        "--kv-bytes-per-token",
-        type=int,
-        default=defaults.kv_bytes_per_token,
-        help="reported in SourceHeld (default %(default)s)",
+    _add_field_option(
+        model, defaults, "kv_bytes_per_token", "reported in SourceHeld (default %(default)s)"
     )
-    model.add_argument(
-        "--bandwidth-gb-s",
-        type=float,
-        default=defaults.bandwidth_gb_s,
-        help="reported in SourceHeld (default %(default)s)",
+    _add_field_option(
+        model, defaults, "bandwidth_gb_s", "reported in SourceHeld (default %(default)s)"
     )
     model.add_argument(
         "--timing-mode",
@@ -142,11 +128,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=defaults.timing_mode,
         help="reported in SourceHeld (default %(default)s)",
     )
-    model.add_argument(
-        "--speedup",
-        type=float,
-        default=defaults.speedup,
-        help="divide prefill, transfer and decode times by this (default 1)",
+    _add_field_option(
+        model, defaults, "speedup", "divide prefill, transfer and decode times by this (default 1)"
     )
     parser.add_argument(
         "--lease-ttl",
@@ -163,44 +146,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="ENGINE_ID",
         help="an engine id of the roster that another process serves (repeatable)",
     )
+    fault_defaults = Faults()
     faults = parser.add_argument_group("faults (seeded, wall-clock)")
-    faults.add_argument(
-        "--fail-rate",
-        type=float,
-        default=0.0,
-        help="share of forward actions that fail, as an outcome or a Failed fact",
+    _add_field_option(
+        faults,
+        fault_defaults,
+        "fail_rate",
+        "share of forward actions that fail, as an outcome or a Failed fact",
     )
-    faults.add_argument(
-        "--drop-rate",
-        type=float,
-        default=0.0,
-        help="share of action receipts ignored (the worker's retry recovers)",
+    _add_field_option(
+        faults,
+        fault_defaults,
+        "drop_rate",
+        "share of action receipts ignored (the worker's retry recovers)",
     )
-    faults.add_argument(
-        "--duplicate-rate",
-        type=float,
-        default=0.0,
-        help="share of outcomes and facts published twice",
+    _add_field_option(
+        faults, fault_defaults, "duplicate_rate", "share of outcomes and facts published twice"
     )
-    faults.add_argument(
-        "--delay-ms",
-        type=float,
-        default=0.0,
-        help="random extra delay, up to this, before answering an action",
+    _add_field_option(
+        faults,
+        fault_defaults,
+        "delay_ms",
+        "random extra delay, up to this, before answering an action",
     )
-    faults.add_argument(
-        "--silent",
-        type=int,
-        default=0,
-        help="engines per type and role (indexes 0..N-1) that stop answering",
+    _add_field_option(
+        faults,
+        fault_defaults,
+        "silent",
+        "engines per type and role (indexes 0..N-1) that stop answering",
     )
-    faults.add_argument(
-        "--silent-ms",
-        type=float,
-        default=Faults().silent_ms,
-        help="how long a silent engine ignores actions, from its first one (default %(default)s)",
+    _add_field_option(
+        faults,
+        fault_defaults,
+        "silent_ms",
+        "how long a silent engine ignores actions, from its first one (default %(default)s)",
     )
-    faults.add_argument("--seed", type=int, default=0, help="fault seed (default %(default)s)")
+    _add_field_option(faults, fault_defaults, "seed", "fault seed (default %(default)s)")
     logs = parser.add_argument_group("logging")
     logs.add_argument("--log-format", choices=["text", "json"], default="text")
     logs.add_argument("--log-level", type=str.upper, default="INFO")
