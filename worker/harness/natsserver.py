@@ -20,6 +20,7 @@ meta group tells nothing of a stream's own leader: a test asks JetStream for tha
 
 from __future__ import annotations
 
+import abc
 import json
 import shutil
 import signal
@@ -33,7 +34,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from kvhandoff.worker.errors import NatsServerError
 
@@ -68,7 +69,44 @@ def free_ports(count: int) -> list[int]:
             probe.close()
 
 
-class EmbeddedNats:
+class _ServerProcesses(abc.ABC):
+    """What a server and a cluster share: a store directory, the caller's or a temporary one
+    that `close` removes, and a `with` block that starts them and closes them."""
+
+    def __init__(self, store_dir: Path | None, temp_prefix: str) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if store_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix=temp_prefix)
+            store_dir = Path(self._tmp.name)
+        self.store_dir = store_dir
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def _stop_processes(self) -> None: ...
+
+    def close(self) -> None:
+        """Stop the processes, then remove the temporary store directory if there is one."""
+        self._stop_processes()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class EmbeddedNats(_ServerProcesses):
     """A nats-server child process; use as a context manager or call start()/stop()."""
 
     def __init__(
@@ -79,14 +117,10 @@ class EmbeddedNats:
         *,
         seat: ClusterSeat | None = None,
     ) -> None:
+        super().__init__(store_dir, "kvhandoff-nats-")
         self.seat = seat  # its place in a cluster, if it is in one
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if store_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="kvhandoff-nats-")
-            store_dir = Path(self._tmp.name)
-        self.store_dir = store_dir
         self.port = port or free_port()
-        self.log_path = store_dir / "nats-server.log"
+        self.log_path = self.store_dir / "nats-server.log"
         self.config = config
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -139,11 +173,8 @@ class EmbeddedNats:
             process.kill()
             process.wait()
 
-    def close(self) -> None:
+    def _stop_processes(self) -> None:
         self.stop()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
 
     def _accepts_connections(self) -> bool:
         try:
@@ -151,18 +182,6 @@ class EmbeddedNats:
                 return True
         except OSError:
             return False
-
-    def __enter__(self) -> EmbeddedNats:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class ClusterSeat:
@@ -200,17 +219,13 @@ _FORMED_POLL_S = 0.1  # a readiness poll of child processes, not test synchronis
 _START_ATTEMPTS = 3
 
 
-class NatsCluster:
+class NatsCluster(_ServerProcesses):
     """Three nats-server processes with JetStream, clustered on loopback; a context manager,
     or `start()`/`close()`. `url` lists every node's client URL, comma-separated, as the
     `--nats-url` of every kvhandoff process takes them."""
 
     def __init__(self, store_dir: Path | None = None, name: str = "kvhandoff") -> None:
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if store_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="kvhandoff-cluster-")
-            store_dir = Path(self._tmp.name)
-        self._store_dir = store_dir
+        super().__init__(store_dir, "kvhandoff-cluster-")
         self._name = name
         self.nodes: list[EmbeddedNats] = self._seat()
 
@@ -224,7 +239,7 @@ class NatsCluster:
         routes = [f"nats://127.0.0.1:{port}" for port in route_ports]
         nodes = []
         for index in range(CLUSTER_SIZE):
-            base = self._store_dir if attempt == 1 else self._store_dir / f"attempt-{attempt}"
+            base = self.store_dir if attempt == 1 else self.store_dir / f"attempt-{attempt}"
             node_dir = base / f"n{index + 1}"
             node_dir.mkdir(parents=True, exist_ok=True)
             seat = ClusterSeat(
@@ -298,24 +313,9 @@ class NatsCluster:
                 return node
         return None
 
-    def close(self) -> None:
+    def _stop_processes(self) -> None:
         for node in self.nodes:
             node.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> NatsCluster:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _jsz(node: EmbeddedNats, query: str = "") -> dict[str, Any]:
