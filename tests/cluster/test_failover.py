@@ -147,6 +147,24 @@ async def appended_by_owner(js: JetStreamContext) -> tuple[list[Claimed], dict[s
     return claims, appended
 
 
+async def appended_once_by_a_then_b(
+    js: JetStreamContext, inputs: Inputs
+) -> tuple[list[Claimed], dict[str, Counter[int]]]:
+    """`appended_by_owner`, once it shows that A claimed the partition, then B, and that every
+    input was applied exactly once, by one owner, and nothing the stream does not hold."""
+    claims, appended = await appended_by_owner(js)
+    assert [c.owner.split("/")[0] for c in claims] == ["a", "b"]
+    total = appended["a"] + appended["b"]
+    assert set(total) == set(inputs.published) and set(total.values()) == {1}
+    return claims, appended
+
+
+def stop_cleanly(owner: Owner) -> None:
+    """SIGTERM, and the owner exits 0 in time."""
+    owner.signal(signal.SIGTERM)
+    assert owner.process.wait(timeout=2 * WITHIN_S) == 0, owner.logs()
+
+
 def metrics_of(status: dict[str, object]) -> dict[str, Any]:
     """The owner process's TierMetrics, from its status (tests/cluster/owner_process.py)."""
     found = status["metrics"]
@@ -175,13 +193,9 @@ async def test_a_crashed_owners_appended_inputs_are_not_applied_again(
     failover_s = acted.first_at["b"] - killed_at
     await inputs.publish(50)
     await until(lambda: len(set(acted.by["a"]) | set(acted.by["b"])) == 150, "all applied", b)
-    b.signal(signal.SIGTERM)
-    assert b.process.wait(timeout=2 * WITHIN_S) == 0, b.logs()
+    stop_cleanly(b)
 
-    claims, appended = await appended_by_owner(js)
-    assert [c.owner.split("/")[0] for c in claims] == ["a", "b"]
-    total = appended["a"] + appended["b"]
-    assert set(total) == set(inputs.published) and set(total.values()) == {1}
+    _, appended = await appended_once_by_a_then_b(js, inputs)
     status_b = b.status()
     hung = re.search(r"hanging after (\d+) applied, (\d+) acked", a.logs())
     assert hung is not None
@@ -219,15 +233,10 @@ async def test_a_paused_owner_is_fenced_and_every_input_is_applied_once(
 
     a.signal(signal.SIGCONT)
     assert a.process.wait(timeout=2 * WITHIN_S) == FENCED_EXIT, a.logs()
-    b.signal(signal.SIGTERM)
-    assert b.process.wait(timeout=2 * WITHIN_S) == 0, b.logs()
+    stop_cleanly(b)
 
-    claims, appended = await appended_by_owner(js)
-    assert [c.owner.split("/")[0] for c in claims] == ["a", "b"]
+    claims, appended = await appended_once_by_a_then_b(js, inputs)
     assert [c.epoch for c in claims] == [1, 2]
-    total = appended["a"] + appended["b"]
-    # Every input applied exactly once, by one owner, and nothing the stream does not hold.
-    assert set(total) == set(inputs.published) and set(total.values()) == {1}
     # Each acted on exactly what it appended: nothing after A was fenced.
     assert Counter(acted.by["a"]) == Counter(appended["a"])
     assert Counter(acted.by["b"]) == Counter(appended["b"])
@@ -282,8 +291,7 @@ async def test_killing_the_input_streams_leader_node_mid_load_loses_nothing(
             raise AssertionError(
                 f"{exc}: not acted on {{seq: appends}} {missing}; {a.logs()}"
             ) from exc
-        a.signal(signal.SIGTERM)
-        assert a.process.wait(timeout=2 * WITHIN_S) == 0, a.logs()
+        stop_cleanly(a)
 
         claims, appended = await appended_by_owner(js)
         assert {c.owner.split("/")[0] for c in claims} == {"a"}  # it may have claimed anew: itself
@@ -323,13 +331,9 @@ async def test_a_stopped_owner_hands_over_at_once_with_nothing_lost_or_reordered
     finally:
         load.cancel()
     await until(lambda: len(set(acted.by["a"]) | set(acted.by["b"])) == 300, "all applied", b)
-    b.signal(signal.SIGTERM)
-    assert b.process.wait(timeout=2 * WITHIN_S) == 0, b.logs()
+    stop_cleanly(b)
 
-    claims, appended = await appended_by_owner(js)
-    assert [c.owner.split("/")[0] for c in claims] == ["a", "b"]
-    total = appended["a"] + appended["b"]
-    assert set(total) == set(inputs.published) and set(total.values()) == {1}
+    await appended_once_by_a_then_b(js, inputs)
     assert inputs.out_of_order(acted.by["a"] + acted.by["b"]) == 0
     status_a = a.status()
     assert status_a["handed_over"] is True and status_a["fenced"] is False
