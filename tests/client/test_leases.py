@@ -14,96 +14,31 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.client import Connection, Engine, Frontend, Handlers, HandoffRejected
+from kvhandoff.client import Engine, Frontend, Handlers, HandoffRejected
 from kvhandoff.events.ids import HandoffId
 from kvhandoff.events.leases import ENGINE_UNAVAILABLE, LEASE_EXPIRED
 from kvhandoff.events.messages import (
-    ACCEPTED,
-    APPLIED,
-    SCHEDULED,
-    SUBMITTED,
     ActionOutcome,
-    ActivateDestination,
-    CancelDestination,
-    CancelSource,
     EngineType,
     Failed,
     HandoffCompletion,
     Input,
-    Outcome,
-    ReleaseSource,
-    ReserveDestination,
     StartHandoff,
-    StartTransfer,
-    SubmitPrefill,
 )
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.engines.healthy import TIMING
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.reader import open_log
 from kvhandoff.worker.log.schema import HandoffState
 from tests.client.conftest import Connect
+from tests.client.pair import DESTINATION, SOURCE, Pair
 from tests.client.proxy import CuttableProxy
 from tests.worker.conftest import WorkerProcess, logged, logged_inputs
 
 WAIT_S = 60.0
 LEASE_TTL_S = 1.0
 DEADLINE_MS = 120_000  # far beyond what the lease takes: a deadline cannot be what ends it
-SOURCE = "lease-prefill-0"
-DESTINATION = "lease-decode-0"
-
-
-class Engines:
-    """A source whose prefill never reports held until told, and a healthy destination."""
-
-    def __init__(self, source_connection: Connection, destination_connection: Connection) -> None:
-        self.fenced: list[HandoffId] = []
-        self.hold = True
-        self.source = Engine(
-            source_connection,
-            SOURCE,
-            Handlers(
-                submit_prefill=self.submit_prefill,
-                start_transfer=self.start_transfer,
-                release_source=self.cleanup,
-                cancel_source=self.cleanup,
-                fenced=self.fenced.extend,
-            ),
-            lease_ttl_s=LEASE_TTL_S,
-        )
-        self.destination = Engine(
-            destination_connection,
-            DESTINATION,
-            Handlers(
-                reserve_destination=self.reserve_destination,
-                activate_destination=self.activate,
-                cancel_destination=self.cleanup,
-            ),
-            lease_ttl_s=LEASE_TTL_S,
-        )
-        self.submitted = asyncio.Event()
-
-    async def submit_prefill(self, action: SubmitPrefill) -> Outcome:
-        self.submitted.set()
-        if not self.hold:
-            self.source.spawn(self.source.source_held(action.handoff_id, TIMING))
-        return SUBMITTED
-
-    async def start_transfer(self, action: StartTransfer) -> Outcome:
-        self.source.spawn(self.source.transfer_completed(action.handoff_id))
-        return SCHEDULED
-
-    async def reserve_destination(self, action: ReserveDestination) -> Outcome:
-        self.destination.spawn(self.destination.destination_reserved(action.handoff_id, 128))
-        return ACCEPTED
-
-    async def activate(self, action: ActivateDestination) -> Outcome:
-        return APPLIED
-
-    async def cleanup(self, action: ReleaseSource | CancelSource | CancelDestination) -> Outcome:
-        return APPLIED
 
 
 def start_message(source: str = SOURCE) -> StartHandoff:
@@ -115,9 +50,13 @@ async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answe
 ) -> None:
     proxy = CuttableProxy(nats_server.port)
     await proxy.open()
-    engines = Engines(await connect(proxy.url), await connect())
-    await engines.source.start()
-    await engines.destination.start()
+    engines = Pair(
+        await connect(proxy.url),
+        destination_connection=await connect(),
+        lease_ttl_s=LEASE_TTL_S,
+        hold_source_held=True,
+    )
+    await engines.start()
     first_incarnation = engines.source.lease.incarnation if engines.source.lease else None
     frontend = await Frontend.open(await connect())
     handoff_id = await frontend.start(start_message())
@@ -145,14 +84,13 @@ async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answe
     # Back on the bus: a new incarnation, which serves new handoffs (once the tier saw it:
     # until then a start naming it is rejected).
     await proxy.open()
-    engines.hold = False
+    engines.hold_source_held = False
     completion = await until_admitted(frontend)
     assert completion is HandoffCompletion.SUCCESS
     assert engines.source.lease is not None
     assert engines.source.lease.incarnation not in (None, first_incarnation)
     assert engines.fenced == [handoff_id]  # nothing of the new incarnation's was fenced
-    await engines.source.stop()
-    await engines.destination.stop()
+    await engines.stop()
     await proxy.cut()
 
 
@@ -221,9 +159,13 @@ async def test_a_start_naming_an_engine_whose_lease_expired_is_rejected(
 async def test_a_worker_that_starts_after_an_engine_died_answers_for_it_at_its_claim(
     worker: WorkerProcess, connect: Connect, nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
-    engines = Engines(await connect(), await connect())
-    await engines.source.start()
-    await engines.destination.start()
+    engines = Pair(
+        await connect(),
+        destination_connection=await connect(),
+        lease_ttl_s=LEASE_TTL_S,
+        hold_source_held=True,
+    )
+    await engines.start()
     frontend = await Frontend.open(await connect())
     handoff_id = await frontend.start(start_message())
     await asyncio.wait_for(engines.submitted.wait(), WAIT_S)
