@@ -12,7 +12,20 @@ from uuid import UUID
 
 from kvhandoff.client import Connection
 from kvhandoff.events.codec import decode_input, encode
-from kvhandoff.events.messages import Action, Complete, EngineType, HandoffCompletion, Input
+from kvhandoff.events.messages import (
+    ACCEPTED,
+    SUBMITTED,
+    Action,
+    ActionOutcome,
+    Complete,
+    DestinationReserved,
+    EngineType,
+    HandoffCompletion,
+    Input,
+    ReserveDestination,
+    SourceHeld,
+    SubmitPrefill,
+)
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Message
 from kvhandoff.worker.engines import EngineModel, EnginesReport, MockEngine, Roster, request_reports
@@ -24,6 +37,7 @@ ONE_PAIR = Roster(engine_types=(EngineType.VLLM,), sources=1, destinations=1)
 # Every prompt is 100 tokens: 7 blocks of 16, of which 96 tokens fill whole blocks.
 PROMPT = 100
 BLOCKS = 7
+RESERVED_TOKENS = 96
 FAST = EngineModel(shortest_prompt=PROMPT, longest_prompt=PROMPT, speedup=1000.0)
 
 
@@ -59,6 +73,25 @@ class WorkerSide:
     async def expect(self, handoff_id: UUID, *expected: Input) -> None:
         for message in expected:
             assert await self.next(handoff_id) == message
+
+    async def hold_source(self, handoff_id: UUID) -> None:
+        """Submit the handoff's prefill (action 0) and wait until the source holds its blocks."""
+        await self.send(SOURCE, SubmitPrefill(handoff_id, 0))
+        await self.expect(
+            handoff_id,
+            ActionOutcome(handoff_id, 0, SUBMITTED),
+            SourceHeld(handoff_id, FAST.timing(PROMPT)),
+        )
+
+    async def hold_destination(self, handoff_id: UUID) -> None:
+        """Reserve the destination for the handoff (action 0) and wait until it holds the
+        blocks."""
+        await self.send(DESTINATION, ReserveDestination(handoff_id, 0))
+        await self.expect(
+            handoff_id,
+            ActionOutcome(handoff_id, 0, ACCEPTED),
+            DestinationReserved(handoff_id, RESERVED_TOKENS),
+        )
 
     def queued(self, handoff_id: UUID) -> list[Input]:
         """What arrived for the handoff and was not taken yet."""

@@ -78,8 +78,7 @@ async def test_destination_reserves_whole_blocks_activates_and_decodes(
     destination = engines.engines[DESTINATION]
     h = uuid.uuid4()
 
-    await worker_side.send(DESTINATION, ReserveDestination(h, 0))
-    await worker_side.expect(h, ActionOutcome(h, 0, ACCEPTED), DestinationReserved(h, 96))
+    await worker_side.hold_destination(h)
     assert held(destination) == BLOCKS
 
     await worker_side.send(DESTINATION, ActivateDestination(h, 1))

@@ -33,9 +33,7 @@ async def test_a_reservation_waits_for_blocks_and_proceeds_when_they_are_release
     engines = await start_engines(model=replace(FAST, kv_blocks=BLOCKS))
     destination = engines.engines[DESTINATION]
     first, second = uuid.uuid4(), uuid.uuid4()
-    await worker_side.send(DESTINATION, ReserveDestination(first, 0))
-    await worker_side.expect(first, ActionOutcome(first, 0, ACCEPTED))
-    await worker_side.expect(first, DestinationReserved(first, 96))
+    await worker_side.hold_destination(first)
 
     await worker_side.send(DESTINATION, ReserveDestination(second, 0))
     await worker_side.expect(second, ActionOutcome(second, 0, ACCEPTED))
@@ -54,9 +52,7 @@ async def test_a_prefill_waits_for_a_slot_and_runs_when_one_is_released(
     engines = await start_engines(model=replace(FAST, max_slots=1))
     source = engines.engines[SOURCE]
     first, second = uuid.uuid4(), uuid.uuid4()
-    await worker_side.send(SOURCE, SubmitPrefill(first, 0))
-    await worker_side.expect(first, ActionOutcome(first, 0, SUBMITTED))
-    await worker_side.expect(first, SourceHeld(first, FAST.timing(100)))
+    await worker_side.hold_source(first)
 
     await worker_side.send(SOURCE, SubmitPrefill(second, 0))
     await worker_side.expect(second, ActionOutcome(second, 0, SUBMITTED))
@@ -75,9 +71,7 @@ async def test_the_end_of_a_decode_frees_its_blocks_for_the_next_reservation(
     engines = await start_engines(model=model)
     destination = engines.engines[DESTINATION]
     first, second = uuid.uuid4(), uuid.uuid4()
-    await worker_side.send(DESTINATION, ReserveDestination(first, 0))
-    await worker_side.expect(first, ActionOutcome(first, 0, ACCEPTED))
-    await worker_side.expect(first, DestinationReserved(first, 96))
+    await worker_side.hold_destination(first)
     await worker_side.send(DESTINATION, ActivateDestination(first, 1))
     await worker_side.expect(first, ActionOutcome(first, 1, APPLIED))
 

@@ -15,7 +15,6 @@ from uuid import UUID
 import pytest
 
 from kvhandoff.events.messages import (
-    ACCEPTED,
     APPLIED,
     NOOP,
     SUBMITTED,
@@ -24,10 +23,8 @@ from kvhandoff.events.messages import (
     ActivateDestination,
     CancelDestination,
     CancelSource,
-    DestinationReserved,
     Failed,
     ReleaseSource,
-    ReserveDestination,
     SourceHeld,
     SubmitPrefill,
 )
@@ -52,6 +49,16 @@ def handoff_where(condition: Callable[[UUID], bool]) -> UUID:
         if condition(h):
             return h
     raise AssertionError("no handoff id satisfies the condition")
+
+
+def activation_failing_as(faults: Faults, form: FailureForm) -> UUID:
+    """A handoff whose reservation (action 0) succeeds and whose activation (action 1) fails
+    in `form`."""
+    return handoff_where(
+        lambda h: (
+            faults.failure(DESTINATION, h, 0) is None and faults.failure(DESTINATION, h, 1) is form
+        )
+    )
 
 
 def test_decisions_are_a_function_of_the_seed_and_honour_the_rates() -> None:
@@ -111,14 +118,8 @@ async def test_a_failed_activation_keeps_the_reservation_for_the_cleanup(
 ) -> None:
     faults = Faults(seed=5, fail_rate=0.5)
     engines = await start_engines(faults=faults)
-    h = handoff_where(
-        lambda h: (
-            faults.failure(DESTINATION, h, 0) is None
-            and faults.failure(DESTINATION, h, 1) is FailureForm.OUTCOME
-        )
-    )
-    await worker_side.send(DESTINATION, ReserveDestination(h, 0))
-    await worker_side.expect(h, ActionOutcome(h, 0, ACCEPTED), DestinationReserved(h, 96))
+    h = activation_failing_as(faults, FailureForm.OUTCOME)
+    await worker_side.hold_destination(h)
     await worker_side.send(DESTINATION, ActivateDestination(h, 1))
     await worker_side.expect(
         h, ActionOutcome(h, 1, ActionFailed(f"{DESTINATION}: injected failure"))
@@ -215,14 +216,8 @@ async def test_a_decode_can_fail_after_activation_and_frees_its_blocks(
     """The Failed fact that, after a success, reopens the worker's cleanup."""
     faults = Faults(seed=9, fail_rate=0.5)
     engines = await start_engines(faults=faults)
-    h = handoff_where(
-        lambda h: (
-            faults.failure(DESTINATION, h, 0) is None
-            and faults.failure(DESTINATION, h, 1) is FailureForm.FACT
-        )
-    )
-    await worker_side.send(DESTINATION, ReserveDestination(h, 0))
-    await worker_side.expect(h, ActionOutcome(h, 0, ACCEPTED), DestinationReserved(h, 96))
+    h = activation_failing_as(faults, FailureForm.FACT)
+    await worker_side.hold_destination(h)
     await worker_side.send(DESTINATION, ActivateDestination(h, 1))
     await worker_side.expect(h, ActionOutcome(h, 1, APPLIED), Failed(h))
     assert held(engines.engines[DESTINATION]) == 0

@@ -9,17 +9,13 @@ from uuid import UUID
 from kvhandoff.events.messages import (
     ACCEPTED,
     APPLIED,
-    SUBMITTED,
     ActionOutcome,
     ActivateDestination,
-    DestinationReserved,
     EngineType,
     HandoffCompletion,
     ReleaseSource,
     ReserveDestination,
     Role,
-    SourceHeld,
-    SubmitPrefill,
 )
 from kvhandoff.worker.engines import EngineCounters, EnginesReport, EngineStatus, Leak, settled
 from tests.engines.conftest import StartEngines
@@ -30,20 +26,15 @@ def leaked(report: EnginesReport) -> set[UUID]:
     return {leak.handoff_id for leak in report.leaks}
 
 
-async def hold_source(worker_side: WorkerSide, h: UUID) -> None:
-    await worker_side.send(SOURCE, SubmitPrefill(h, 0))
-    await worker_side.expect(h, ActionOutcome(h, 0, SUBMITTED), SourceHeld(h, FAST.timing(100)))
-
-
 async def test_blocks_held_for_a_completed_handoff_are_a_leak_and_released_ones_are_not(
     worker_side: WorkerSide, start_engines: StartEngines
 ) -> None:
     engines = await start_engines()
     released, forgotten = uuid.uuid4(), uuid.uuid4()
-    await hold_source(worker_side, released)
+    await worker_side.hold_source(released)
     await worker_side.send(SOURCE, ReleaseSource(released, 1))
     await worker_side.expect(released, ActionOutcome(released, 1, APPLIED))
-    await hold_source(worker_side, forgotten)
+    await worker_side.hold_source(forgotten)
 
     await worker_side.complete(released)
     await worker_side.complete(forgotten, HandoffCompletion.CANCELED)
@@ -64,13 +55,10 @@ async def test_a_running_decode_is_not_a_leak(
 ) -> None:
     await start_engines(model=replace(FAST, decode_ms=600_000.0))
     decoding, forgotten = uuid.uuid4(), uuid.uuid4()
-    await worker_side.send(DESTINATION, ReserveDestination(decoding, 0))
-    await worker_side.expect(
-        decoding, ActionOutcome(decoding, 0, ACCEPTED), DestinationReserved(decoding, 96)
-    )
+    await worker_side.hold_destination(decoding)
     await worker_side.send(DESTINATION, ActivateDestination(decoding, 1))
     await worker_side.expect(decoding, ActionOutcome(decoding, 1, APPLIED))
-    await hold_source(worker_side, forgotten)
+    await worker_side.hold_source(forgotten)
 
     await worker_side.complete(decoding)
     await worker_side.complete(forgotten)
