@@ -7,11 +7,14 @@ import asyncio
 import io
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from uuid import UUID
 
 import nats
+import pytest
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from rich.console import Console
 
@@ -60,12 +63,21 @@ def load_config(nats_server: EmbeddedNats, subjects: Subjects, **options: object
     return replace(LoadConfig(nats=settings, handoffs=1, roster=ROSTER), **options)  # type: ignore[arg-type]
 
 
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats, subjects: Subjects) -> AsyncIterator[Client]:
+    """A connection of the test's own, with the input stream that no worker made: the test
+    plays the worker on it, or there is none."""
+    connection = await nats.connect(nats_server.url)
+    await connection.jetstream().add_stream(
+        name=f"IN_{subjects.prefix}", subjects=[subjects.inputs]
+    )
+    yield connection
+    await connection.close()
+
+
 async def test_every_way_a_handoff_ends_is_counted(
-    nats_server: EmbeddedNats, subjects: Subjects
+    nats_server: EmbeddedNats, subjects: Subjects, nc: Client
 ) -> None:
-    nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
-    await js.add_stream(name=f"IN_{subjects.prefix}", subjects=[subjects.inputs])
     fates: dict[UUID, str] = {}
 
     async def scripted_worker(msg: Msg) -> None:
@@ -94,7 +106,6 @@ async def test_every_way_a_handoff_ends_is_counted(
         nats_server, subjects, handoffs=10, concurrency=10, wait_timeout_s=0.5, settle_timeout_s=0.1
     )
     report = await run_load(config, progress=progress.append)
-    await nc.close()
 
     assert sorted(fates.values()) == sorted(FATES * 2)
     assert (report.completed, report.canceled, report.rejected, report.timed_out) == (4, 2, 2, 2)
@@ -111,11 +122,8 @@ async def test_every_way_a_handoff_ends_is_counted(
 
 
 async def test_a_handoff_the_frontend_canceled_ends_at_its_canceled_completion(
-    nats_server: EmbeddedNats, subjects: Subjects
+    nats_server: EmbeddedNats, subjects: Subjects, nc: Client
 ) -> None:
-    nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
-    await js.add_stream(name=f"IN_{subjects.prefix}", subjects=[subjects.inputs])
     fates: dict[UUID, str] = {}
 
     async def scripted_worker(msg: Msg) -> None:
@@ -144,7 +152,6 @@ async def test_a_handoff_the_frontend_canceled_ends_at_its_canceled_completion(
         cancel_within_ms=0.0, wait_timeout_s=5.0, settle_timeout_s=0.1,
     )  # fmt: skip
     report = await run_load(config)
-    await nc.close()
 
     assert sorted(fates.values()) == sorted(CANCEL_FATES * 2)
     assert report.cancels_sent == 6
@@ -230,14 +237,12 @@ async def test_handoffs_on_a_silent_engine_time_out_and_are_cleaned_up_once_it_r
 
 
 async def test_a_load_told_to_wait_for_the_engines_starts_its_handoffs_once_they_listen(
-    nats_server: EmbeddedNats, subjects: Subjects, start_engines: StartEngines
+    nats_server: EmbeddedNats, subjects: Subjects, nc: Client, start_engines: StartEngines
 ) -> None:
     # An engine that is not listening yet when the load starts would get its first actions only
     # after the worker's retry interval (worker.loadgen.generator, `engines_wait_s`).
-    nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
     stream = f"IN_{subjects.prefix}"
-    await js.add_stream(name=stream, subjects=[subjects.inputs])
     probes: list[str] = []
 
     async def probed(msg: Msg) -> None:
@@ -261,7 +266,6 @@ async def test_a_load_told_to_wait_for_the_engines_starts_its_handoffs_once_they
     await start_engines(roster=ONE_PAIR)
     report = await asyncio.wait_for(load, 60)
     stored_after = (await js.stream_info(stream)).state.messages
-    await nc.close()
 
     assert stored_before == 0, "a handoff started before the engines listened"
     assert stored_after == 1 and report.timed_out == 1, report
