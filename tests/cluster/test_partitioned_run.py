@@ -217,16 +217,26 @@ async def a_quarter_complete(engines: ScriptedEngines) -> None:
     )
 
 
+async def w1_owning_all(
+    url: str, workers: list[TierWorker], tmp_path: Path, partitions: int = PARTITIONS
+) -> tuple[TierWorker, TierWorker]:
+    """w1, up and owning every partition, and w2, made but not started yet."""
+    w1, w2 = (
+        whole_history_worker(url, name, tmp_path, partitions=partitions) for name in ("w1", "w2")
+    )
+    workers += [w1, w2]
+    w1.start(timeout_s=2 * WITHIN_S)
+    await until(w1.took_a_share, "w1 takes the partitions")
+    return w1, w2
+
+
 async def two_sharing(
     url: str, workers: list[TierWorker], tmp_path: Path, *, handed_over: bool = False
 ) -> tuple[TierWorker, TierWorker]:
     """w1, which takes every partition, then w2, once w2 took its share (w1 hands it over at
     its next round; the pins move at the first pulls), or, with `handed_over`, once w1 logged
     that it handed it over."""
-    w1, w2 = whole_history_worker(url, "w1", tmp_path), whole_history_worker(url, "w2", tmp_path)
-    workers += [w1, w2]
-    w1.start(timeout_s=2 * WITHIN_S)
-    await until(w1.took_a_share, "w1 takes the partitions")
+    w1, w2 = await w1_owning_all(url, workers, tmp_path)
     w2.start(timeout_s=2 * WITHIN_S)
     if handed_over:
         await until(w1.handed_over_a_share, "w1 hands w2 its share")
@@ -318,10 +328,7 @@ async def test_a_worker_that_owns_a_partition_again_catches_its_file_up_from_its
     lack what w2 appended meanwhile, and w1 commits exactly that (the entries after its mark)
     when it claims them again."""
     url = nats_cluster.url
-    w1, w2 = whole_history_worker(url, "w1", tmp_path), whole_history_worker(url, "w2", tmp_path)
-    workers += [w1, w2]
-    w1.start(timeout_s=2 * WITHIN_S)
-    await until(w1.took_a_share, "w1 takes the partitions")
+    w1, w2 = await w1_owning_all(url, workers, tmp_path)
     engines = ScriptedEngines(url.split(",")[0])
     await engines.start()
     starts: list[StartHandoff] = []
@@ -566,10 +573,7 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
 ) -> None:
     """`--partitions 1`: the tier is one owner at a time, and the other worker a standby."""
     url = nats_cluster.url
-    w1, w2 = (whole_history_worker(url, name, tmp_path, partitions=1) for name in ("w1", "w2"))
-    workers += [w1, w2]
-    w1.start(timeout_s=2 * WITHIN_S)
-    await until(w1.took_a_share, "w1 takes the partition")
+    w1, w2 = await w1_owning_all(url, workers, tmp_path, partitions=1)
     w2.start(timeout_s=2 * WITHIN_S)
     # Settled: the owner is the worker the balance rule picks among the two, by its claim.
     instances: dict[int, str] = {}
@@ -772,10 +776,7 @@ async def test_a_worker_that_joins_mid_load_takes_its_share_by_clean_hand_overs(
     tmp_path: Path,
 ) -> None:
     url = nats_cluster.url
-    w1, w2 = whole_history_worker(url, "w1", tmp_path), whole_history_worker(url, "w2", tmp_path)
-    workers += [w1, w2]
-    w1.start(timeout_s=2 * WITHIN_S)
-    await until(w1.took_a_share, "w1 takes the partitions")
+    w1, w2 = await w1_owning_all(url, workers, tmp_path)
     engines = ScriptedEngines(url.split(",")[0])
     await engines.start()
     starts: list[StartHandoff] = []
