@@ -150,6 +150,16 @@ class Logged(logging.Handler):
 LOST = "nothing heard of the open requests"
 
 
+@pytest.fixture
+def lost() -> Iterator[Logged]:
+    """Watches for `worker.bus` counting its open pull requests lost, for the test's length."""
+    watcher = Logged(LOST)
+    logger = logging.getLogger("kvhandoff.worker.bus")
+    logger.addHandler(watcher)
+    yield watcher
+    logger.removeHandler(watcher)
+
+
 # --- Order, bounds and settling --------------------------------------------------------------
 
 
@@ -283,45 +293,35 @@ def test_a_heartbeat_longer_than_half_the_expiry_is_refused_before_the_server_do
 
 
 async def test_100_idle_heartbeats_keep_a_long_pull_alive(
-    bus: Bus, js: JetStreamContext, requests: Requests
+    bus: Bus, js: JetStreamContext, requests: Requests, lost: Logged
 ) -> None:
-    lost = Logged(LOST)
-    logging.getLogger("kvhandoff.worker.bus").addHandler(lost)
-    try:
-        async with Pull(bus, STREAM, CONSUMER, max_ahead=4, heartbeat_s=0.3) as pull:
-            # Eight heartbeat intervals with nothing to deliver: one request, kept.
-            assert await pull.fetch(1, timeout_s=2.4) == []
-            assert [body["idle_heartbeat"] for body in requests.bodies] == [300_000_000]
-            await publish(js, range(1))
-            [message] = await pull.fetch(1, timeout_s=WITHIN_S)
-    finally:
-        logging.getLogger("kvhandoff.worker.bus").removeHandler(lost)
+    async with Pull(bus, STREAM, CONSUMER, max_ahead=4, heartbeat_s=0.3) as pull:
+        # Eight heartbeat intervals with nothing to deliver: one request, kept.
+        assert await pull.fetch(1, timeout_s=2.4) == []
+        assert [body["idle_heartbeat"] for body in requests.bodies] == [300_000_000]
+        await publish(js, range(1))
+        [message] = await pull.fetch(1, timeout_s=WITHIN_S)
 
     assert message.data == b"0"
     assert not lost.seen.is_set()
 
 
 async def test_missed_heartbeats_make_the_pull_ask_again(
-    nats_server: EmbeddedNats, bus: Bus, js: JetStreamContext, requests: Requests
+    nats_server: EmbeddedNats, bus: Bus, js: JetStreamContext, requests: Requests, lost: Logged
 ) -> None:
-    lost = Logged(LOST)
-    logging.getLogger("kvhandoff.worker.bus").addHandler(lost)
-    try:
-        async with Pull(bus, STREAM, CONSUMER, max_ahead=4, heartbeat_s=0.1) as pull:
-            fetching = asyncio.create_task(pull.fetch(1, timeout_s=30))
-            await requests.wait_for(1)
-            assert nats_server.pid is not None
-            # A stalled server sends no heartbeat; to the Pull, its request may be lost.
-            os.kill(nats_server.pid, signal.SIGSTOP)
-            try:
-                await asyncio.wait_for(lost.seen.wait(), WITHIN_S)
-            finally:
-                os.kill(nats_server.pid, signal.SIGCONT)
-            await requests.wait_for(2)
-            await publish(js, range(1))
-            [message] = await asyncio.wait_for(fetching, WITHIN_S)
-    finally:
-        logging.getLogger("kvhandoff.worker.bus").removeHandler(lost)
+    async with Pull(bus, STREAM, CONSUMER, max_ahead=4, heartbeat_s=0.1) as pull:
+        fetching = asyncio.create_task(pull.fetch(1, timeout_s=30))
+        await requests.wait_for(1)
+        assert nats_server.pid is not None
+        # A stalled server sends no heartbeat; to the Pull, its request may be lost.
+        os.kill(nats_server.pid, signal.SIGSTOP)
+        try:
+            await asyncio.wait_for(lost.seen.wait(), WITHIN_S)
+        finally:
+            os.kill(nats_server.pid, signal.SIGCONT)
+        await requests.wait_for(2)
+        await publish(js, range(1))
+        [message] = await asyncio.wait_for(fetching, WITHIN_S)
     assert message.data == b"0"
 
 
@@ -341,19 +341,14 @@ async def test_404_a_no_wait_pull_returns_at_once_from_an_empty_consumer(
 
 
 async def test_408_an_expired_request_is_asked_again(
-    bus: Bus, js: JetStreamContext, requests: Requests
+    bus: Bus, js: JetStreamContext, requests: Requests, lost: Logged
 ) -> None:
-    lost = Logged(LOST)
-    logging.getLogger("kvhandoff.worker.bus").addHandler(lost)
-    try:
-        async with Pull(bus, STREAM, CONSUMER, max_ahead=4, expires_s=0.3, heartbeat_s=0) as pull:
-            fetching = asyncio.create_task(pull.fetch(1, timeout_s=60))
-            # The first request and two more, each after the one before expired.
-            await requests.wait_for(3, within=4.0)
-            await publish(js, range(1))
-            [message] = await asyncio.wait_for(fetching, WITHIN_S)
-    finally:
-        logging.getLogger("kvhandoff.worker.bus").removeHandler(lost)
+    async with Pull(bus, STREAM, CONSUMER, max_ahead=4, expires_s=0.3, heartbeat_s=0) as pull:
+        fetching = asyncio.create_task(pull.fetch(1, timeout_s=60))
+        # The first request and two more, each after the one before expired.
+        await requests.wait_for(3, within=4.0)
+        await publish(js, range(1))
+        [message] = await asyncio.wait_for(fetching, WITHIN_S)
 
     assert message.data == b"0"
     assert not lost.seen.is_set()  # asked again on the 408, not after counting it lost
@@ -540,24 +535,19 @@ async def test_a_refusal_of_the_jetstream_api_reads_alike_through_either_path(
 
 
 async def test_a_reconnect_makes_the_pull_ask_again_at_once(
-    nats_server: EmbeddedNats, bus: Bus, js: JetStreamContext
+    nats_server: EmbeddedNats, bus: Bus, js: JetStreamContext, lost: Logged
 ) -> None:
-    lost = Logged(LOST)
-    logging.getLogger("kvhandoff.worker.bus").addHandler(lost)
-    try:
-        # Heartbeats every 5 s: without the reconnect, it would count its request lost after 10.
-        async with Pull(bus, STREAM, CONSUMER, max_ahead=4, heartbeat_s=5.0) as pull:
-            assert await pull.fetch(1, timeout_s=0) == []  # asks, and returns at once
-            await until_consumer(js, CONSUMER, "waited on", lambda i: i.num_waiting == 1)
-            # SIGKILL: no "409 Server Shutdown" says that the request is gone.
-            nats_server.stop(kill=True)
-            await until_connected(bus, False)
-            nats_server.start()
-            await until_connected(bus, True)
-            await publish(js, range(1))
-            [message] = await pull.fetch(1, timeout_s=5.0)
-    finally:
-        logging.getLogger("kvhandoff.worker.bus").removeHandler(lost)
+    # Heartbeats every 5 s: without the reconnect, it would count its request lost after 10.
+    async with Pull(bus, STREAM, CONSUMER, max_ahead=4, heartbeat_s=5.0) as pull:
+        assert await pull.fetch(1, timeout_s=0) == []  # asks, and returns at once
+        await until_consumer(js, CONSUMER, "waited on", lambda i: i.num_waiting == 1)
+        # SIGKILL: no "409 Server Shutdown" says that the request is gone.
+        nats_server.stop(kill=True)
+        await until_connected(bus, False)
+        nats_server.start()
+        await until_connected(bus, True)
+        await publish(js, range(1))
+        [message] = await pull.fetch(1, timeout_s=5.0)
     assert message.data == b"0"
     assert not lost.seen.is_set()
 
