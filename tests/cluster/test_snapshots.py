@@ -145,17 +145,23 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
+async def run_until_killed(script: str, url: str) -> None:
+    """Run a writer script as a child process, given the cluster's URL; it must end by killing
+    itself with SIGKILL."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, url, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await asyncio.wait_for(child.communicate(), 60)
+    assert child.returncode == -9, stderr.decode()
+
+
 async def test_a_writer_killed_in_the_middle_of_a_snapshots_batch_leaves_the_last_snapshot(
     nats_cluster: NatsCluster, bus: Bus, other: Bus, js: JetStreamContext
 ) -> None:
     script = _KILLED_MID_BATCH % {
         "stream": LOG_STREAM, "prefix": PREFIX, "partition": PARTITION, "big": BIG,
     }  # fmt: skip
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script, nats_cluster.url, stderr=asyncio.subprocess.PIPE
-    )
-    _, stderr = await asyncio.wait_for(child.communicate(), 60)
-    assert child.returncode == -9, stderr.decode()
+    await run_until_killed(script, nats_cluster.url)
 
     caught = await log_of(other, "next").claim()
     assert caught.snapshot == b"s" * BIG  # the first snapshot, whole; nothing of the second
@@ -198,11 +204,7 @@ async def test_a_writer_killed_as_it_sends_a_one_message_snapshot_leaves_one_or_
     script = _KILLED_AFTER_SENDING % {
         "stream": LOG_STREAM, "prefix": PREFIX, "partition": PARTITION,
     }  # fmt: skip
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script, nats_cluster.url, stderr=asyncio.subprocess.PIPE
-    )
-    _, stderr = await asyncio.wait_for(child.communicate(), 60)
-    assert child.returncode == -9, stderr.decode()
+    await run_until_killed(script, nats_cluster.url)
 
     caught = await log_of(other, "next").claim()
     # The roll-up is one message: it landed whole and replaced the first snapshot and its tail,
