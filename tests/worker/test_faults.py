@@ -59,6 +59,17 @@ def assert_consistent(db: Path, engines: ScriptedEngines, starts: list[StartHand
 
 
 @pytest.mark.slow
+def exit_status(worker: WorkerProcess, timeout_s: float) -> int:
+    """Launch the worker and wait for it to exit on its own; a worker that did not is not left
+    running."""
+    worker.launch()
+    assert worker.process is not None
+    try:
+        return worker.process.wait(timeout=timeout_s)
+    finally:
+        worker.stop()
+
+
 async def test_sigkill_at_random_points_loses_nothing(
     worker: WorkerProcess, engines: ScriptedEngines
 ) -> None:
@@ -175,12 +186,7 @@ async def test_a_crash_after_an_append_before_anything_of_it_is_done_loses_nothi
     crashing = WorkerProcess(
         nats_server.url, db, "--batch-size", "64", module="tests.worker.crashing_worker"
     )
-    crashing.launch()
-    assert crashing.process is not None
-    try:
-        assert crashing.process.wait(timeout=60) == 137, crashing.logs()
-    finally:
-        crashing.stop()  # a worker that did not crash is not left running
+    assert exit_status(crashing, timeout_s=60) == 137, crashing.logs()
     assert "acted on none of it, batch" in crashing.logs()
 
     worker.start()
@@ -212,11 +218,6 @@ async def test_an_open_handoff_whose_log_this_build_rederives_differently_stops_
     await log.commit(batch)
     await log.close()
 
-    worker.launch()
-    assert worker.process is not None
-    try:
-        assert worker.process.wait(timeout=30) == 2, worker.logs()
-    finally:
-        worker.stop()  # a worker that did not stop is not left running
+    assert exit_status(worker, timeout_s=30) == 2, worker.logs()
     assert f"handoff {start.handoff_id} diverges at step 0" in worker.logs()
     assert "kvhandoff verify" in worker.logs()
