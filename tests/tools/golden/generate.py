@@ -171,15 +171,9 @@ def stuck_on_reserve(h: UUID) -> Script:
 
 
 def stuck_on_transfer(h: UUID) -> Script:
-    # The transfer was scheduled but never reported complete: waits on a fact.
-    return [
-        (0, _start(h, EngineType.SGLANG)),
-        (3, ActionOutcome(h, 0, ACCEPTED)),
-        (9, DestinationReserved(h, 3072)),
-        (12, ActionOutcome(h, 1, SUBMITTED)),
-        (160, SourceHeld(h, MISSING_ONLY)),
-        (162, ActionOutcome(h, 2, SCHEDULED)),
-    ]
+    # The destination-first success up to the transfer's Scheduled, whose TransferCompleted
+    # never comes: waits on a fact.
+    return destination_first_success(h)[:6]
 
 
 def just_started(h: UUID) -> Script:
