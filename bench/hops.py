@@ -118,31 +118,50 @@ class StoredPublisher:
             self._refusal = f"status {status}" if status else msg.data.decode(errors="replace")
 
 
-class TimedEngines:
-    """Every engine and the frontend: each action is answered as `success_script` says (a
-    repeated one with its outcome only), stamping when each input leaves and each action
-    arrives."""
+class _TimedClient:
+    """What both closed-loop clients share: one connection, whose messages out go through a
+    `StoredPublisher`, and what they time: the (arrival, latency) of every hop back and the
+    arrival of every end of a round."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.sent_at: dict[uuid.UUID, float] = {}
-        self.hops: list[tuple[float, float]] = []  # (arrival, latency) of every action
-        self.ended: asyncio.Queue[float] = asyncio.Queue()  # arrival of every Complete
-        self._answered: set[tuple[uuid.UUID, int]] = set()
+        self.hops: list[tuple[float, float]] = []
+        self.ended: asyncio.Queue[float] = asyncio.Queue()
         self._nc: Client | None = None
         self._publisher: StoredPublisher | None = None
 
-    async def start(self) -> None:
+    async def _connect(self, listen: dict[str, Callable[[Msg], Awaitable[None]]]) -> None:
+        """Connect, start the publisher, and subscribe each subject of `listen` to its
+        callback."""
         self._nc = await nats.connect(self.url)
         self._publisher = StoredPublisher(self._nc)
         await self._publisher.start()
-        await self._nc.subscribe(f"{SUBJECTS.prefix}.engine.*.actions", cb=self._on_action)
-        await self._nc.subscribe(SUBJECTS.all_done, cb=self._on_done)
+        for subject, on_message in listen.items():
+            await self._nc.subscribe(subject, cb=on_message)
         await self._nc.flush()
 
     async def close(self) -> None:
         if self._nc is not None:
             await self._nc.close()
+
+
+class TimedEngines(_TimedClient):
+    """Every engine and the frontend: each action is answered as `success_script` says (a
+    repeated one with its outcome only), stamping when each input leaves and each action
+    arrives. A hop is an action's; the end of a round, a `Complete`."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.sent_at: dict[uuid.UUID, float] = {}
+        self._answered: set[tuple[uuid.UUID, int]] = set()
+
+    async def start(self) -> None:
+        await self._connect(
+            {
+                f"{SUBJECTS.prefix}.engine.*.actions": self._on_action,
+                SUBJECTS.all_done: self._on_done,
+            }
+        )
 
     def check(self) -> None:
         assert self._publisher is not None
@@ -312,29 +331,18 @@ class CpuOf:
         )
 
 
-class EchoSender:
-    """Plays the engines against an echo responder: JetStream publish out, core NATS back."""
+class EchoSender(_TimedClient):
+    """Plays the engines against an echo responder: JetStream publish out, core NATS back. An
+    echo is both a hop and the end of its round."""
 
     def __init__(self, url: str, prefix: str, responder: int) -> None:
-        self.url = url
+        super().__init__(url)
         self.prefix = prefix
         self.responder = responder  # the responder's process id, for its CPU
         self.sent_at: dict[bytes, float] = {}
-        self.hops: list[tuple[float, float]] = []
-        self.ended: asyncio.Queue[float] = asyncio.Queue()
-        self._nc: Client | None = None
-        self._publisher: StoredPublisher | None = None
 
     async def start(self) -> None:
-        self._nc = await nats.connect(self.url)
-        self._publisher = StoredPublisher(self._nc)
-        await self._publisher.start()
-        await self._nc.subscribe(f"{self.prefix}.out", cb=self._on_echo)
-        await self._nc.flush()
-
-    async def close(self) -> None:
-        if self._nc is not None:
-            await self._nc.close()
+        await self._connect({f"{self.prefix}.out": self._on_echo})
 
     async def send(self, i: int) -> None:
         assert self._publisher is not None
