@@ -187,6 +187,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     logs.add_argument("--log-level", type=str.upper, default="INFO")
 
 
+def bus_unavailable(command: str, exc: BusUnavailable) -> int:
+    """Say on stderr why `kvhandoff <command>` could not use the bus; the exit status: 2 if NATS
+    refused our credentials or TLS (a setting to fix, not worth retrying), 1 if it never
+    answered."""
+    print(f"kvhandoff {command}: {exc}", file=sys.stderr)
+    return 2 if isinstance(exc, Refused) else 1
+
+
 def execute(args: argparse.Namespace) -> int:
     try:
         settings = nats_settings(args)
@@ -224,8 +232,7 @@ def execute(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(serve(settings, config))
     except BusUnavailable as exc:
-        print(f"kvhandoff engines: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, Refused) else 1
+        return bus_unavailable("engines", exc)
     if report is None:
         return 1
     print_report(report, Console())

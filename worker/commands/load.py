@@ -20,9 +20,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvhandoff.client import BusUnavailable, Refused
+from kvhandoff.client import BusUnavailable
 from kvhandoff.worker.clock import DURATION_HELP, duration_arg
-from kvhandoff.worker.commands.engines import add_roster_arguments, print_leaks, roster
+from kvhandoff.worker.commands.engines import (
+    add_roster_arguments,
+    bus_unavailable,
+    print_leaks,
+    roster,
+)
 from kvhandoff.worker.config import add_nats_arguments, nats_settings
 from kvhandoff.worker.errors import ConfigError
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadProgress, LoadReport, run_load
@@ -121,8 +126,7 @@ def execute(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(run_with_progress(config, console if show_progress else None))
     except BusUnavailable as exc:
-        print(f"kvhandoff load: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, Refused) else 1
+        return bus_unavailable("load", exc)
     if args.json != "-":
         print_summary(report, console)
     if args.json is not None:
