@@ -17,15 +17,17 @@ into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's 
     │       └── PartitionsMismatch  the input stream was made for other partitions, or a
     │                               worker of an earlier version
     ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
+    ├── NewerLogVersion    a partition's replicated log holds an entry a newer build wrote
     ├── ChildError         a process we started (`worker.harness.child`) did not come up
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.harness.containers)
 
 Who handles what apart: `kvhandoff run` exits 2 on `ConfigError`, `StoreLocked`, `BusRefused`,
-`StreamMismatch` (`PartitionsMismatch` included) and `LogDiverges` (retrying cannot help), 1 on
-any other `StoreError` or `BusError` it cannot serve through. Once running, a partition whose
-commit or append failed is handed back and claimed again at the next round
-(worker.tier.membership), its handoffs rebuilt from the log; a handoff whose row or record is
+`StreamMismatch` (`PartitionsMismatch` included), `LogDiverges` and `NewerLogVersion` (retrying
+cannot help), 1 on any other `StoreError` or `BusError` it cannot serve through. Once running, a
+partition whose commit or append failed is handed back and claimed again at the next round
+(worker.tier.membership), its handoffs rebuilt from the log, unless it failed with `LogDiverges`
+or `NewerLogVersion`, which stop the worker; a handoff whose row or record is
 `StoreCorrupt` or `LogCorrupt` is quarantined, not the whole load. The offline commands print any
 `WorkerError` or `events.errors.HandoffError` as one line, exit 2.
 """
@@ -74,6 +76,15 @@ class LogDiverges(WorkerError):
     """Recovery replayed an open handoff and this build's coordinator issued other actions
     than the log holds: the build, not the log, is the likely culprit, so the worker refuses
     to start instead of acting differently from what it logged."""
+
+
+class NewerLogVersion(WorkerError):
+    """A partition's replicated log holds an entry that a newer build wrote and this one cannot
+    read: of a later log version, of a kind or with a handoff state this build does not know
+    (see "Reading rule" in worker.tier.entries). Owning the partition would mean acting on a
+    history this build does not understand, so the worker stops instead, handing the rest of
+    its share over, for an upgraded worker to take it. The message names the partition, the
+    entry and the versions."""
 
 
 class PinMismatch(BusError):

@@ -36,7 +36,7 @@ from nats.js import JetStreamContext
 
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier.balance import partition_of
-from kvhandoff.worker.tier.ownership import Appended, Claimed, Entry
+from kvhandoff.worker.tier.entries import Appended, Claimed, Entry
 from tests.cluster.conftest import WITHIN_S, Acted, StatusChild, publish, until
 from tests.cluster.owner_process import (
     FENCED_EXIT,

@@ -14,7 +14,8 @@ from nats.js.errors import NotFoundError
 
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.errors import BusError, Fenced
-from kvhandoff.worker.tier.ownership import Appended, Claimed, Entry, PartitionLog, read_entries
+from kvhandoff.worker.tier.entries import Appended, Claimed, Entry
+from kvhandoff.worker.tier.ownership import PartitionLog, read_entries
 
 PREFIX = "kvhandoff"
 LOG_STREAM = "KVHANDOFF_LOG"

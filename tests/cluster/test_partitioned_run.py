@@ -67,8 +67,8 @@ from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
 from kvhandoff.worker.log.reader import open_log
 from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.tier.balance import assign, partition_of
+from kvhandoff.worker.tier.entries import Appended, Claimed, Entry, Snapshot
 from kvhandoff.worker.tier.membership import TierSettings
-from kvhandoff.worker.tier.ownership import Appended, Claimed, Entry, Snapshot
 from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 from tests.cluster.test_tier import the_log
 from tests.worker.conftest import logged_inputs

@@ -18,7 +18,7 @@ from nats.js import JetStreamContext
 from kvhandoff.worker.bus import Bus, partition_log_subject
 from kvhandoff.worker.errors import Fenced
 from kvhandoff.worker.harness.natsserver import NatsCluster
-from kvhandoff.worker.tier.ownership import Appended, Claimed, Snapshot
+from kvhandoff.worker.tier.entries import Appended, Claimed, Snapshot
 from tests.cluster.test_ownership import (
     LOG_STREAM,
     PARTITION,

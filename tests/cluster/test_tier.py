@@ -22,7 +22,8 @@ from nats.js.errors import NotFoundError
 
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier.balance import partition_of
-from kvhandoff.worker.tier.ownership import Appended, Claimed, Entry, read_entries
+from kvhandoff.worker.tier.entries import Appended, Claimed, Entry
+from kvhandoff.worker.tier.ownership import read_entries
 from tests.cluster.conftest import WITHIN_S, Acted, StatusChild, publish, until
 from tests.cluster.tier_process import KILL_BEFORE_ACTING, PARTITIONS, SETTINGS
 

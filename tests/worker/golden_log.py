@@ -25,9 +25,8 @@ import msgspec
 from kvhandoff.events.codec import encode
 from kvhandoff.events.messages import EngineType, Input, StartHandoff
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.tier.ownership import Appended, Claimed
+from kvhandoff.worker.tier.entries import Appended, Claimed, LoggedRows
 from kvhandoff.worker.tier.planner import Planner
-from kvhandoff.worker.tier.service import LoggedRows
 from tests.worker.test_planner import Delivery, success_inputs
 
 AT_MS = 1_796_600_000_000  # 2026-12-06

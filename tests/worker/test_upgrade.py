@@ -17,7 +17,8 @@ from nats.js.api import StreamConfig
 from kvhandoff.events.messages import EngineType, StartHandoff
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.reader import open_log
-from kvhandoff.worker.tier.ownership import Snapshot, read_entries
+from kvhandoff.worker.tier.entries import Snapshot
+from kvhandoff.worker.tier.ownership import read_entries
 from tests.worker.conftest import WorkerProcess
 from tests.worker.golden_log import DONE, OPEN
 from tests.worker.scripted_engine import ScriptedEngines

@@ -68,8 +68,9 @@ from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadProgress, LoadReport
 from kvhandoff.worker.log.reader import PARTITION_FILE, open_log
 from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.tier.entries import Claimed
 from kvhandoff.worker.tier.membership import TierSettings
-from kvhandoff.worker.tier.ownership import Claimed, read_claims
+from kvhandoff.worker.tier.ownership import read_claims
 
 HANDOFFS = 600
 WORKERS = ("w1", "w2", "w3")  # the first is killed

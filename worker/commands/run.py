@@ -38,6 +38,7 @@ from kvhandoff.worker.errors import (
     BusRefused,
     ConfigError,
     LogDiverges,
+    NewerLogVersion,
     StoreError,
     StoreLocked,
     StreamMismatch,
@@ -78,7 +79,7 @@ def execute(args: argparse.Namespace) -> int:
     with lock:
         try:
             return asyncio.run(serve(config))
-        except (BusRefused, ConfigError, LogDiverges, StreamMismatch) as exc:
+        except (BusRefused, ConfigError, LogDiverges, NewerLogVersion, StreamMismatch) as exc:
             logger.error("cannot start: %s", exc)
             return 2
         except (StoreError, BusError) as exc:

@@ -10,8 +10,9 @@ partition up again at the next round if it is still in its share (its pull then 
 another worker holds the pin).
 
 An owner that fails is started again at the next round, unless it failed with `LogDiverges`
-(this build's coordinator does not re-derive an open handoff of the partition's log): that
-stops the worker, which hands the rest of its share over, as it would refuse to start.
+(this build's coordinator does not re-derive an open handoff of the partition's log) or
+`NewerLogVersion` (a newer build wrote the partition's log): that stops the worker, which hands
+the rest of its share over, as it would refuse to start.
 
 Set-up. The streams and the consumers are created if absent (idempotent: every worker does it)
 before the worker announces itself; while the cluster cannot answer (forming, or without a meta
@@ -53,7 +54,13 @@ from dataclasses import dataclass, field
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Member, Membership
 from kvhandoff.worker.config import DEFAULT_STREAM, done_stream_of, log_stream_of
-from kvhandoff.worker.errors import BusError, ConfigError, LogDiverges, StreamMismatch
+from kvhandoff.worker.errors import (
+    BusError,
+    ConfigError,
+    LogDiverges,
+    NewerLogVersion,
+    StreamMismatch,
+)
 from kvhandoff.worker.stoppable import unless_stopped
 from kvhandoff.worker.tier.balance import rebalance
 from kvhandoff.worker.tier.metrics import TierMetrics
@@ -224,9 +231,10 @@ class Tier:
             if task.done():  # fenced, or failed: forget it, and take it up again if still ours
                 del self._running[partition]
                 failure = None if task.cancelled() else task.exception()
-                if isinstance(failure, LogDiverges):
-                    # This build does not re-derive the partition's log: every claim of it
-                    # would fail alike. Stop, handing the rest over, for a worker that does.
+                if isinstance(failure, LogDiverges | NewerLogVersion):
+                    # This build does not re-derive, or read, the partition's log: every claim
+                    # of it would fail alike. Stop, handing the rest over, for a worker that
+                    # does.
                     raise failure
                 if failure is not None:
                     logger.error("partition %d: its owner failed: %s", partition, failure)

@@ -3,7 +3,8 @@
 Theory of operation. Each partition has one subject in the replicated log stream
 (`worker.bus.partition_log_subject`), written only by compare-and-set
 (`Bus.append_expecting`): every append names the sequence of the subject's last entry as its
-writer last saw it, and JetStream refuses it if anyone appended since. The log's entries:
+writer last saw it, and JetStream refuses it if anyone appended since. The log's entries (their
+types, tags and versions, and how each is decoded, are in worker.tier.entries):
 
     Claimed(epoch, owner)           a worker took the partition; epochs count up from 1
     Appended(epoch, inputs, records) the owner applied these inputs (their stream sequences in
@@ -22,9 +23,11 @@ writer last saw it, and JetStream refuses it if anyone appended since. The log's
 
 A worker becomes the owner by `claim`: it reads the subject (catch-up: the last snapshot, if
 any, and the entries after it; the epoch so far, the inputs applied that may come again, every
-record), then appends `Claimed(epoch + 1)` at the last sequence it read. From then on it
+record), then appends `Claimed(epoch + 1)` at the last sequence it read; from then on it
 appends at the sequence its previous append got. So what a claim reads is bounded by the live
-state and the entries since the last snapshot, never by history. Invariants:
+state and the entries since the last snapshot, never by history. A claim that reads an entry a
+newer build wrote appends nothing and raises `NewerLogVersion` (see "Reading rule" in
+worker.tier.entries): it fences nobody. Invariants:
 
 - At most one writer appends at a time: the appends to the subject form one chain, and each
   link names the one before it. Whoever claimed last is the owner; every other writer's next
@@ -61,74 +64,25 @@ import msgspec
 
 from kvhandoff.worker.bus import MAX_BATCH_MESSAGES, Bus, partition_log_subject
 from kvhandoff.worker.errors import BusError, Fenced
+from kvhandoff.worker.tier.entries import (
+    LOG_VERSION,
+    Appended,
+    Claimed,
+    Entry,
+    HandedOver,
+    Snapshot,
+    SnapshotPart,
+    decode_entry,
+    decode_snapshot,
+    encode_entry,
+)
 
 logger = logging.getLogger(__name__)
 
 
-class Claimed(msgspec.Struct, frozen=True, tag="claimed", tag_field="entry"):
-    """A worker took the partition, as owner number `epoch`."""
-
-    epoch: int
-    # "<label>/<member instance>" (worker.tier.membership: Tier.owner_name; worker.bus.Member)
-    owner: str
-    at_ms: int  # the claimant's wall clock
-
-    @property
-    def instance(self) -> str:
-        """The claimant's member instance, as it announces itself (`worker.bus.Member`)."""
-        return self.owner.rpartition("/")[2]
-
-
-class Appended(msgspec.Struct, frozen=True, tag="appended", tag_field="entry"):
-    """The owner of `epoch` applied these inputs and logged these records."""
-
-    epoch: int
-    inputs: list[int]  # stream sequences in the input stream
-    records: bytes = b""
-
-
-class HandedOver(msgspec.Struct, frozen=True, tag="handed_over", tag_field="entry"):
-    """The owner of `epoch` handed the partition over (worker.tier.owner, "Hand-over").
-    It fences nothing: it only tells the next claimant how the previous owner left."""
-
-    epoch: int
-    owner: str
-    at_ms: int
-
-
-class Snapshot(msgspec.Struct, frozen=True, tag="snapshot", tag_field="entry"):
-    """The owner of `epoch` summed up the partition's log before this entry, which replaced
-    it: `records`, the live state (opaque here, as the caller encodes it); `applied`, the input
-    stream sequences applied that the consumer may still deliver; `claims`, the latest
-    `Claimed` entries, oldest first (for `read_claims`)."""
-
-    epoch: int
-    owner: str
-    at_ms: int
-    applied: list[int]
-    records: bytes
-    claims: list[Claimed] = []
-
-
-class SnapshotPart(msgspec.Struct, frozen=True, tag="snapshot_part", tag_field="entry"):
-    """Part `index` of `count` of an encoded `Snapshot` too large for one message: the parts
-    are stored together or not at all (one atomic batch), the first rolling the subject up."""
-
-    index: int
-    count: int
-    data: bytes
-
-
-# What a reader of the log sees: a snapshot's parts are joined (`read_entries`).
-Entry = Claimed | Appended | HandedOver | Snapshot
-
 CLAIMS_KEPT = 32  # the claims a snapshot keeps for `read_claims`
 # What a snapshot's message leaves of the bus's largest message for its headers and framing.
 _PART_MARGIN = 16 * 1024
-
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(Entry | SnapshotPart)
-_SNAPSHOT = msgspec.msgpack.Decoder(Snapshot)
 
 
 @dataclass
@@ -166,18 +120,20 @@ class CaughtUp:
 
 
 def read_entries(partition: int, subject: str, entries: list[tuple[int, bytes]]) -> list[Entry]:
-    """The log's entries, a snapshot's parts joined; `BusError` naming the first entry this
-    build cannot read."""
+    """The log's entries, a snapshot's parts joined; `NewerLogVersion` naming the first entry
+    a newer build wrote (see "Reading rule" in worker.tier.entries), `BusError` naming the
+    first entry that is none."""
     found: list[Entry] = []
     parts: list[bytes] = []
     for seq, data in entries:
+        where = f"partition {partition}: entry {seq} of {subject}"
         try:
-            entry = _DECODER.decode(data)
+            entry = decode_entry(data, where)
             if isinstance(entry, SnapshotPart):
                 parts.append(entry.data)
                 if entry.index + 1 < entry.count:
                     continue
-                entry = _SNAPSHOT.decode(b"".join(parts))
+                entry = decode_snapshot(b"".join(parts), f"{where} (a snapshot's last part)")
                 parts = []
         except msgspec.DecodeError as exc:
             raise BusError(
@@ -239,10 +195,13 @@ class PartitionLog:
         for entry in read_entries(self.partition, self.subject, entries):
             caught.take(entry)
         last = entries[-1][0] if entries else 0
-        claim = Claimed(epoch=caught.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000)
+        claim = Claimed(
+            epoch=caught.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000,
+            version=LOG_VERSION,
+        )  # fmt: skip
         try:
             self._last_seq = await self._bus.append_expecting(
-                self.subject, _ENCODER.encode(claim), last, give_up_after_s=self._append_timeout_s
+                self.subject, encode_entry(claim), last, give_up_after_s=self._append_timeout_s
             )
         except Fenced:
             self.fenced = True
@@ -261,13 +220,17 @@ class PartitionLog:
     async def hand_over(self) -> None:
         """Log that this owner handed the partition over, last of what it appends; `Fenced`
         if another worker appended first."""
-        entry = HandedOver(epoch=self.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000)
+        entry = HandedOver(
+            epoch=self.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000,
+            version=LOG_VERSION,
+        )  # fmt: skip
         await self._append(entry)
 
     async def append(self, inputs: list[int], records: bytes) -> int:
         """Log that these inputs were applied, with their records; the entry's sequence.
         `Fenced`, for this and every later call, once another worker appended first."""
-        return await self._append(Appended(epoch=self.epoch, inputs=inputs, records=records))
+        entry = Appended(epoch=self.epoch, inputs=inputs, records=records, version=LOG_VERSION)
+        return await self._append(entry)
 
     async def snapshot(self, applied: list[int], records: bytes) -> int:
         """Replace the partition's log by a snapshot of its state: `records`, as the caller
@@ -275,9 +238,10 @@ class PartitionLog:
         append: the roll-up names the last entry this owner appended, and is refused whole if
         another worker appended since. The snapshot's (last) sequence."""
         entry = Snapshot(
-            self.epoch, self.owner, time.time_ns() // 1_000_000, applied, records, self._claims
-        )
-        encoded = _ENCODER.encode(entry)
+            self.epoch, self.owner, time.time_ns() // 1_000_000, applied, records, self._claims,
+            version=LOG_VERSION,
+        )  # fmt: skip
+        encoded = encode_entry(entry)
         room = self._bus.max_payload - _PART_MARGIN
         if len(encoded) <= room:
             return await self._append(entry, rollup=True)
@@ -288,7 +252,7 @@ class PartitionLog:
                 f"{count} messages, more than one atomic batch holds ({MAX_BATCH_MESSAGES})"
             )
         parts = [
-            _ENCODER.encode(SnapshotPart(i, count, encoded[i * room : (i + 1) * room]))
+            encode_entry(SnapshotPart(i, count, encoded[i * room : (i + 1) * room], LOG_VERSION))
             for i in range(count)
         ]
         return await self._appended(
@@ -329,7 +293,7 @@ class PartitionLog:
         last_seq = self._checked_last_seq()
         return await self._appended(
             self._bus.append_expecting(
-                self.subject, _ENCODER.encode(entry), last_seq,
+                self.subject, encode_entry(entry), last_seq,
                 give_up_after_s=self._append_timeout_s, rollup=rollup,
             )
         )  # fmt: skip

@@ -115,8 +115,16 @@ from kvhandoff.worker.log.store import (
     Committed,
     CorruptHandoff,
     EventLog,
-    LiveState,
     WriterLock,
+)
+from kvhandoff.worker.tier.entries import (
+    LOG_VERSION,
+    MARK_KEY,
+    LoggedRows,
+    LoggedState,
+    decode_rows,
+    decode_state,
+    encode_entry,
 )
 from kvhandoff.worker.tier.lease_view import view_path
 from kvhandoff.worker.tier.leases import EngineLeases
@@ -131,9 +139,6 @@ logger = logging.getLogger(__name__)
 
 # First and longest pause before publishing again what a failed barrier covered.
 _RESEND_PAUSE_S = (0.1, 2.0)
-
-# The meta key of a partition file's mark: the first input of the last entry it holds.
-MARK_KEY = "partition_log_mark"
 
 # Local commits a partition may have queued and not ended before its next batch is decided:
 # the file trails the replicated log, by a bounded amount. Unbounded, a drain faster than the
@@ -168,66 +173,6 @@ def tier_settings(config: WorkerConfig) -> TierSettings:
         ack_wait_s=config.ack_wait_s,
         batch_size=config.batch_size, snapshots=snapshots,
     )  # fmt: skip
-
-
-class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", tag_field="kind"):
-    """One batch's rows, as appended to the partition's replicated log (`Appended.records`)
-    and committed to its local file: a `worker.log.store.Batch`, whose outbox marks are those the
-    server confirmed since the previous batch (so that a new owner republishes only the
-    actions of the last batches, not the partition's history)."""
-
-    inputs: list[int]  # the input stream sequences applied: the first is the entry's mark
-    events: list[tuple[str, int, int, int, bytes]]  # (handoff id, seq, type, at_ms, record)
-    handoffs: list[HandoffRow]
-    rejections: list[tuple[int, str | None, str, bytes]]  # (at_ms, handoff id, reason, payload)
-    quarantined: list[tuple[int, str]]  # (at_ms, handoff id)
-    # (handoff id, seq, at_ms): outbox marks. msgspec writes a UUID as its text, so entries
-    # appended when this was a str read the same.
-    published: list[tuple[UUID, int, int]]
-    # The tombstones of the handoffs the batch ended: what a claim that reads this entry after
-    # a snapshot keeps of them, without reading their rows (none in entries from before).
-    ended: list[Tombstone] = []
-
-    @classmethod
-    def of(
-        cls, inputs: list[int], batch: Batch, published: list[tuple[UUID, int, int]],
-        ended: list[Tombstone],
-    ) -> LoggedRows:  # fmt: skip
-        return cls(
-            inputs, batch.events, list(batch.handoffs.values()), batch.rejections,
-            batch.quarantined, published, ended,
-        )  # fmt: skip
-
-    def add_to(self, batch: Batch) -> None:
-        """Add these rows to `batch`, after those it holds (a later row of a handoff wins)."""
-        batch.events.extend(self.events)
-        batch.handoffs.update((row.handoff_id, row) for row in self.handoffs)
-        batch.rejections.extend(self.rejections)
-        batch.quarantined.extend(self.quarantined)
-        for handoff_id, seq, at_ms in self.published:
-            batch.mark_published(handoff_id, seq, at_ms)
-        if self.inputs:
-            batch.meta[MARK_KEY] = str(self.inputs[0])
-
-
-class LoggedState(msgspec.Struct, frozen=True, tag="state", tag_field="kind"):
-    """A partition's live state, as a snapshot of its replicated log holds it
-    (`worker.tier.ownership.Snapshot.records`): a `worker.log.store.LiveState`, and the mark of the
-    last entry it sums up, so that a file that holds that entry already takes none of it."""
-
-    mark: int | None  # the local file's mark after that entry (`MARK_KEY`)
-    handoffs: list[HandoffRow]
-    marks: list[tuple[UUID, int, int | None]]
-    events: list[tuple[str, int, int, int, bytes]]
-    tombstones: list[Tombstone]
-
-    def live_state(self) -> LiveState:
-        return LiveState(self.handoffs, self.marks, self.events, self.tombstones)
-
-
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(LoggedRows)
-_STATE_DECODER = msgspec.msgpack.Decoder(LoggedState)
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,7 +300,9 @@ class Worker:
         entries = []
         for index, record in enumerate(caught.records):
             try:
-                entries.append(_DECODER.decode(record))
+                entries.append(
+                    decode_rows(record, f"partition {partition}: entry {index} of its log's tail")
+                )
             except msgspec.DecodeError as exc:
                 raise StoreCorrupt(
                     f"partition {partition}: entry {index} of its replicated log is not a batch "
@@ -397,7 +344,7 @@ class Worker:
     @staticmethod
     def _logged_state(partition: int, records: bytes) -> LoggedState:
         try:
-            return _STATE_DECODER.decode(records)
+            return decode_state(records, f"partition {partition}: the snapshot its log starts with")
         except msgspec.DecodeError as exc:
             raise StoreCorrupt(
                 f"partition {partition}: the snapshot its replicated log starts with is not a "
@@ -413,8 +360,10 @@ class Worker:
         state = await part.log.live_state()
         mark = _int(await part.log.meta(MARK_KEY))
         tombstones = list(part.planner.tombstones.values())
-        return _ENCODER.encode(
-            LoggedState(mark, state.handoffs, state.marks, state.events, tombstones)
+        return encode_entry(
+            LoggedState(
+                mark, state.handoffs, state.marks, state.events, tombstones, version=LOG_VERSION
+            )
         )
 
     async def _tombstones(
@@ -491,7 +440,7 @@ class Worker:
             return Decided(b"", deferred)
         rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part), plan.ended)
         part.decided.append((inputs, plan, rows))
-        return Decided(_ENCODER.encode(rows), deferred)
+        return Decided(encode_entry(rows), deferred)
 
     async def act(self, batch: Sequence[Inbound]) -> None:
         """Commit the appended rows locally, then publish what they say."""
