@@ -224,11 +224,11 @@ _SNAPSHOT = msgspec.msgpack.Decoder(Snapshot)
 _ROWS = msgspec.msgpack.Decoder(LoggedRows)
 _STATE = msgspec.msgpack.Decoder(LoggedState)
 _PROBE = msgspec.msgpack.Decoder(_Probe)
-_ENTRY_TAGS = frozenset(
-    str(kind.__struct_config__.tag)
-    for kind in (Claimed, Appended, HandedOver, Snapshot, SnapshotPart)
-)
-_RECORD_TAGS = frozenset(str(kind.__struct_config__.tag) for kind in (LoggedRows, LoggedState))
+# Every kind of entry, and of an entry's records, that this build reads and writes.
+ENTRY_KINDS = (Claimed, Appended, HandedOver, Snapshot, SnapshotPart)
+RECORD_KINDS = (LoggedRows, LoggedState)
+_ENTRY_TAGS = frozenset(str(kind.__struct_config__.tag) for kind in ENTRY_KINDS)
+_RECORD_TAGS = frozenset(str(kind.__struct_config__.tag) for kind in RECORD_KINDS)
 _KNOWN_STATES = frozenset(state.value for state in HandoffState)
 
 
