@@ -301,8 +301,8 @@ class PartitionLog:
 
 async def read_claims(bus: Bus, stream: str, prefix: str, partition: int) -> list[Claimed]:
     """The partition's latest claims, in log order: those its last snapshot kept (the last
-    `CLAIMS_KEPT`) and those after it; `BusError` if the log cannot be read or holds an entry
-    this build cannot decode."""
+    `CLAIMS_KEPT`) and those after it; `BusError` if the log cannot be read or holds what is no
+    entry, `NewerLogVersion` if it holds a newer build's."""
     subject = partition_log_subject(prefix, partition)
     caught = CaughtUp(epoch=1, previous_owner=None)
     for entry in read_entries(partition, subject, await bus.read_subject(stream, subject)):
