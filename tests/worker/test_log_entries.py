@@ -9,7 +9,7 @@ adds its own.
 
 A newer build's entries are made here as that build would write them: the golden bytes,
 decoded as plain msgpack, with what the newer build adds. What the reading rule says of each:
-a new field is ignored; a later version, an unknown kind, an unknown handoff state are refused
+a new field is ignored; a later version, an unknown kind, handoff state or record type are refused
 with `NewerLogVersion`, before a claim appends anything; nothing of it is `StoreCorrupt`.
 """
 
@@ -81,7 +81,7 @@ INSTANCES: dict[str, Any] = {
     "snapshot_part": SnapshotPart(index=0, count=2, data=b"\x85\xa5entry"),
     "rows": LoggedRows(
         inputs=[1001, 1002],
-        events=[(str(OPEN_ID), 0, 1, AT_MS, b"input"), (str(OPEN_ID), 1, 20, AT_MS + 1, b"act")],
+        events=[(str(OPEN_ID), 0, 1, AT_MS, b"input"), (str(OPEN_ID), 1, 9, AT_MS + 1, b"act")],
         handoffs=[ROW],
         rejections=[
             (AT_MS + 2, None, "undecodable", b"\xff"),
@@ -203,6 +203,14 @@ def test_a_handoff_in_a_state_this_build_lacks_is_refused(tag: str) -> None:
     """Even from a newer build that did not bump the version, as it should have."""
     data = newer(tag, lambda entry: entry["handoffs"][0].update(state="paused"))
     with pytest.raises(NewerLogVersion, match=f"handoff {OPEN_ID} in state 'paused'"):
+        decode(tag, data)
+
+
+@pytest.mark.parametrize("tag", ["rows", "state"])
+def test_an_event_of_a_record_type_this_build_lacks_is_refused(tag: str) -> None:
+    """A newer coordinator's message: read as a corrupt record, it would quarantine a handoff."""
+    data = newer(tag, lambda entry: entry["events"][0].__setitem__(2, 200))
+    with pytest.raises(NewerLogVersion, match=f"event 0 of handoff {OPEN_ID} of record type 200"):
         decode(tag, data)
 
 

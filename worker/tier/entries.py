@@ -33,8 +33,9 @@ What a next version may change, and how:
   `LOG_VERSION`. A field's type never changes; a change of meaning is a new field or a new kind.
 
 Reading rule. An entry of a version above `LOG_VERSION`, of a kind this build does not know, or
-holding a handoff in a state it does not know, is refused with `NewerLogVersion`, which names
-the partition, the entry and both versions; it is never `StoreCorrupt`, and it is never skipped.
+holding a handoff in a state or an event of a record type (`events.records.TYPE_CODES`) it does
+not know, is refused with `NewerLogVersion`, which names the partition, the entry and both
+versions; it is never `StoreCorrupt`, and it is never skipped.
 A worker that skipped what it does not understand would rebuild the partition from a part of
 its history and act on it (handoffs lost, or started again): a worker that cannot read a
 partition's history must not own it. So the worker stops, as for `LogDiverges` (exit 2, its
@@ -42,9 +43,9 @@ other partitions handed over: worker.tier.membership), and a worker that can rea
 the partition. The entries are checked where the log is read, before a claim appends its
 `Claimed` (`worker.tier.ownership.read_entries`), so an older worker that meets a newer log
 fences nobody; the rows and the state are checked again when the local file catches up
-(worker.tier.service), which is where a handoff state unknown here shows up if its writer did not
-bump the version. Whatever else does not decode is corrupt: `msgspec.DecodeError`, which the
-callers report as before.
+(worker.tier.service), which is where a handoff state or a record type unknown here shows up if
+its writer did not bump the version. Whatever else does not decode is corrupt:
+`msgspec.DecodeError`, which the callers report as before.
 
 Rolling upgrades. A new version takes two releases: one that reads it and still writes the old
 one, then, once every worker of the tier runs that, one that writes it. Done so, no worker ever
@@ -58,6 +59,7 @@ from uuid import UUID
 
 import msgspec
 
+from kvhandoff.events.records import TYPE_CODES
 from kvhandoff.worker.errors import NewerLogVersion
 from kvhandoff.worker.log.rows import HandoffRow, Tombstone
 from kvhandoff.worker.log.schema import HandoffState
@@ -230,6 +232,7 @@ RECORD_KINDS = (LoggedRows, LoggedState)
 _ENTRY_TAGS = frozenset(str(kind.__struct_config__.tag) for kind in ENTRY_KINDS)
 _RECORD_TAGS = frozenset(str(kind.__struct_config__.tag) for kind in RECORD_KINDS)
 _KNOWN_STATES = frozenset(state.value for state in HandoffState)
+_KNOWN_TYPES = frozenset(TYPE_CODES.values())
 
 
 def encode_entry(entry: Entry | SnapshotPart | LoggedRows | LoggedState) -> bytes:
@@ -250,12 +253,16 @@ def decode_snapshot(data: bytes, where: str) -> Snapshot:
 
 def decode_rows(data: bytes, where: str) -> LoggedRows:
     """An `Appended` entry's records; as `decode_entry`."""
-    return _decode(_ROWS, data, where)
+    rows = _decode(_ROWS, data, where)
+    _check_types(rows.events, where)
+    return rows
 
 
 def decode_state(data: bytes, where: str) -> LoggedState:
     """A `Snapshot`'s records; as `decode_entry`."""
-    return _decode(_STATE, data, where)
+    state = _decode(_STATE, data, where)
+    _check_types(state.events, where)
+    return state
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[_T], data: bytes, where: str) -> _T:
@@ -269,6 +276,18 @@ def _decode(decoder: msgspec.msgpack.Decoder[_T], data: bytes, where: str) -> _T
     if entry.version > LOG_VERSION:
         raise _refusal(where, f"is of log version {entry.version}")
     return entry
+
+
+def _check_types(events: list[tuple[str, int, int, int, bytes]], where: str) -> None:
+    """Refuse an event whose record type a newer build's coordinator made: this build's would
+    read it as a corrupt record, and quarantine a handoff that is not."""
+    for handoff_id, seq, code, _, _ in events:
+        if code not in _KNOWN_TYPES:
+            raise _refusal(
+                where,
+                f"holds event {seq} of handoff {handoff_id} of record type {code}, which this "
+                "build lacks",
+            )
 
 
 def _newer(data: bytes, where: str) -> NewerLogVersion | None:
