@@ -18,6 +18,7 @@ into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's 
     │                               worker of an earlier version
     ├── LogDiverges        this build's coordinator does not re-derive an open handoff's log
     ├── NewerLogVersion    a partition's replicated log holds an entry a newer build wrote
+    ├── PhaseError         a partition owner's phase was moved in a way its table forbids: a bug
     ├── ChildError         a process we started (`worker.harness.child`) did not come up
     ├── NatsServerError    the embedded nats-server did not start
     └── ContainerError     a test container did not start (worker.harness.containers)
@@ -85,6 +86,12 @@ class NewerLogVersion(WorkerError):
     history this build does not understand, so the worker stops instead, handing the rest of
     its share over, for an upgraded worker to take it. The message names the partition, the
     entry and the versions."""
+
+
+class PhaseError(WorkerError):
+    """A partition owner was told of an event that its phase table has no move for
+    (`worker.tier.phase.MOVES`): a bug in the owner. The message names the partition, the phase
+    and the event; the phase is left as it was."""
 
 
 class PinMismatch(BusError):

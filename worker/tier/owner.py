@@ -17,6 +17,11 @@ Then, batch by batch:
     4. only then `act` (publish what the records say), acknowledge what was appended and what
        was dropped in step 1, and give the deferred inputs back (nak with their delay).
 
+Phases. Where the owner is, claiming, catching up, owning (under its pin, or not pinned yet
+after a vacant claim), handing over, or ended (handed over, fenced, released), is one
+`worker.tier.phase.PartitionPhase`: each step below moves it through `worker.tier.phase.MOVES`,
+and a move the table does not hold raises `PhaseError` instead of running on a wrong guess.
+
 Pipelining. While batch k's append is on its way, the owner does not wait idle: if batch k+1
 is ready, it does steps 1 and 2 for it (the decoding, the coordinators, the local file's reads),
 then step 4 for k once k's append returned, and only then step 3 for k+1; if k's append had
@@ -123,6 +128,7 @@ from kvhandoff.worker.errors import BusError, Fenced, PinMismatch, StoreError
 from kvhandoff.worker.tier.input_order import InputOrder
 from kvhandoff.worker.tier.metrics import TierMetrics
 from kvhandoff.worker.tier.ownership import CaughtUp, PartitionLog
+from kvhandoff.worker.tier.phase import Event, PartitionPhase, Phase
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +260,6 @@ class PartitionOwner:
         self._forget_every_s = forget_every_s
         self._claim_vacant_after_s = claim_vacant_after_s  # see "Vacant partitions"
         self._vacant_since: float | None = None  # since when nobody was seen pinned (monotonic)
-        self._claimed_vacant = False  # claimed without a delivery, and no batch came since
         self._vacancy_checked = 0.0
         self._metrics = metrics
         self._stream = stream
@@ -268,8 +273,11 @@ class PartitionOwner:
         self._forgot_at = 0.0  # when `_applied` was last cut to the ack floor (monotonic)
         self._floor = 0  # the ack floor read then: the next cut goes no higher (see `_forget`)
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
-        self._claimed = False  # False: claim before the next batch
-        self._claimed_under: str | None = None  # the pin id the claim was made under
+        # Where this owner is (worker.tier.phase): what it may do next, and how it ended.
+        self.phase = PartitionPhase(log.partition)
+        # The server's token for the pin the claim holds for (see "Pins" in worker.bus): a
+        # batch under another one is claimed for anew. Not a generation: the log's is that.
+        self._pin_id: str | None = None
         self._on_claim: OnClaim | None = None
         self._in_flight: _InFlight | None = None  # the batch whose append is on its way
         # What it did, for metrics and tests.
@@ -280,9 +288,17 @@ class PartitionOwner:
         self.acked = 0
         self.deferred = 0  # early inputs given back to come again (see `Decided`)
         self.refused_pulls = 0  # 423: another worker held the pin
-        self.fenced = False
-        self.handed_over = False
         self.snapshots = 0  # written
+
+    @property
+    def fenced(self) -> bool:
+        """It ended because another worker's claim refused one of its appends."""
+        return self.phase.now is Phase.FENCED
+
+    @property
+    def handed_over(self) -> bool:
+        """It ended with a clean hand-over."""
+        return self.phase.now is Phase.HANDED_OVER
 
     @property
     def held(self) -> int:
@@ -304,6 +320,8 @@ class PartitionOwner:
         try:
             await self._own(decide, act, stop)
         finally:
+            if not self.phase.now.ended:
+                self.phase.move(Event.FAILED)  # an error it does not handle: its caller's
             self._drop_in_flight()
             if on_release is not None:
                 on_release(self.log.partition)
@@ -328,9 +346,10 @@ class PartitionOwner:
                 except PinMismatch:
                     self.refused_pulls += 1
                     self._vacant_since = None
-                    if self._claimed_vacant:
+                    if self.phase.now is Phase.OWNING_UNPINNED:
                         # Claimed while vacant, and another worker was pinned since: its claim
                         # fences this one, if it has not already. Act no more for it.
+                        self.phase.move(Event.PIN_TAKEN)
                         logger.warning(
                             "partition %d: claimed while vacant, but another worker is pinned "
                             "to it now; %s stops acting for it",
@@ -351,17 +370,18 @@ class PartitionOwner:
                         if self._in_flight is not None:
                             await self._finish(act)
                             continue
-                        if not self._claimed:
+                        if self.phase.now is Phase.CLAIMING:
                             await self._claim_if_vacant()
                         await self._snapshot_if_due()
                         await self._forget()
                         continue
-                    if self._claimed_vacant:
+                    if self.phase.now is Phase.OWNING_UNPINNED:
                         # A claim made while vacant holds under the first pin: a claim by
                         # whoever was pinned in between would fence this owner at its next
                         # append.
-                        self._claimed_vacant, self._claimed_under = False, pull.pin_id
-                    if not self._claimed or pull.pin_id != self._claimed_under:
+                        self.phase.move(Event.PINNED)
+                        self._pin_id = pull.pin_id
+                    if not self.phase.now.claimed or pull.pin_id != self._pin_id:
                         await self._finish(act)  # a claim comes after the batch in flight
                         await self._claim(pull.pin_id, held=partial(_held, batch, pull))
                     await self._handle(batch, decide, act)
@@ -381,7 +401,7 @@ class PartitionOwner:
                         "partition %d: %s; %s", self.log.partition, exc,
                         doubt if batch else "claiming it later",
                     )  # fmt: skip
-                    self._claimed = False
+                    self.phase.move(Event.DOUBTED)
                     self.log = self.log.anew()
                     await _pause(stop, backoff_s)
             try:
@@ -394,7 +414,8 @@ class PartitionOwner:
                     "partition %d: %s; its last batch comes back after the ack wait",
                     self.log.partition, exc,
                 )  # fmt: skip
-                self._claimed = False  # not handed over: the next claim reads what landed
+                # Not handed over: the next claim reads what landed.
+                self.phase.move(Event.DOUBTED)
             await self._hand_over(pull)
 
     async def _hand_over(self, pull: Pull) -> None:
@@ -402,6 +423,8 @@ class PartitionOwner:
         owner is pinned at once instead of after the priority timeout. What was delivered and
         not applied is nak'd (redelivered at once, and an orphan of the next owner's claim, so
         still in order); what was applied is acknowledged."""
+        claimed = self.phase.now.claimed
+        self.phase.move(Event.STOPPED)
         in_hand = {inbound.stream_seq: inbound for inbound in pull.take_ready()}
         if self._order is not None:
             in_hand.update((inbound.stream_seq, inbound) for inbound in self._order.take_held())
@@ -413,7 +436,7 @@ class PartitionOwner:
                 raise BusError("no connection to NATS")
             for seq, inbound in sorted(in_hand.items()):
                 await (inbound.ack() if seq in self._applied else inbound.nak())
-            if self._claimed:
+            if claimed:
                 if self._since_snapshot:
                     await self._snapshot_handing_over()
                 await self.log.hand_over()  # before the unpin: before the next claim
@@ -424,8 +447,9 @@ class PartitionOwner:
                 "priority timeout",
                 self.log.partition, exc,
             )  # fmt: skip
+            self.phase.move(Event.INCOMPLETE)
             return
-        self.handed_over = True
+        self.phase.move(Event.HANDED_OVER)
         if self._metrics is not None:
             self._metrics.handovers.inc()
         logger.info(
@@ -471,7 +495,7 @@ class PartitionOwner:
 
     def _snapshot_due_now(self) -> bool:
         """A snapshot is due (see "Snapshots")."""
-        if self._snapshot is None or self._snapshots is None or not self._claimed:
+        if self._snapshot is None or self._snapshots is None or not self.phase.now.claimed:
             return False
         if self._snapshot_due or self._since_snapshot >= self._snapshots.every_entries:
             return True
@@ -523,22 +547,23 @@ class PartitionOwner:
                 "partition %d: nobody pinned to it for %.1fs; %s claims it without a delivery",
                 self.log.partition, now - self._vacant_since, self.log.owner,
             )  # fmt: skip
-            await self._claim(None)
-            self._claimed_vacant = True
+            await self._claim(None, vacant=True)
 
     async def _claim(
-        self, pin_id: str | None, held: Callable[[], Mapping[int, str]] | None = None
-    ) -> None:
+        self, pin_id: str | None, held: Callable[[], Mapping[int, str]] | None = None,
+        *, vacant: bool = False,
+    ) -> None:  # fmt: skip
         """Claim the partition's log (`Fenced` if another worker owns it), learn what was
         applied, and what the previous owner left unapplied (see "Order"); `held`: what this
-        owner holds delivered (see `Bus.unacknowledged`)."""
-        self._claimed_vacant = False
+        owner holds delivered (see `Bus.unacknowledged`); `vacant`: claimed without a
+        delivery, so under no pin yet (see "Vacant partitions")."""
+        self.phase.move(Event.CLAIM_BEGAN)
         if self.log.epoch:
             self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
         began = time.perf_counter()
         caught = await self.log.claim()
         self._applied = caught.applied
-        self._claimed, self._claimed_under = True, pin_id
+        self._pin_id = pin_id
         self._since_snapshot, self._snapshot_due = 0, True
         # Only now, with the old owner fenced, is what it left for good.
         left = await self._bus.unacknowledged(self._stream, self._consumer, held)
@@ -547,6 +572,7 @@ class PartitionOwner:
         self.orphans += len(orphans)
         if self._on_claim is not None:
             await self._on_claim(self.log.partition, caught)
+        self.phase.move(Event.CLAIMED_VACANT if vacant else Event.CLAIMED)
         self.claims += 1  # counted once the coordinator caught up: it serves the partition now
         if self._metrics is not None:
             self._metrics.claims.labels(self._claimed_after(caught)).inc()
@@ -645,7 +671,7 @@ class PartitionOwner:
                 append.cancel()
 
     def _fenced(self, exc: Fenced) -> None:
-        self.fenced = True
+        self.phase.move(Event.FENCED)
         if self._metrics is not None:
             self._metrics.fenced.inc()
         logger.warning(
