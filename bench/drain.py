@@ -89,6 +89,7 @@ from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.store import Batch
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.owner import Decided, max_ack_pending
+from kvhandoff.worker.tier.partition import Partition
 from kvhandoff.worker.tier.service import Worker, tier_settings
 
 # The package's own modules, as their code objects name them (kvhandoff/ links events/ and
@@ -118,13 +119,13 @@ class CountingWorker(Worker):
     finished = 0.0
     cpu_at_finish = 0.0
 
-    async def decide(self, batch: Sequence[Inbound]) -> Decided:
-        if not self.began:
-            self.began = time.perf_counter()
-        return await super().decide(batch)
+    def partition(self, number: int) -> Partition:
+        part = self._partitions.get(number)
+        if part is None:
+            part = self._partitions[number] = _CountingPartition(self, number)
+        return part
 
-    async def act(self, batch: Sequence[Inbound]) -> None:
-        await super().act(batch)
+    async def acted_on(self, batch: Sequence[Inbound]) -> None:
         self.acted += len(batch)
         if self.acted >= self.expected and not self.stop.is_set():
             # Groups commit in queue order: an empty batch's commit is the file's last.
@@ -132,6 +133,26 @@ class CountingWorker(Worker):
             await self._bus.flush()
             self.finished, self.cpu_at_finish = time.perf_counter(), time.process_time()
             self.stop.set()
+
+
+class _CountingPartition(Partition):
+    """A partition that tells its `CountingWorker` when it decides and acts."""
+
+    def __init__(self, counting: CountingWorker, number: int) -> None:
+        super().__init__(
+            number, counting._config, counting._bus, counting._metrics, counting.leases,
+            count_in_memory=counting._count_in_memory,
+        )  # fmt: skip
+        self._counting = counting
+
+    async def decide(self, batch: Sequence[Inbound]) -> Decided:
+        if not self._counting.began:
+            self._counting.began = time.perf_counter()
+        return await super().decide(batch)
+
+    async def act(self, batch: Sequence[Inbound]) -> None:
+        await super().act(batch)
+        await self._counting.acted_on(batch)
 
 
 class Bench:

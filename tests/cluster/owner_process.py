@@ -5,7 +5,7 @@ Run as `python -m tests.cluster.owner_process URL NAME PARTITION STATUS_FILE`. I
 partitioned input stream, the log stream and the partition's consumer (as every worker of the
 tier does, idempotently), then owns the partition: its records are the inputs' payloads, and it
 acts by publishing, after each append, the stream sequence of every input it applied to
-`kvhandoff.acted.<NAME>`. As worker.tier.service does with its outbox, it counts an act done only
+`kvhandoff.acted.<NAME>`. As worker.tier.partition does with its outbox, it counts an act done only
 once `Bus.flush` confirmed its publishes, and each claim publishes again the acts of its own
 appended inputs that were not confirmed (a flush that failed as NATS lost a node): at least once,
 so a lost act shows up again. At the end it writes what it did to STATUS_FILE, as JSON (its
@@ -36,6 +36,7 @@ from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.tier.metrics import TierMetrics
 from kvhandoff.worker.tier.owner import Decided, PartitionOwner
 from kvhandoff.worker.tier.ownership import CaughtUp, PartitionLog
+from tests.cluster.stand_in import StandIn
 
 PREFIX = "kvhandoff"
 STREAM = "KVHANDOFF_IN"
@@ -68,9 +69,6 @@ async def own(url: str, name: str, partition: int, metrics: TierMetrics) -> Part
         )  # fmt: skip
         member = Member.this_process()
         log = PartitionLog(bus, LOG_STREAM, PREFIX, partition, f"{name}/{member.instance}")
-        owner = PartitionOwner(
-            bus, STREAM, consumer, log, expires_s=EXPIRES_S, heartbeat_s=0.25, metrics=metrics
-        )
 
         async def decide(batch: Sequence[Inbound]) -> Decided:
             return Decided(json.dumps([inbound.data.decode() for inbound in batch]).encode())
@@ -85,7 +83,7 @@ async def own(url: str, name: str, partition: int, metrics: TierMetrics) -> Part
             await bus.flush()
             unconfirmed.difference_update(seqs)
 
-        async def on_claim(_: int, caught: CaughtUp) -> None:
+        async def on_claim(caught: CaughtUp) -> None:
             if again := sorted(unconfirmed & caught.applied):
                 logger.warning("publishing again the unconfirmed acts of %s", again)
                 await publish_acted(again)
@@ -96,8 +94,12 @@ async def own(url: str, name: str, partition: int, metrics: TierMetrics) -> Part
                 print(f"hanging after {owner.applied} applied, {owner.acked} acked", flush=True)
                 await asyncio.Event().wait()  # until SIGKILL: the batch is never acknowledged
 
+        owner = PartitionOwner(
+            bus, STREAM, consumer, log, StandIn(decide, act, on_claim),
+            expires_s=EXPIRES_S, heartbeat_s=0.25, metrics=metrics,
+        )  # fmt: skip
         print(f"owner {name} pulling partition {partition}", flush=True)
-        await owner.run(decide, act, stop, on_claim)
+        await owner.run(stop)
         return owner
     finally:
         await bus.close()

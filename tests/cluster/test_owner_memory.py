@@ -18,6 +18,7 @@ from kvhandoff.worker.tier.balance import partition_of
 from kvhandoff.worker.tier.owner import Decided, PartitionOwner
 from kvhandoff.worker.tier.ownership import PartitionLog
 from tests.cluster.conftest import WITHIN_S
+from tests.cluster.stand_in import StandIn
 
 PREFIX, STREAM, LOG_STREAM, PARTITIONS = "kvhandoff", "KVHANDOFF_IN", "KVHANDOFF_LOG", 2
 INPUTS = 60
@@ -36,7 +37,6 @@ async def _owner_of(
         ack_wait_s=1.0, max_pending=1024, priority_timeout_s=3.0, partitions=PARTITIONS,
     )  # fmt: skip
     log = PartitionLog(bus, LOG_STREAM, PREFIX, 0, "test/owner")
-    owner = PartitionOwner(bus, STREAM, consumer, log, expires_s=1.0, forget_every_s=0.2)
 
     async def decide(batch: Sequence[Inbound]) -> Decided:
         return Decided(b"records")
@@ -44,8 +44,11 @@ async def _owner_of(
     async def act(batch: Sequence[Inbound]) -> None:
         applied.extend(inbound.stream_seq for inbound in batch)
 
+    owner = PartitionOwner(
+        bus, STREAM, consumer, log, StandIn(decide, act), expires_s=1.0, forget_every_s=0.2
+    )
     stop = asyncio.Event()
-    running = asyncio.create_task(owner.run(decide, act, stop))
+    running = asyncio.create_task(owner.run(stop))
     try:
         handoff = next(h for h in iter(uuid.uuid4, None) if partition_of(h, PARTITIONS) == 0)
         for n in range(INPUTS):

@@ -1,4 +1,4 @@
-"""A partition's steps (worker.tier.service's `decide` and `act`) in process, against a real
+"""A partition's steps (worker.tier.partition's `decide` and `act`) in process, against a real
 nats-server and real SQLite, with the local file's writer held: `act` does not wait for the
 local commit, and `decide` waits for it only before it reads a handoff that the queued batch
 took out of memory."""
@@ -27,6 +27,7 @@ from kvhandoff.worker.log.store import EventLog, Loaded
 from kvhandoff.worker.tier.membership import TierSettings
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.ownership import CaughtUp
+from kvhandoff.worker.tier.partition import Partition
 from kvhandoff.worker.tier.service import Worker
 from tests.worker.test_planner import success_inputs
 
@@ -53,6 +54,7 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 @dataclass
 class Steps:
     worker: Worker
+    partition: Partition
     metrics: Metrics
 
 
@@ -69,11 +71,12 @@ async def steps(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Step
     )
     metrics = Metrics()
     worker = Worker(config, TierSettings(partitions=1), bus, metrics, label="test")
-    await worker.on_claim(0, CaughtUp(epoch=1, previous_owner=None))
+    partition = worker.partition(0)
+    await partition.claimed(CaughtUp(epoch=1, previous_owner=None))
     try:
-        yield Steps(worker, metrics)
+        yield Steps(worker, partition, metrics)
     finally:
-        worker.on_release(0)
+        partition.released()
         stop = asyncio.Event()
         stop.set()
         await worker.run(stop)  # stopped at once: closes its files, as at every stop
@@ -95,7 +98,7 @@ def held(log: EventLog) -> Iterator[threading.Event]:
 async def test_act_does_not_wait_for_the_local_commit_and_a_read_of_what_it_completed_does(
     steps: Steps, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    worker = steps.worker
+    worker, partition = steps.worker, steps.partition
     start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
     inputs = success_inputs(start, cancel_at=None)
     subject = f"{PREFIX}.inp.0.{start.handoff_id}"
@@ -110,9 +113,9 @@ async def test_act_does_not_wait_for_the_local_commit_and_a_read_of_what_it_comp
 
     monkeypatch.setattr(log, "load", watched_load)
     with held(log) as release:
-        decided = await worker.decide(cast(list[Inbound], batch))
+        decided = await partition.decide(cast(list[Inbound], batch))
         assert not decided.deferred
-        await worker.act(cast(list[Inbound], batch))  # returns with its local commit queued
+        await partition.act(cast(list[Inbound], batch))  # returns with its local commit queued
 
         # The last input again: a redelivery of an input the queued batch applied. Its handoff
         # left memory when it completed, so it must be read from the file, which only holds it
@@ -122,7 +125,7 @@ async def test_act_does_not_wait_for_the_local_commit_and_a_read_of_what_it_comp
         # it, so its read may overtake them.)
         assert read_early == [True]
         read_early.clear()
-        deciding = asyncio.create_task(worker.decide(cast(list[Inbound], again)))
+        deciding = asyncio.create_task(partition.decide(cast(list[Inbound], again)))
         # One step of the task: a decide that does not wait reads the file in it (its read is
         # the first thing it awaits); one that waits stops at the queued commit.
         await asyncio.sleep(0)
@@ -130,7 +133,7 @@ async def test_act_does_not_wait_for_the_local_commit_and_a_read_of_what_it_comp
         release.set()
         redecided = await deciding
         assert read_early == [False]  # it read the file once, after the commit
-        await worker.act(cast(list[Inbound], again))
+        await partition.act(cast(list[Inbound], again))
 
     # Recognised as a duplicate of what the file holds, not deferred as an input that came
     # before its handoff's start.

@@ -621,7 +621,7 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
     )
 
 
-RESENT_LINE = "published on a connection that NATS lost"  # worker.tier.service's warning
+RESENT_LINE = "published on a connection that NATS lost"  # worker.tier.partition's warning
 
 
 async def test_actions_written_to_a_connection_that_dies_are_published_again(

@@ -17,6 +17,7 @@ from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier.membership import Tier, TierSettings
 from kvhandoff.worker.tier.owner import Decided
 from tests.cluster.conftest import WITHIN_S
+from tests.cluster.stand_in import StandIn
 
 
 async def _decide(_: Sequence[Inbound]) -> Decided:
@@ -35,7 +36,7 @@ async def test_a_worker_started_without_a_quorum_sets_up_once_the_cluster_has_on
     for node in down:
         node.stop(kill=True)
     bus = await Bus.connect(NatsSettings(url=survivor.url), "test-tier-setup")
-    tier = Tier(bus, settings, _decide, _act, "w1")
+    tier = Tier(bus, settings, lambda _: StandIn(_decide, _act), "w1")
     stop = asyncio.Event()
     caplog.set_level(logging.WARNING, logger="kvhandoff.worker.tier.membership")
     running = asyncio.create_task(tier.run(stop))

@@ -8,7 +8,7 @@ publishing, after each append, the stream sequence of every input it applied to
 each of its partition owners did to STATUS_FILE, as JSON, and exits 0.
 
 At a claim it publishes the partition's last record again, as the real coordinator republishes
-its outbox at a claim (worker.tier.service): an owner acts on a batch only after appending it,
+its outbox at a claim (worker.tier.partition): an owner acts on a batch only after appending it,
 and appends the next only after acting, so the previous owner may have died (SIGKILL) between
 its last append and its publishes. The new owner skips those inputs, which the log says were
 applied, so without this they would never be acted on. Acting is at least once; the log says
@@ -35,9 +35,11 @@ from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.tier.membership import Tier, TierSettings
 from kvhandoff.worker.tier.owner import Decided
 from kvhandoff.worker.tier.ownership import CaughtUp
+from tests.cluster.stand_in import StandIn
 
 PARTITIONS = 4
-SETTINGS = TierSettings(partitions=PARTITIONS)
+# No snapshots: the stand-in coordinator has no state to sum up.
+SETTINGS = TierSettings(partitions=PARTITIONS, snapshots=None)
 KILL_BEFORE_ACTING = "KVHANDOFF_TEST_KILL_BEFORE_ACTING"
 
 
@@ -66,12 +68,12 @@ async def serve(url: str, name: str) -> Tier:
                 os.kill(os.getpid(), signal.SIGKILL)  # appended, and dies before acting
             await publish_acted([inbound.stream_seq for inbound in batch])
 
-        async def on_claim(partition: int, caught: CaughtUp) -> None:
+        async def on_claim(caught: CaughtUp) -> None:
             # Only the last record can have been appended and not acted on (see above).
             if caught.records:
                 await publish_acted(json.loads(caught.records[-1]))
 
-        tier = Tier(bus, SETTINGS, decide, act, label=name, on_claim=on_claim)
+        tier = Tier(bus, SETTINGS, lambda _: StandIn(decide, act, on_claim), label=name)
         print(f"worker {name} serving", flush=True)
         await tier.run(stop)
         return tier

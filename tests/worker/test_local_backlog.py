@@ -1,5 +1,5 @@
-"""The local file trails the replicated log by a bounded amount (worker.tier.service): with its
-commits slowed to a crawl, the worker decides no batch while more than `_COMMITS_AHEAD` local
+"""The local file trails the replicated log by a bounded amount (worker.tier.partition): with its
+commits slowed to a crawl, the worker decides no batch while more than `COMMITS_AHEAD` local
 commits of the partition are queued, so it holds a bounded number of batches' rows in memory
 rather than queueing without end (unbounded, a drain faster than the file grew the worker by
 3.7 KB a handoff until it stalled), and every handoff still completes.
@@ -26,22 +26,12 @@ from kvhandoff.worker.log import store
 from kvhandoff.worker.tier import service
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.owner import Decided
+from kvhandoff.worker.tier.partition import COMMITS_AHEAD, Partition
 from tests.worker.scripted_engine import ScriptedEngines
 from tests.worker.test_disk_full import poll
 from tests.worker.test_faults import make_starts
 
 _SLOW_WRITE_S = 0.02  # per batch, in the writer's thread: far slower than deciding one
-
-
-class _Watched(service.Worker):
-    """The worker, noting how many local commits were queued each time a batch was decided."""
-
-    queued: list[int]
-
-    async def decide(self, batch: Sequence[Inbound]) -> Decided:
-        decided = await super().decide(batch)
-        self.queued.append(max(len(part.committing) for part in self._partitions.values()))
-        return decided
 
 
 async def test_a_slow_file_holds_the_worker_back_instead_of_queueing_without_bound(
@@ -55,12 +45,21 @@ async def test_a_slow_file_holds_the_worker_back_instead_of_queueing_without_bou
         write(db, batch)
 
     monkeypatch.setattr(store, "_write_batch", slow_write)
+    # How many local commits were queued each time a batch was decided.
+    queued: list[int] = []
+    decide = Partition.decide
+
+    async def watched_decide(self: Partition, batch: Sequence[Inbound]) -> Decided:
+        decided = await decide(self, batch)
+        queued.append(len(self.committing))
+        return decided
+
+    monkeypatch.setattr(Partition, "decide", watched_decide)
     config = WorkerConfig(
         nats=NatsSettings(url=nats_server.url), db_path=tmp_path / "kvhandoff.db", batch_size=16
     )
     bus = await Bus.connect(config.nats, "test-backlog")
-    worker = _Watched(config, service.tier_settings(config), bus, Metrics(), label="test")
-    worker.queued = []
+    worker = service.Worker(config, service.tier_settings(config), bus, Metrics(), label="test")
     stop = asyncio.Event()
     running = asyncio.create_task(worker.run(stop))
     try:
@@ -75,5 +74,5 @@ async def test_a_slow_file_holds_the_worker_back_instead_of_queueing_without_bou
         await bus.close()
     # The bound was reached (the file was the slower side), and never passed: at most one
     # more than the bound, the commit that the batch just acted on queued.
-    assert max(worker.queued) >= service._COMMITS_AHEAD, worker.queued
-    assert max(worker.queued) <= service._COMMITS_AHEAD + 1, worker.queued
+    assert max(queued) >= COMMITS_AHEAD, queued
+    assert max(queued) <= COMMITS_AHEAD + 1, queued

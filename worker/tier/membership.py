@@ -38,9 +38,9 @@ names the partitions of its share that no owner of it serves yet (not claimed si
 worker took it, or since its owner failed, e.g. on a full disk); the worker's /healthz is red
 while there is one.
 
-The coordinator is not here: the `decide`, `act`, `on_claim` and `on_release` it is given run
-it (worker.tier.service: the records to log, the actions to publish, the partitions' SQLite
-files, the timers).
+The coordinator is not here: the tier is given, per partition, the `worker.tier.owner.Steps`
+its owner drives (worker.tier.partition's `Partition`, made by worker.tier.service's `Worker`:
+the records to log, the actions to publish, the partition's SQLite file, its timers).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhandoff.events.subjects import Subjects
@@ -64,16 +65,7 @@ from kvhandoff.worker.errors import (
 from kvhandoff.worker.stoppable import unless_stopped
 from kvhandoff.worker.tier.balance import rebalance
 from kvhandoff.worker.tier.metrics import TierMetrics
-from kvhandoff.worker.tier.owner import (
-    Act,
-    Decide,
-    OnClaim,
-    OnRelease,
-    PartitionOwner,
-    SnapshotPolicy,
-    Snapshotter,
-    max_ack_pending,
-)
+from kvhandoff.worker.tier.owner import PartitionOwner, SnapshotPolicy, Steps, max_ack_pending
 from kvhandoff.worker.tier.ownership import PartitionLog
 
 logger = logging.getLogger(__name__)
@@ -127,18 +119,13 @@ class Tier:
     """This worker's owners, one per partition of its share; `run` it until stopped."""
 
     def __init__(
-        self, bus: Bus, settings: TierSettings, decide: Decide, act: Act, label: str,
-        *, on_claim: OnClaim | None = None, on_release: OnRelease | None = None,
-        snapshot: Snapshotter | None = None, metrics: TierMetrics | None = None,
+        self, bus: Bus, settings: TierSettings, partition: Callable[[int], Steps], label: str,
+        *, metrics: TierMetrics | None = None,
     ) -> None:  # fmt: skip
         self._bus = bus
         self._metrics = metrics
         self._settings = settings
-        self._decide = decide
-        self._act = act
-        self._on_claim = on_claim  # see PartitionOwner.run
-        self._on_release = on_release
-        self._snapshot = snapshot
+        self._partition = partition  # the coordinator of a partition, for its owner to drive
         self.member = Member.this_process()
         self.owner_name = f"{label}/{self.member.instance}"  # in the log's Claimed records
         self._running: dict[int, tuple[PartitionOwner, asyncio.Task[None], asyncio.Event]] = {}
@@ -265,23 +252,14 @@ class Tier:
         )
         owner = PartitionOwner(
             self._bus, settings.stream, self._consumers[partition], log,
+            self._partition(partition),
             batch=settings.batch_size, expires_s=settings.pull_expires_s,
             heartbeat_s=settings.pull_expires_s / 4,
             claim_vacant_after_s=settings.priority_timeout_s, metrics=self._metrics,
             snapshots=settings.snapshots,
         )  # fmt: skip
         stop = asyncio.Event()
-        task = asyncio.create_task(
-            owner.run(
-                self._decide,
-                self._act,
-                stop,
-                self._on_claim,
-                self._on_release,
-                snapshot=self._snapshot,
-            ),
-            name=f"kvhandoff-partition-{partition}",
-        )
+        task = asyncio.create_task(owner.run(stop), name=f"kvhandoff-partition-{partition}")
         self._running[partition] = (owner, task, stop)
         self.owners.append((partition, owner))
 

@@ -39,8 +39,9 @@ Doubt. If an append (or a claim) fails without an answer (NATS out of reach past
 time limit), it may have landed or not: the owner leaves the batch unacknowledged and claims
 anew before the next one, which reads the log and so learns which inputs were applied. If
 `act` raises `BusError` after the append landed, the inputs are applied all the same: the owner
-claims anew (a warning says so), and acting again is `on_claim`'s job, as for an owner that died
-between steps 3 and 4 (see "Left to others"). worker.tier.service's `act` does not raise for
+claims anew (a warning says so), and acting again is the steps' `claimed`'s job, as for an owner
+that died between steps 3 and 4 (see "Left to others"). worker.tier.partition's `act` does not
+raise for
 publishes that NATS lost: it publishes them again itself, since an idle partition may see no
 next batch, and so no claim, for a long time.
 
@@ -64,14 +65,14 @@ delivered but unacknowledged, until the orphans of its handoff before it are app
 Vacant partitions. The server pins a client only when it delivers to it, so a partition that
 gets no input after it changed hands would wait for one before anyone claimed it, and the open
 handoffs of a dead owner's quiet partition would be neither timed out nor retried (those are
-`on_claim`'s caller's timers). So an owner that is idle and has not claimed asks, once a
-second, whether anyone is pinned; once nobody has been for `claim_vacant_after_s` (the tier
-gives its priority timeout: the time a pin outlives its holder's last pull), it claims without
-a delivery. The first batch then comes under a pin that claim holds for, since a worker pinned
-in between would have claimed, and so fenced this one. If instead a pull is refused with 423
-(another worker is pinned), the owner stops: it would be fenced at its next append anyway. The
-wait keeps a clean hand-over clean: the old owner logs `HandedOver` and unpins within a round
-of the balance rule, well inside the priority timeout.
+the timers of worker.tier.partition, armed at `claimed`). So an owner that is idle and has not
+claimed asks, once a second, whether anyone is pinned; once nobody has been for
+`claim_vacant_after_s` (the tier gives its priority timeout: the time a pin outlives its
+holder's last pull), it claims without a delivery. The first batch then comes under a pin that
+claim holds for, since a worker pinned in between would have claimed, and so fenced this one.
+If instead a pull is refused with 423 (another worker is pinned), the owner stops: it would be
+fenced at its next append anyway. The wait keeps a clean hand-over clean: the old owner logs
+`HandedOver` and unpins within a round of the balance rule, well inside the priority timeout.
 
 Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.tier.balance giving the
 partition to another worker), the owner finishes the batch in hand, gives back what it holds
@@ -79,29 +80,31 @@ partition to another worker), the owner finishes the batch in hand, gives back w
 as a hand-over, not a takeover) and releases the pin (`Bus.unpin`), so the next owner is
 pinned at once rather than after the priority timeout.
 
-Snapshots. Given a `snapshot` callback and a `SnapshotPolicy`, the owner replaces the
-partition's log by a snapshot of its state (`PartitionLog.snapshot`: a fenced roll-up) once
-after each claim, whenever `every_entries` entries were appended since the last one, or
-`every_s` passed with any appended, and at a clean hand-over (before `HandedOver`). It first
-acts on the batch in flight, so the snapshot follows every entry it sums up; the caller's
-callback makes the state (its local file, caught up with those entries), and the owner adds
-the applied inputs it remembers (see "Memory": exactly those the consumer may deliver again).
-So a claim reads one snapshot and at most an interval of entries after it, however long the
-partition's history. A snapshot that fails leaves the previous one and its tail in place: a
-refused one is a fence like any other, one in doubt is settled by claiming anew.
+Snapshots. Given a `SnapshotPolicy`, the owner replaces the partition's log by a snapshot of
+its state (`PartitionLog.snapshot`: a fenced roll-up) once after each claim, whenever
+`every_entries` entries were appended since the last one, or `every_s` passed with any
+appended, and at a clean hand-over (before `HandedOver`). It first acts on the batch in flight,
+so the snapshot follows every entry it sums up; the steps' `snapshot` makes the state (its
+local file, caught up with those entries), and the owner adds the applied inputs it remembers
+(see "Memory": exactly those the consumer may deliver again). So a claim reads one snapshot and
+at most an interval of entries after it, however long the partition's history. A snapshot that
+fails leaves the previous one and its tail in place: a refused one is a fence like any other,
+one in doubt is settled by claiming anew.
 
 Metrics (`worker.tier.metrics.TierMetrics`, if given): each claim, by what the log said of the
 previous owner, and how long it took to be ready, the catch-up included; each fence; each
 hand-over.
 
-Left to others: running one owner per partition of a worker's share (worker.tier.membership), and
-catching a local SQLite log up from the claimed records (worker.tier.service, which `run`'s
-`on_claim` tells what the log held, before the next batch is decided). Acting again on what
-the previous owner appended: it may have died between step 3 and step 4, and step 1 here drops
-those inputs as applied, so only `on_claim` can act on them (worker.tier.service republishes
-what its file does not mark published; tests/cluster/tier_process.py, the last record).
-Acting on its own between batches (worker.tier.service's timers): `on_release` says when that
-must stop, at once, whatever ended the owner.
+Left to others. What the owner drives is the partition's coordinator, its `Steps` (with the
+real one, `worker.tier.partition.Partition`): `decide` and `act` (steps 2 and 4), `claimed`,
+told what the log held after each claim, before the next batch is decided (to catch a local
+SQLite file up from the claimed records), `snapshot`, and `released`. Running one owner per
+partition of a worker's share is worker.tier.membership's. Acting again on what the previous
+owner appended: it may have died between step 3 and step 4, and step 1 here drops those inputs
+as applied, so only `claimed` can act on them (worker.tier.partition republishes what its file
+does not mark published; tests/cluster/tier_process.py, the last record). Acting on its own
+between batches (worker.tier.partition's timers): `released` says when that must stop, at
+once, whatever ended the owner.
 
 Memory. The applied inputs it remembers (step 1) are cut, every `forget_every_s` (10 s), to
 those above the consumer's ack floor, as it was at the previous cut if it was lower then: only
@@ -118,10 +121,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Literal, Protocol
 
 from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch, StoreError
@@ -163,15 +166,28 @@ class _InFlight:
         return self.append is None or self.append.done()
 
 
-Decide = Callable[[Sequence[Inbound]], Awaitable[Decided]]
-Act = Callable[[Sequence[Inbound]], Awaitable[None]]
-# Told, right after each claim, what the partition's log held (to catch a local copy up).
-OnClaim = Callable[[int, CaughtUp], Awaitable[None]]
-# Told that the owner stopped owning the partition (handed over, fenced, or failed).
-OnRelease = Callable[[int], None]
-# Asked for the partition's state as a snapshot holds it, once every batch appended so far was
-# acted on (see "Snapshots").
-Snapshotter = Callable[[int], Awaitable[bytes]]
+class Steps(Protocol):
+    """One partition's coordinator, as its owner drives it (`worker.tier.partition.Partition`
+    with the real one; the tests give stand-ins)."""
+
+    async def claimed(self, caught: CaughtUp) -> None:
+        """Told, right after each claim, what the partition's log held (to catch a local
+        copy up, and act again on what the previous owner may not have acted on); awaited
+        before the next batch is decided."""
+
+    async def decide(self, batch: Sequence[Inbound]) -> Decided:
+        """What the batch adds to the partition's log, and the inputs it defers."""
+
+    async def act(self, batch: Sequence[Inbound]) -> None:
+        """Act on the batch, whose records were appended."""
+
+    async def snapshot(self) -> bytes:
+        """The partition's state as a snapshot holds it, once every batch appended so far
+        was acted on (see "Snapshots"); asked only with a `SnapshotPolicy`."""
+
+    def released(self) -> None:
+        """Told that the owner stopped owning the partition (handed over, fenced, or failed):
+        nothing of the coordinator may act for it after."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +258,7 @@ class PartitionOwner:
         stream: str,
         consumer: str,
         log: PartitionLog,
+        steps: Steps,
         *,
         batch: int = 64,
         expires_s: float = 2.0,
@@ -252,8 +269,8 @@ class PartitionOwner:
         snapshots: SnapshotPolicy | None = None,
     ) -> None:
         self._bus = bus
+        self._steps = steps  # the partition's coordinator, which this owner drives
         self._snapshots = snapshots
-        self._snapshot: Snapshotter | None = None
         self._since_snapshot = 0  # entries appended since the last snapshot (or claim)
         self._snapshot_at = 0.0  # when the last one was written (monotonic)
         self._snapshot_due = False  # set by a claim: one follows it
@@ -278,7 +295,6 @@ class PartitionOwner:
         # The server's token for the pin the claim holds for (see "Pins" in worker.bus): a
         # batch under another one is claimed for anew. Not a generation: the log's is that.
         self._pin_id: str | None = None
-        self._on_claim: OnClaim | None = None
         self._in_flight: _InFlight | None = None  # the batch whose append is on its way
         # What it did, for metrics and tests.
         self.claims = 0
@@ -305,28 +321,21 @@ class PartitionOwner:
         """Inputs delivered and held back behind an earlier input of their handoff."""
         return 0 if self._order is None else self._order.held
 
-    async def run(
-        self, decide: Decide, act: Act, stop: asyncio.Event, on_claim: OnClaim | None = None,
-        on_release: OnRelease | None = None, *, snapshot: Snapshotter | None = None,
-    ) -> None:  # fmt: skip
+    async def run(self, stop: asyncio.Event) -> None:
         """Own the partition until another worker fences this one, or until `stop` is set:
         then the batch in hand is finished and the partition handed over (see "Hand-over").
-        `on_claim`, if given, is awaited after each claim, before the next batch is decided;
-        `on_release`, if given, is called once this owner acts no more (it returned, fenced or
-        handed over, or failed), so that nothing of the caller acts for the partition after.
-        `snapshot`, if given with a `SnapshotPolicy`, makes the snapshots' records."""
-        self._on_claim = on_claim
-        self._snapshot = snapshot if self._snapshots is not None else None
+        The steps' `claimed` is awaited after each claim, before the next batch is decided;
+        `released` is called once this owner acts no more (it returned, fenced or handed
+        over, or failed), so that nothing of the coordinator acts for the partition after."""
         try:
-            await self._own(decide, act, stop)
+            await self._own(stop)
         finally:
             if not self.phase.now.ended:
                 self.phase.move(Event.FAILED)  # an error it does not handle: its caller's
             self._drop_in_flight()
-            if on_release is not None:
-                on_release(self.log.partition)
+            self._steps.released()
 
-    async def _own(self, decide: Decide, act: Act, stop: asyncio.Event) -> None:
+    async def _own(self, stop: asyncio.Event) -> None:
         pull = Pull(
             self._bus, self._stream, self._consumer,
             max_ahead=2 * self._batch, expires_s=self._expires_s,
@@ -368,7 +377,7 @@ class PartitionOwner:
                 try:
                     if not batch:
                         if self._in_flight is not None:
-                            await self._finish(act)
+                            await self._finish()
                             continue
                         if self.phase.now is Phase.CLAIMING:
                             await self._claim_if_vacant()
@@ -382,11 +391,11 @@ class PartitionOwner:
                         self.phase.move(Event.PINNED)
                         self._pin_id = pull.pin_id
                     if not self.phase.now.claimed or pull.pin_id != self._pin_id:
-                        await self._finish(act)  # a claim comes after the batch in flight
+                        await self._finish()  # a claim comes after the batch in flight
                         await self._claim(pull.pin_id, held=partial(_held, batch, pull))
-                    await self._handle(batch, decide, act)
+                    await self._handle(batch)
                     if self._snapshot_due_now():
-                        await self._finish(act)
+                        await self._finish()
                         await self._snapshot_if_due()
                     await self._forget()
                 except Fenced as exc:
@@ -405,7 +414,7 @@ class PartitionOwner:
                     self.log = self.log.anew()
                     await _pause(stop, backoff_s)
             try:
-                await self._finish(act)
+                await self._finish()
             except Fenced as exc:
                 self._fenced(exc)
                 return
@@ -495,7 +504,7 @@ class PartitionOwner:
 
     def _snapshot_due_now(self) -> bool:
         """A snapshot is due (see "Snapshots")."""
-        if self._snapshot is None or self._snapshots is None or not self.phase.now.claimed:
+        if self._snapshots is None or not self.phase.now.claimed:
             return False
         if self._snapshot_due or self._since_snapshot >= self._snapshots.every_entries:
             return True
@@ -508,10 +517,10 @@ class PartitionOwner:
             await self._write_snapshot()
 
     async def _write_snapshot(self) -> None:
-        if self._snapshot is None:
+        if self._snapshots is None:
             return
         assert self._in_flight is None, "a snapshot sums up only what was acted on"
-        records = await self._snapshot(self.log.partition)
+        records = await self._steps.snapshot()
         seq = await self.log.snapshot(sorted(self._applied), records)
         logger.info(
             "partition %d: snapshot at %d by %s (%d bytes of state, %d entries since the last)",
@@ -570,8 +579,7 @@ class PartitionOwner:
         orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
         self._order = InputOrder(orphans) if orphans else None
         self.orphans += len(orphans)
-        if self._on_claim is not None:
-            await self._on_claim(self.log.partition, caught)
+        await self._steps.claimed(caught)
         self.phase.move(Event.CLAIMED_VACANT if vacant else Event.CLAIMED)
         self.claims += 1  # counted once the coordinator caught up: it serves the partition now
         if self._metrics is not None:
@@ -587,11 +595,11 @@ class PartitionOwner:
             return "reclaim"
         return "handover" if caught.handed_over else "takeover"
 
-    async def _handle(self, batch: list[Inbound], decide: Decide, act: Act) -> None:
+    async def _handle(self, batch: list[Inbound]) -> None:
         """Steps 1-3 for one batch, and step 4 for the batch before it (see "Pipelining"):
         `Fenced` before acting if another worker owns the partition now."""
         if self._in_flight is not None and self._in_flight.returned:
-            await self._finish(act)  # no wait: acted on before the next batch is decided
+            await self._finish()  # no wait: acted on before the next batch is decided
         # A stall past the ack wait (an append retried while a node dies) brings an input again
         # before its first delivery was handled: one batch may hold it twice. It is one input,
         # appended once; the latest delivery is the one to settle.
@@ -602,7 +610,7 @@ class PartitionOwner:
         settled = [inbound for inbound in batch if inbound.stream_seq in self._applied]
         self.skipped += len(settled)
         if settled:
-            # Not acted on again: if their acts were lost, only `on_claim` publishes them.
+            # Not acted on again: if their acts were lost, only `claimed` publishes them.
             logger.info(
                 "partition %d: %d redelivered inputs are applied already (%d..%d), "
                 "acknowledged without acting",
@@ -610,18 +618,18 @@ class PartitionOwner:
             )  # fmt: skip
         if self._order is not None:
             # In order behind orphans: what the batch in flight defers is given back first.
-            await self._finish(act)
+            await self._finish()
             fresh = self._order.admit(fresh)  # the others are held, unacknowledged
             if self._order.done:
                 self._order = None
-        decided = await decide(fresh) if fresh else Decided(b"")
+        decided = await self._steps.decide(fresh) if fresh else Decided(b"")
         if decided.after_previous:
-            await self._finish(act)
-            decided = await decide(fresh)
+            await self._finish()
+            decided = await self._steps.decide(fresh)
         later = decided.deferred
         deferred = [(i, later[i.stream_seq]) for i in fresh if i.stream_seq in later]
         fresh = [inbound for inbound in fresh if inbound.stream_seq not in later]
-        await self._finish(act)  # the batch before: appended, acted on, settled
+        await self._finish()  # the batch before: appended, acted on, settled
         append = None
         if fresh:
             inputs = [inbound.stream_seq for inbound in fresh]
@@ -630,7 +638,7 @@ class PartitionOwner:
             self._since_snapshot += 1
         self._in_flight = _InFlight(settled, fresh, deferred, append)
 
-    async def _finish(self, act: Act) -> None:
+    async def _finish(self) -> None:
         """Step 4 for the batch in flight, if any: once its append returned, act on it, then
         acknowledge what it appended and what it dropped, and give back what it deferred."""
         in_flight, self._in_flight = self._in_flight, None
@@ -641,11 +649,11 @@ class PartitionOwner:
             await in_flight.append  # `Fenced`: another worker owns it; nothing is acted on
             self.applied += len(fresh)
             try:
-                await act(fresh)
+                await self._steps.act(fresh)
             except BusError as exc:
                 raise BusError(
                     f"inputs {fresh[0].stream_seq}..{fresh[-1].stream_seq} are appended "
-                    f"(applied), but acting on them failed ({exc}); on_claim must act on them "
+                    f"(applied), but acting on them failed ({exc}); claimed must act on them "
                     "again"
                 ) from exc
         for inbound in (*in_flight.settled, *fresh):

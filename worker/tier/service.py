@@ -6,78 +6,16 @@ default: `kvhandoff run --db FILE` is the only worker of partition 0, whose loca
 it owns has its file at `DIR/partition-<p>.db` (the offline tools read `DIR/partition-*.db`), held
 under its own `WriterLock` from first claim until the worker stops. One code path serves both.
 
-Theory of operation. A `Worker` runs a `worker.tier.membership.Tier` with the real coordinator in
-place of its stand-ins. Each partition this worker owns has a `worker.tier.planner.Planner` (the
-handoffs in memory) and an `EventLog`, its local file. The tier's `PartitionOwner` drives three
-steps (see worker.tier.owner):
-
-    on claim   the partition's replicated log was read (`CaughtUp`): commit to the local file
-               the `Appended` entries it lacks (a new owner on another machine starts from an
-               empty file), rebuild the planner from the file, publish its backlog;
-    decide     decode and plan the batch, loading from the local file the handoffs not in
-               memory; return the plan's rows (`LoggedRows`) for the owner to append;
-    act        after the append: arm the plan's timers, queue the same rows for the local
-               file, then publish the plan's actions (`publish_action`) and rejections,
-               without waiting for the local commit;
-    on release the owner stopped (handed over, fenced, or failed): drop the partition's
-               timers and memory.
-
-Invariants.
-- The replicated log is the authority; the local file is a prefix of it. Each local commit of
-  an entry carries, in the file's meta table and in the same transaction, the entry's mark (the
-  stream sequence of its first input: an input is applied once, so it names one entry). A
-  catch-up applies the entries after the marked one, in log order, in one transaction. A mark
-  that the log no longer holds means every entry left is newer.
-- Nothing is published before its rows are in the replicated log (the owner appends between
-  `decide` and `act`). The local commit is queued (`EventLog.queue`) and not waited for: the
-  publishes, the acks and the next batch's `decide` and append go on while the file's writer
-  commits, so a batch's critical path holds one store, the append. The file trails by a bounded
-  amount: with more than `_COMMITS_AHEAD` commits queued, the next `decide` waits for the oldest
-  (a file slower than the front would otherwise have every queued row held in memory). The file
-  stays a prefix: its commits run in order, one writer, and once one fails every one queued
-  behind it fails unwritten (the next `decide` raises the failure, the owner stops, and its next
-  claim catches the file up). A crash before a local commit loses nothing either: the claim
-  after it catches the file up the same way, and republishes what the file does not mark
-  published.
-- The file is read only for handoffs not in memory. A handoff a queued batch completed has left
-  memory before that batch's local commit, so `decide` waits for the queued commits before it
-  reads one; any other handoff not in memory is in no queued batch, so its read may overtake
-  them. A claim waits for every queued commit before it reads the file's mark.
-- A plan that was decided but not acted on (the append was fenced or in doubt) leaves the
-  planner ahead of the file: every claim rebuilds it from the file, after the catch-up.
-- Outbox marks ("published") ride in the rows of the partition's next batch after the server
-  confirmed them, in publication order, so they are in the replicated log too. Actions whose
-  barrier failed (NATS lost the connection they were written to) are published again, with a
-  growing pause, until a barrier confirms them or the partition is released; the marks behind
-  them wait, since a mark says that every earlier action of its handoff was published. Without
-  this, an action that no timer retries (`Complete`: nothing answers it) would wait for the
-  partition's next claim. A claim publishes what the file does
-  not mark published (at most the last batches' actions of the previous owner, which may have
-  died between its append and its publishes, or handed over before its marks rode on a
-  batch), and every action still outstanding: at least once, with the same action ids.
-
-Timers. Each owned partition has its own `worker.tier.timers.HandoffTimers` over its planner: a
-deadline publishes `TimedOut` to the handoff's input subject
-(so it is appended and logged like any other input), an action without an outcome is published
-again with the same action id after a growing backoff. They are armed from a plan only in `act`
-(what was not appended does not count), rearmed from the file at each claim (so the new owner
-of a dead worker's partition times out its handoffs, a partition with no input included: see
-"Vacant partitions" in worker.tier.owner), and dropped at release. What a worker that
-was fenced published before it learnt so (at its next append) is harmless: a republished action
-is answered by action id like any other, and a second `TimedOut` of a handoff is an exact
-duplicate of the first, dropped by its digest (counted in `kvhandoff_duplicate_inputs_total`).
-
-The pipeline, per partition: decide batch k+1 while batch k is being appended, then act on k
-and acknowledge it, then append k+1 (see "Pipelining" in worker.tier.owner), while the
-local commits run behind. What overlaps, and why it is safe: deciding k+1 only changes memory,
-which a failed or fenced append of k leaves ahead of the file (every claim rebuilds it, as
-above); `decide` keeps the plans in order until their `act`, and answers `after_previous`
-rather than read from the file a handoff that a plan not yet acted on took out of memory (its
-rows are in no file yet, nor queued). The local commits of batches k, k+1, ... run while later
-batches are decided and appended, because the file is only a cache of the replicated log (see
-the invariants); the append of batch k+1 never overtakes k's, since an owner appends one batch
-at a time, by compare-and-set on the previous one's sequence. Batches of different partitions
-are independent throughout: one owner per partition, one event loop.
+Theory of operation. A `Worker` is the process-level wiring: it runs a
+`worker.tier.membership.Tier`, which runs a `worker.tier.owner.PartitionOwner` for each
+partition of its share, and gives each owner the partition's `worker.tier.partition.Partition`
+to drive (its planner, its local file, its timers and its outbox: claim, decide, act, release;
+that module's docstring holds their invariants). A worker makes one `Partition` per partition
+number, the first time an owner asks for it, and keeps it until it stops, so that a partition
+that comes back to this worker finds its file open. What spans the partitions stays here: the
+engine leases (`worker.tier.leases.EngineLeases`, whose lost leases are answered in every
+partition it owns), the gauges of the handoffs in memory, health, and closing every file at
+the end.
 
 Retention. `--retention` (a week unless given) bounds only the debugging history: the files
 drop their completed handoffs and rejections older than that, hourly. The replicated log has
@@ -89,74 +27,17 @@ up from its mark: the entries after it never need a handoff that was completed b
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import time
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import partial
-from uuid import UUID
 
-import msgspec
-
-from kvhandoff.events.codec import encode
-from kvhandoff.events.errors import ReplayDivergence
-from kvhandoff.events.messages import Action, Complete
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Inbound
-from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import WorkerConfig
-from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
-from kvhandoff.worker.log.rows import HandoffLog, HandoffRow, Tombstone
-from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.log.store import (
-    Batch,
-    Committed,
-    CorruptHandoff,
-    EventLog,
-    WriterLock,
-)
-from kvhandoff.worker.tier.entries import (
-    LOG_VERSION,
-    MARK_KEY,
-    LoggedRows,
-    LoggedState,
-    decode_rows,
-    decode_state,
-    encode_entry,
-)
+from kvhandoff.worker.log.store import EventLog
 from kvhandoff.worker.tier.lease_view import view_path
 from kvhandoff.worker.tier.leases import EngineLeases
 from kvhandoff.worker.tier.membership import Tier, TierSettings
 from kvhandoff.worker.tier.metrics import Metrics, TierMetrics
-from kvhandoff.worker.tier.owner import Decided, SnapshotPolicy
-from kvhandoff.worker.tier.ownership import CaughtUp
-from kvhandoff.worker.tier.planner import Plan, Planner
-from kvhandoff.worker.tier.timers import HandoffTimers
-
-logger = logging.getLogger(__name__)
-
-# First and longest pause before publishing again what a failed barrier covered.
-_RESEND_PAUSE_S = (0.1, 2.0)
-
-# Local commits a partition may have queued and not ended before its next batch is decided:
-# the file trails the replicated log, by a bounded amount. Unbounded, a drain faster than the
-# file's commits grew the worker by 3.7 KB a handoff (the queued rows) until it stalled.
-_COMMITS_AHEAD = 8
-
-
-async def publish_action(
-    bus: Bus, subjects: Subjects, row: HandoffRow, action: Action
-) -> asyncio.Future[int] | None:
-    """Publish an action to its engine's subject. A `Complete` is also stored by the completion
-    stream (and still seen by core subscribers), so a frontend that was reconnecting can read it
-    afterwards: its ack is returned (see `Bus.confirm`)."""
-    subject = subjects.action(action, row.source, row.destination)
-    if isinstance(action, Complete):
-        return await bus.publish_stored(subject, encode(action))
-    await bus.publish(subject, encode(action))
-    return None
+from kvhandoff.worker.tier.owner import SnapshotPolicy
+from kvhandoff.worker.tier.partition import Partition
 
 
 def tier_settings(config: WorkerConfig) -> TierSettings:
@@ -175,55 +56,6 @@ def tier_settings(config: WorkerConfig) -> TierSettings:
     )  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class _Canonical:
-    """A delivery as the planner reads it: under its handoff's input subject, not the
-    partition-qualified one the stream's transform stored it under."""
-
-    data: bytes
-    subject: str
-    stream_seq: int
-    deliveries: int
-
-
-@dataclass
-class _Sent:
-    """Actions published together, the barrier that confirms them, and when they were
-    published (both replaced when the barrier failed and they were published again). A seq of
-    -1 is an action the file already marks."""
-
-    actions: list[tuple[HandoffRow, int, Action]]
-    barrier: asyncio.Future[None]
-    at_ms: int
-
-    def marks(self) -> list[tuple[UUID, int, int]]:
-        return [(action.handoff_id, seq, self.at_ms) for _, seq, action in self.actions if seq >= 0]
-
-
-@dataclass
-class _Partition:
-    """One owned partition's coordinator state."""
-
-    number: int
-    log: EventLog
-    lock: WriterLock | None  # None: the caller holds it
-    planner: Planner
-    timers: HandoffTimers  # armed only while this worker owns the partition
-    timers_task: asyncio.Task[None]
-    # Plans and their rows, in order, awaiting their append and `act`, with the inputs they
-    # apply: the owner decides a batch while the one before it is being appended.
-    decided: deque[tuple[list[int], Plan, LoggedRows]] = field(default_factory=deque)
-    # Actions published, in order, each lot with the barrier that confirms it.
-    published: list[_Sent] = field(default_factory=list)
-    # Bumped at each claim and release: a lot is published again only in its own tenure.
-    tenure: int = 0
-    # Local commits queued and not seen to end, in order, each with the handoffs its plan took
-    # out of memory: those are not to be read from the file before it committed.
-    committing: deque[tuple[asyncio.Future[Committed], frozenset[UUID]]] = field(
-        default_factory=deque
-    )
-
-
 class Worker:
     """The tier's worker with the real coordinator; `run` it until stopped."""
 
@@ -235,10 +67,7 @@ class Worker:
         self._bus = bus
         self._metrics = metrics
         self._subjects = Subjects(config.nats.subject_prefix)
-        self._partitions: dict[int, _Partition] = {}
-        self._resends: set[asyncio.Task[None]] = set()  # see `_publish_again`
-        self._last_commit_failure: BaseException | None = None  # counted once per group
-        self._inputs_of = f"{config.nats.subject_prefix}.inp."
+        self._partitions: dict[int, Partition] = {}
         # Engine leases (issue #34): the bucket's watch, and the answers for gone engines.
         self.leases = EngineLeases(
             bus, self._subjects, metrics, require=config.require_leases,
@@ -246,10 +75,8 @@ class Worker:
         )  # fmt: skip
         self.leases.on_gone(self._lease_gone)
         self.tier = Tier(
-            bus, settings, self.decide, self.act, label,
-            on_claim=self.on_claim, on_release=self.on_release, snapshot=self.snapshot,
-            metrics=TierMetrics(metrics.registry),
-        )  # fmt: skip
+            bus, settings, self.partition, label, metrics=TierMetrics(metrics.registry)
+        )
 
     @property
     def healthy(self) -> bool:
@@ -260,7 +87,18 @@ class Worker:
 
     def logs(self) -> list[EventLog]:
         """The partition files open now (every partition it owned since it started)."""
-        return [part.log for part in self._partitions.values()]
+        return [part.log for part in self._partitions.values() if part.opened]
+
+    def partition(self, number: int) -> Partition:
+        """The partition's coordinator, made the first time (its file opens at its first
+        claim), for the tier's owner of it to drive."""
+        part = self._partitions.get(number)
+        if part is None:
+            part = self._partitions[number] = Partition(
+                number, self._config, self._bus, self._metrics, self.leases,
+                count_in_memory=self._count_in_memory,
+            )  # fmt: skip
+        return part
 
     async def run(self, stop: asyncio.Event) -> None:
         """Own this worker's share until `stop` is set, then close every partition file."""
@@ -269,323 +107,11 @@ class Worker:
             await self.tier.run(stop)
         finally:
             await self.leases.stop()
-            for resend in self._resends:
-                resend.cancel()
             for part in self._partitions.values():
-                part.timers_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await part.timers_task
-                with contextlib.suppress(StoreError):
-                    await self._all_committed(part)
-                    await self._settle_marks(part)
-                await part.log.close()
-                if part.lock is not None:
-                    part.lock.release()
+                part.stop_publishing_again()  # every partition's, before any file closes
+            for part in self._partitions.values():
+                await part.close()
             self._partitions.clear()
-
-    # --- The owner's three steps --------------------------------------------------------
-
-    async def on_claim(self, partition: int, caught: CaughtUp) -> None:
-        """Catch the local file up from the replicated log, rebuild the planner from it, and
-        publish what the file does not mark published, and every outstanding action."""
-        began = time.perf_counter()
-        part = await self._open(partition)
-        part.decided.clear()
-        part.tenure += 1
-        # The file's mark must be the last of what it will hold. A local commit that failed
-        # left the file behind the replicated log; the catch-up below repairs that.
-        with contextlib.suppress(StoreError):
-            await self._all_committed(part)
-        await part.log.resume()
-        entries = []
-        for index, record in enumerate(caught.records):
-            try:
-                entries.append(
-                    decode_rows(record, f"partition {partition}: entry {index} of its log's tail")
-                )
-            except msgspec.DecodeError as exc:
-                raise StoreCorrupt(
-                    f"partition {partition}: entry {index} of its replicated log is not a batch "
-                    f"of rows ({exc}); refusing to catch {part.log.path} up from it"
-                ) from exc
-        mark = await part.log.meta(MARK_KEY)
-        marked = [i for i, entry in enumerate(entries) if entry.inputs[:1] == [_int(mark)]]
-        missing = entries[marked[-1] + 1 :] if marked else entries
-        catch_up = Batch()
-        state = None if caught.snapshot is None else self._logged_state(partition, caught.snapshot)
-        # A file whose last entry is not after the snapshot holds what the snapshot sums up if
-        # its mark is the snapshot's, and otherwise takes the snapshot's state.
-        if not marked and state is not None and (mark is None or state.mark != int(mark)):
-            catch_up.merge = state.live_state()
-            if state.mark is not None:
-                catch_up.meta[MARK_KEY] = str(state.mark)
-        for entry in missing:
-            entry.add_to(catch_up)
-        # Marks of this worker's earlier tenure; those not confirmed yet are republished.
-        for handoff_id, seq, at_ms in self._confirmed(part):
-            catch_up.mark_published(handoff_id, seq, at_ms)
-        part.published.clear()
-        if catch_up:
-            try:
-                await part.log.commit(catch_up)
-            except StoreError:
-                self._metrics.commit_failures.inc()  # e.g. a full disk, at each claim
-                raise
-        await self._rebuild(part, await self._tombstones(part, state, entries))
-        self.leases.sweep(part.planner.open.values())
-        elapsed = time.perf_counter() - began
-        logger.info(
-            "partition %d: caught %s up with %s%d of %d entries (mark %s) and recovered %d open "
-            "handoffs in %.3fs",
-            partition, part.log.path, "a snapshot and " if catch_up.merge else "", len(missing),
-            len(entries), mark, len(part.planner.open), elapsed,
-        )  # fmt: skip
-
-    @staticmethod
-    def _logged_state(partition: int, records: bytes) -> LoggedState:
-        try:
-            return decode_state(records, f"partition {partition}: the snapshot its log starts with")
-        except msgspec.DecodeError as exc:
-            raise StoreCorrupt(
-                f"partition {partition}: the snapshot its replicated log starts with is not a "
-                f"partition's state ({exc}); refusing to catch the local file up from it"
-            ) from exc
-
-    async def snapshot(self, partition: int) -> bytes:
-        """The partition's live state as its next snapshot holds it (`LoggedState`): its file
-        once every queued commit ended (every appended batch was acted on: see
-        worker.tier.owner), and the tombstones of the handoffs that ended lately."""
-        part = self._partitions[partition]
-        await self._all_committed(part)
-        state = await part.log.live_state()
-        mark = _int(await part.log.meta(MARK_KEY))
-        tombstones = list(part.planner.tombstones.values())
-        return encode_entry(
-            LoggedState(
-                mark, state.handoffs, state.marks, state.events, tombstones, version=LOG_VERSION
-            )
-        )
-
-    async def _tombstones(
-        self, part: _Partition, state: LoggedState | None, entries: list[LoggedRows]
-    ) -> dict[UUID, Tombstone]:
-        """The tombstones a claim starts with, oldest first, cut to --tombstone-ttl: the
-        snapshot's, and those the entries after it carry (`LoggedRows.ended`). Without a
-        snapshot (a log from before them), those the file got from snapshots and those of every
-        handoff whose rows it holds that ended within the TTL, read with their events."""
-        since_ms = now_ms() - int(self._config.tombstone_ttl_s * 1000)
-        if state is not None:
-            tombstones = [*state.tombstones, *(t for e in entries for t in e.ended)]
-            known = {t.handoff_id for t in tombstones}
-            # Entries written before they carried their tombstones: read those rows.
-            ended = {
-                row.handoff_id for e in entries for row in e.handoffs
-                if _ended(row) and row.handoff_id not in known
-            }  # fmt: skip
-        else:
-            tombstones = await part.log.tombstones(since_ms)
-            ended = set(await part.log.ended_since(since_ms))
-        for loaded in (await part.log.load(ended)).values():
-            if isinstance(loaded, HandoffLog) and _ended(row := loaded.handoff):
-                digests = sorted({e.digest for e in loaded.events if e.digest is not None})
-                ended_ms = row.completed_at_ms or row.updated_at_ms
-                tombstones.append(Tombstone(row.handoff_id, row.state_name, ended_ms, digests))
-        tombstones.sort(key=lambda tombstone: tombstone.completed_at_ms)
-        return {t.handoff_id: t for t in tombstones if t.completed_at_ms >= since_ms}
-
-    def on_release(self, partition: int) -> None:
-        """The partition's owner stopped (handed over, fenced or failed): this worker times
-        out and republishes nothing of it any more. Its memory is stale from now on (another
-        worker may apply its inputs), so it is dropped too; the next claim rebuilds it."""
-        part = self._partitions.get(partition)
-        if part is None:
-            return  # never claimed
-        part.timers.clear()
-        part.planner.open.clear()
-        part.planner.quarantined = set()  # read from the file again at the next claim
-        part.planner.tombstones = {}
-        part.decided.clear()
-        part.tenure += 1  # what it published and is not confirmed is the next owner's to publish
-        self._count_in_memory()
-        logger.info("partition %d: released; its timers are dropped", partition)
-
-    async def decide(self, batch: Sequence[Inbound]) -> Decided:
-        """Plan the batch against the partition's handoffs: the rows to append, and the early
-        inputs deferred."""
-        part = self._partitions[self._partition_of(batch[0])]
-        deliveries = [self._canonical(inbound) for inbound in batch]
-        planner = part.planner
-        decoded = planner.decode(deliveries)
-        missing = planner.missing(decoded)
-        if missing and part.decided:
-            # A handoff that a plan still awaiting its `act` took out of memory is in no file
-            # yet, nor queued for one: that plan must be acted on first.
-            leaving = {h for _, plan, _ in part.decided for h in plan.left_memory}
-            if not leaving.isdisjoint(missing):
-                return Decided(b"", after_previous=True)
-        # Before anything is planned: a handoff a queued commit took out of memory is read only
-        # once the file holds it (and a failed commit raises here).
-        if any(not evicted.isdisjoint(missing) for _, evicted in part.committing):
-            await self._all_committed(part)
-        else:
-            await self._keep_up(part)
-        loaded = await part.log.load(missing) if missing else {}
-        plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time())
-        deferred = {batch[index].stream_seq: delay_s for index, delay_s in plan.naks}
-        if deferred:
-            self._metrics.deferred.inc(len(deferred))
-        inputs = [inbound.stream_seq for inbound in batch if inbound.stream_seq not in deferred]
-        if not inputs:
-            # Early inputs only: nothing to append or act on; the marks wait for the next batch.
-            return Decided(b"", deferred)
-        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(part), plan.ended)
-        part.decided.append((inputs, plan, rows))
-        return Decided(encode_entry(rows), deferred)
-
-    async def act(self, batch: Sequence[Inbound]) -> None:
-        """Commit the appended rows locally, then publish what they say."""
-        part = self._partitions[self._partition_of(batch[0])]
-        inputs = [inbound.stream_seq for inbound in batch]
-        if not part.decided or part.decided[0][0] != inputs:
-            raise StoreError(
-                f"partition {part.number}: asked to act on inputs {inputs[:3]}... that were "
-                "not the next decided; the next claim catches the file up"
-            )
-        _, plan, rows = part.decided.popleft()
-        # Only now, with the plan in the replicated log, are its timers this partition's.
-        part.timers.arm(plan)
-        rows_batch = Batch()
-        rows.add_to(rows_batch)
-        committed = part.log.queue(rows_batch)
-        committed.add_done_callback(self._observe_commit)
-        part.committing.append((committed, frozenset(plan.left_memory)))
-        await self._publish(part, plan.publish)
-        for _, rejection in plan.terms:
-            await self._bus.publish(
-                self._subjects.rejected(rejection.handoff_id), encode(rejection)
-            )
-        m = self._metrics
-        Metrics.count(m.inputs, plan.inputs.items())
-        Metrics.count(m.actions, plan.issued.items())
-        Metrics.count(m.rejections, plan.reasons.items())
-        for _, _, action in plan.publish:
-            if isinstance(action, Complete):
-                m.completed.labels(action.completion.value).inc()
-        if plan.duplicates:
-            m.duplicates.inc(plan.duplicates)
-        m.batch_size.observe(len(batch))
-        self._count_in_memory()  # a handoff whose log would not load is quarantined in a plan
-
-    # --- Partitions, their files and their outbox ---------------------------------------
-
-    async def _keep_up(self, part: _Partition) -> None:
-        """Wait while more than `_COMMITS_AHEAD` local commits of the partition are queued, the
-        oldest first, then forget those that ended; the `StoreError` of one that failed."""
-        while len(part.committing) > _COMMITS_AHEAD:
-            await asyncio.wait([part.committing[0][0]])
-            self._forget_committed(part)
-        self._forget_committed(part)
-
-    def _forget_committed(self, part: _Partition) -> None:
-        """Forget the partition's queued local commits that ended; the `StoreError` of one that
-        failed."""
-        while part.committing and part.committing[0][0].done():
-            part.committing.popleft()[0].result()
-
-    async def _all_committed(self, part: _Partition) -> None:
-        """Wait for every queued local commit of the partition; the `StoreError` of the first
-        that failed."""
-        failure: StoreError | None = None
-        while part.committing:
-            try:
-                await part.committing.popleft()[0]
-            except StoreError as exc:
-                failure = failure or exc
-        if failure is not None:
-            raise failure
-
-    def _observe_commit(self, committed: asyncio.Future[Committed]) -> None:
-        """Count a local commit that ended: its group's time, or its group's failure (each
-        batch of a failed group carries the group's one error)."""
-        if committed.cancelled():
-            return
-        failure = committed.exception()
-        if failure is None:
-            if committed.result().leads:
-                self._metrics.commit_seconds.observe(committed.result().seconds)
-        elif failure is not self._last_commit_failure:
-            self._last_commit_failure = failure
-            self._metrics.commit_failures.inc()
-
-    async def _open(self, partition: int) -> _Partition:
-        """The partition's state, opening its file (under its writer lock) the first time."""
-        part = self._partitions.get(partition)
-        if part is not None:
-            return part
-        path = self._config.partition_file(partition)
-        # A file that `run` locked before anything else is not locked twice.
-        lock = None if path == self._config.locked_path else WriterLock.acquire(path)
-        try:
-            # A file of layout 1 (an earlier version's single worker's log) is migrated: this
-            # worker holds its writer lock. Its history is in no replicated log: until its
-            # open handoffs end, only this machine's file can rebuild them.
-            log = await EventLog.open(path, self._config.synchronous, migrate=True)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        planner = Planner(
-            self._subjects, self._config.batch_size, self._config.ack_wait_s,
-            tombstone_ttl_ms=int(self._config.tombstone_ttl_s * 1000),
-        )  # fmt: skip
-        planner.admit = self.leases.admit
-        timers = HandoffTimers(
-            planner, self._bus, self._subjects, self._metrics,
-            retry_interval_s=self._config.retry_interval_s,
-            republish=partial(self._republish, partition),
-        )  # fmt: skip
-        task = asyncio.create_task(timers.run(), name=f"kvhandoff-timers-{partition}")
-        part = self._partitions[partition] = _Partition(partition, log, lock, planner, timers, task)
-        return part
-
-    async def _rebuild(self, part: _Partition, tombstones: dict[UUID, Tombstone]) -> None:
-        """Replace the planner's memory with the file's open handoffs and their timers;
-        publish the backlog."""
-        planner = part.planner
-        planner.open.clear()
-        planner.deferred.clear()
-        planner.quarantined = await part.log.quarantined()
-        planner.tombstones = tombstones
-        quarantines = Batch()
-        loaded = await part.log.open_handoffs()
-        try:
-            adopted = planner.adopt(loaded.values(), quarantines, now_ms(), diverging=True)
-        except ReplayDivergence as exc:
-            raise LogDiverges(
-                f"partition {part.number}: {exc}; this build's coordinator does not re-derive "
-                f"the log of an open handoff in {part.log.path}. Run `kvhandoff verify` on the "
-                "data directory, and run the build that wrote it"
-            ) from exc
-        part.timers.rearm(adopted)  # before the backlog's publishes, which count as attempts
-        backlog: dict[tuple[UUID, int], tuple[HandoffRow, int, Action]] = {}
-        for unpublished in await part.log.unpublished_actions():
-            if isinstance(unpublished, CorruptHandoff):
-                planner.quarantine(
-                    quarantines, now_ms(), unpublished.handoff_id, unpublished.reason
-                )
-                continue
-            action = unpublished.record.action
-            key = (action.handoff_id, action.action_id)
-            backlog[key] = (unpublished.row, unpublished.seq, action)
-        for handoff in planner.open.values():
-            for action in handoff.coordinator.outstanding():
-                key = (action.handoff_id, action.action_id)
-                backlog.setdefault(key, (handoff.row, -1, action))
-        if quarantines:
-            await part.log.commit(quarantines)
-        await self._publish(part, list(backlog.values()))  # marked with the next batch
-        self._metrics.recovered.set(len(loaded))
-        self._count_in_memory()
 
     def _count_in_memory(self) -> None:
         """The gauges of the handoffs in memory, over the partitions it owns now."""
@@ -593,123 +119,7 @@ class Worker:
         self._metrics.open_handoffs.set(sum(len(p.planner.open) for p in parts))
         self._metrics.quarantined.set(sum(len(p.planner.quarantined) for p in parts))
 
-    async def _publish(
-        self, part: _Partition, actions: list[tuple[HandoffRow, int, Action]]
-    ) -> None:
-        """Publish actions as worker.tier.service does; their marks wait for the server's barrier,
-        and they are published again if it fails, or if publishing fails (`_publish_again`).
-        A seq of -1 is an action the file already marks (republished, not marked again)."""
-        if not actions:
-            return
-        barrier: asyncio.Future[None]
-        try:
-            barrier = await self._send(part, actions)
-        except BusError as exc:  # NATS is out of reach: as good as a failed barrier
-            barrier = asyncio.get_running_loop().create_future()
-            barrier.set_exception(exc)
-        sent = _Sent(actions, barrier, now_ms())
-        part.published.append(sent)
-        barrier.add_done_callback(partial(self._barrier_done, part, part.tenure, sent))
-
-    async def _send(
-        self, part: _Partition, actions: list[tuple[HandoffRow, int, Action]]
-    ) -> asyncio.Future[None]:
-        """Publish the actions; the barrier that confirms them, whatever the other partitions
-        publish and flush meanwhile on the same bus (see "The barrier" in worker.bus)."""
-        connection = self._bus.connection
-        stored = []
-        for row, _, action in actions:
-            ack = await publish_action(self._bus, self._subjects, row, action)
-            if ack is not None:
-                stored.append(ack)
-            part.timers.sent(action)
-            self.leases.sent(part.planner.open.get(action.handoff_id), action)
-        return asyncio.ensure_future(self._bus.confirm(connection, stored))
-
-    def _barrier_done(
-        self, part: _Partition, tenure: int, sent: _Sent, barrier: asyncio.Future[None]
-    ) -> None:
-        if not barrier.cancelled() and barrier.exception() is None:
-            return
-        if part.tenure != tenure or sent.barrier is not barrier:
-            return  # released since (the next claim publishes them), or published again
-        resend = asyncio.create_task(self._publish_again(part, tenure, sent))
-        self._resends.add(resend)
-        resend.add_done_callback(self._resends.discard)
-
-    async def _publish_again(self, part: _Partition, tenure: int, sent: _Sent) -> None:
-        """The barrier behind `sent` failed: the server may never have read its actions. Publish
-        them again (at least once, with the same action ids), pausing longer after each
-        failure, until a new barrier confirms them or the partition is released."""
-        error = "" if sent.barrier.cancelled() else f" ({sent.barrier.exception()})"
-        logger.warning(
-            "partition %d: %d actions were published on a connection that NATS lost%s; "
-            "publishing them again",
-            part.number, len(sent.actions), error,
-        )  # fmt: skip
-        pause_s = _RESEND_PAUSE_S[0]
-        while part.tenure == tenure:
-            await asyncio.sleep(pause_s)  # let the connection come back first
-            if part.tenure != tenure:
-                return
-            try:
-                barrier = await self._send(part, sent.actions)
-            except BusError as exc:
-                logger.warning("partition %d: publishing again failed: %s", part.number, exc)
-                pause_s = min(2 * pause_s, _RESEND_PAUSE_S[1])
-                continue
-            sent.at_ms = now_ms()
-            sent.barrier = barrier
-            sent.barrier.add_done_callback(partial(self._barrier_done, part, tenure, sent))
-            return
-
     def _lease_gone(self, engine_id: str, incarnation: str) -> None:
         """An engine's lease went: answer for it in every handoff this worker owns."""
         for part in self._partitions.values():
             self.leases.sweep(part.planner.open.values(), {engine_id: incarnation})
-
-    async def _republish(self, partition: int, row: HandoffRow, action: Action) -> None:
-        """A retry: publish the action again (its first publication carries its mark)."""
-        await self._publish(self._partitions[partition], [(row, -1, action)])
-
-    def _confirmed(self, part: _Partition) -> list[tuple[UUID, int, int]]:
-        """Take the outbox marks the server has confirmed, in publication order, up to the
-        first lot not confirmed: one whose barrier failed is being published again
-        (`_publish_again`), and a later mark of its handoff would say it was published."""
-        confirmed: list[tuple[UUID, int, int]] = []
-        while part.published and part.published[0].barrier.done():
-            barrier = part.published[0].barrier
-            if barrier.cancelled() or barrier.exception() is not None:
-                break
-            confirmed.extend(part.published.pop(0).marks())
-        return confirmed
-
-    async def _settle_marks(self, part: _Partition) -> None:
-        """Stopping: wait for the barriers, and commit what they confirm to the local file
-        (the next owner republishes those actions: the replicated log does not mark them)."""
-        for sent in part.published:
-            with contextlib.suppress(BusError, asyncio.CancelledError):
-                await sent.barrier
-        batch = Batch()
-        for handoff_id, seq, at_ms in self._confirmed(part):
-            batch.mark_published(handoff_id, seq, at_ms)
-        if batch:
-            await part.log.commit(batch)
-
-    def _partition_of(self, inbound: Inbound) -> int:
-        return int(inbound.subject.removeprefix(self._inputs_of).partition(".")[0])
-
-    def _canonical(self, inbound: Inbound) -> _Canonical:
-        """`<prefix>.inp.<p>.<id>` read as `<prefix>.in.<id>`."""
-        handoff = inbound.subject.removeprefix(self._inputs_of).partition(".")[2]
-        subject = f"{self._config.nats.subject_prefix}.in.{handoff}"
-        return _Canonical(inbound.data, subject, inbound.stream_seq, inbound.deliveries)
-
-
-def _ended(row: HandoffRow) -> bool:
-    """The handoff succeeded or was canceled: it has a tombstone."""
-    return row.state in (HandoffState.SUCCEEDED, HandoffState.CANCELED)
-
-
-def _int(mark: str | None) -> int | None:
-    return None if mark is None else int(mark)
