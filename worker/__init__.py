@@ -1,8 +1,9 @@
 """kvhandoff's IO shell, one folder per concern:
 
 - `bus/`: the NATS transport, the one place that imports nats-py.
-- `tier/`: one worker of a tier: membership, the balance rule, each partition's ownership,
-  planner, timers and outbox, the engines' leases, and the `kvhandoff run` service.
+- `tier/`: one worker of a tier: membership, the balance rule, each partition's owner (its loop
+  and phases) and `Partition` (planner, local file, timers, outbox), the engines' leases, and
+  the `kvhandoff run` service that wires them.
 - `log/`: the local event log file (SQLite): schema, rows, the writer, the offline reader.
 - `engines/`: the mock engines, and what a healthy engine answers.
 - `loadgen/`: the load generator, which plays the frontend.

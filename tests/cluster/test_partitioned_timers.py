@@ -1,4 +1,4 @@
-"""The timers of `kvhandoff run --partitions` (worker.tier.service, worker.tier.timers), as real
+"""The timers of `kvhandoff run --partitions` (worker.tier.partition, worker.tier.timers), as real
 processes on the real three-node cluster with the scripted engines: a deadline whose engine
 never answers times the handoff out (a second `TimedOut`, as a fenced owner's late timer would
 publish it, is dropped as a duplicate); an action without an outcome is published again with

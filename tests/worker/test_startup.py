@@ -39,7 +39,7 @@ from kvhandoff.worker.log.reader import open_log
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
 
-# What a worker logs once it serves the partition (worker.tier.service).
+# What a worker logs once it serves the partition (worker.tier.partition).
 CLAIMED = "partition 0: caught"
 PROMPTLY_S = 3.0  # well under nats-py's 5 s connect and JetStream request timeouts
 

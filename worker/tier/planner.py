@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 The worker handles its input stream a batch at a time. This module decides what one batch does;
-`worker.tier.service` carries the decision out (commit, publish, settle, timers) and owns every
+`worker.tier.partition` carries the decision out (commit, publish, settle, timers) and owns every
 wait. A batch is planned in two calls, with the one read the plan may need between them:
 
     decoded = planner.decode(deliveries)     # bytes -> inputs; rejects what cannot be read
