@@ -4,7 +4,7 @@ timers and its outbox, and the steps its owner drives.
 Theory of operation. `worker.tier.service.Worker` makes one `Partition` per partition number
 the tier gives it an owner for, the first time, and keeps it until the worker stops (its file
 stays open, under its `WriterLock`, from its first claim on). Each
-`worker.tier.owner.PartitionOwner` that owns the partition drives it through four steps (see
+`worker.tier.owner.PartitionOwner` that owns the partition drives it through these steps (see
 worker.tier.owner for when, and worker.tier.phase for the owner's phases):
 
     claimed    the partition's replicated log was read (`CaughtUp`): open the file the first
@@ -16,6 +16,8 @@ worker.tier.owner for when, and worker.tier.phase for the owner's phases):
     act        after the append: arm the plan's timers, queue the same rows for the local
                file, then publish the plan's actions (`publish_action`) and rejections,
                without waiting for the local commit;
+    snapshot   the partition's live state as a snapshot of its log holds it (`LoggedState`):
+               its file once every queued commit ended, and the tombstones of late;
     released   the owner stopped (handed over, fenced, or failed): drop the timers and memory;
                the partition serves no generation until the next claim.
 
