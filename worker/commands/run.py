@@ -45,7 +45,7 @@ from kvhandoff.worker.errors import (
 )
 from kvhandoff.worker.log.store import EventLog, WriterLock
 from kvhandoff.worker.logging_setup import configure_logging
-from kvhandoff.worker.stoppable import unless_stopped
+from kvhandoff.worker.stoppable import cancel_until_done, unless_stopped
 from kvhandoff.worker.tier.metrics import Metrics, MetricsServer
 from kvhandoff.worker.tier.service import Worker, tier_settings
 
@@ -133,9 +133,7 @@ async def _beside(
     try:
         yield
     finally:
-        retention.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await retention
+        await cancel_until_done(retention)
         if server is not None:
             server.close()
 

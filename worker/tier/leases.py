@@ -62,7 +62,7 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Subscription
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.errors import BusError
-from kvhandoff.worker.stoppable import unless_stopped
+from kvhandoff.worker.stoppable import cancel_until_done, unless_stopped
 from kvhandoff.worker.tier.lease_view import LeaseView, write_view
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.planner import OpenHandoff
@@ -145,9 +145,10 @@ class EngineLeases:
                 await subscription.unsubscribe()
             except BusError as exc:
                 logger.warning("lease watch: %s", exc)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        tasks = list(self._tasks)
+        for task in tasks:
+            await cancel_until_done(task)
+        await asyncio.gather(*tasks, return_exceptions=True)  # done: this reads what they raised
 
     def state(self, engine_id: str) -> LeaseState:
         if engine_id in self._live:

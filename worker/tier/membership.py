@@ -62,7 +62,7 @@ from kvhandoff.worker.errors import (
     NewerLogVersion,
     StreamMismatch,
 )
-from kvhandoff.worker.stoppable import unless_stopped
+from kvhandoff.worker.stoppable import cancel_until_done, unless_stopped
 from kvhandoff.worker.tier.balance import rebalance
 from kvhandoff.worker.tier.metrics import TierMetrics
 from kvhandoff.worker.tier.owner import PartitionOwner, SnapshotPolicy, Steps, max_ack_pending
@@ -189,9 +189,7 @@ class Tier:
         finally:
             await self._stop_owners(set(self._running))
             self._count_owned()
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            await cancel_until_done(keeper)
             await membership.leave()
 
     async def _set_up(self) -> Membership:

@@ -111,6 +111,7 @@ from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreEr
 from kvhandoff.worker.log.rows import HandoffLog, HandoffRow, Tombstone
 from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.log.store import Batch, Committed, CorruptHandoff, EventLog, WriterLock
+from kvhandoff.worker.stoppable import cancel_until_done
 from kvhandoff.worker.tier.entries import (
     LOG_VERSION,
     MARK_KEY,
@@ -401,9 +402,7 @@ class Partition:
         the timers, commit the confirmed marks, and close the file, releasing its lock."""
         if self._file is None:
             return
-        self._file.timers_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._file.timers_task
+        await cancel_until_done(self._file.timers_task)
         with contextlib.suppress(StoreError):
             await self._all_committed()
             await self._settle_marks()
