@@ -293,7 +293,7 @@ class PartitionOwner:
         # Where this owner is (worker.tier.phase): what it may do next, and how it ended.
         self.phase = PartitionPhase(log.partition)
         # The server's token for the pin the claim holds for (see "Pins" in worker.bus): a
-        # batch under another one is claimed for anew. Not a generation: the log's is that.
+        # batch under another one is claimed for anew. Not a generation: the log's epoch is.
         self._pin_id: str | None = None
         self._in_flight: _InFlight | None = None  # the batch whose append is on its way
         # What it did, for metrics and tests.

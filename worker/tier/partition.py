@@ -10,7 +10,7 @@ worker.tier.owner for when, and worker.tier.phase for the owner's phases):
     claimed    the partition's replicated log was read (`CaughtUp`): open the file the first
                time, commit to it the `Appended` entries it lacks (a new owner on another
                machine starts from an empty file), rebuild the planner from the file, publish
-               its backlog. From now on the partition serves the claim's generation;
+               its backlog. From now on the partition serves the claim's epoch;
     decide     decode and plan the batch, loading from the local file the handoffs not in
                memory; return the plan's rows (`LoggedRows`) for the owner to append;
     act        after the append: arm the plan's timers, queue the same rows for the local
@@ -19,13 +19,13 @@ worker.tier.owner for when, and worker.tier.phase for the owner's phases):
     snapshot   the partition's live state as a snapshot of its log holds it (`LoggedState`):
                its file once every queued commit ended, and the tombstones of late;
     released   the owner stopped (handed over, fenced, or failed): drop the timers and memory;
-               the partition serves no generation until the next claim.
+               the partition serves no epoch until the next claim.
 
-The generation. Each claim of the partition's log counts up one number (what the log's entries
-call `epoch`, worker.tier.ownership): `generation` is that of the claim this partition serves,
-None while it serves none. A lot of actions is published again (see "Outbox") only while the
-partition serves the generation it was published in; the owner's pin id is the server's token
-for its pin, not a generation (worker.tier.owner).
+The epoch. Each claim of the partition's log counts up one number, the owner's generation, which
+the log's entries and this whole tier call `epoch` (worker.tier.entries): `epoch` here is that
+of the claim this partition serves, None while it serves none. A lot of actions is published
+again (see "Outbox") only while the partition serves the epoch it was published in; the owner's
+pin id is the server's token for its pin, not a generation (worker.tier.owner).
 
 Invariants.
 - The replicated log is the authority; the local file is a prefix of it. Each local commit of
@@ -213,8 +213,8 @@ class Partition:
             retry_interval_s=config.retry_interval_s, republish=self._republish,
         )  # fmt: skip
         self._file: _File | None = None  # opened at the first claim
-        # The generation of the claim it serves (module docstring); None: it serves none.
-        self.generation: int | None = None
+        # The epoch of the claim it serves (module docstring); None: it serves none.
+        self.epoch: int | None = None
         # Plans and their rows, in order, awaiting their append and `act`, with the inputs they
         # apply: the owner decides a batch while the one before it is being appended.
         self.decided: deque[tuple[list[int], Plan, LoggedRows]] = deque()
@@ -246,7 +246,7 @@ class Partition:
         began = time.perf_counter()
         log = await self._open()
         self.decided.clear()
-        self.generation = caught.epoch
+        self.epoch = caught.epoch
         # The file's mark must be the last of what it will hold. A local commit that failed
         # left the file behind the replicated log; the catch-up below repairs that.
         with contextlib.suppress(StoreError):
@@ -276,7 +276,7 @@ class Partition:
                 catch_up.meta[MARK_KEY] = str(state.mark)
         for entry in missing:
             entry.add_to(catch_up)
-        # Marks of this worker's earlier generation; those not confirmed yet are republished.
+        # Marks of this worker's earlier claim; those not confirmed yet are republished.
         for handoff_id, seq, at_ms in self._confirmed():
             catch_up.mark_published(handoff_id, seq, at_ms)
         self._published.clear()
@@ -387,7 +387,7 @@ class Partition:
         self.planner.tombstones = {}
         self.decided.clear()
         # What it published and is not confirmed is the next owner's to publish.
-        self.generation = None
+        self.epoch = None
         self._count_in_memory()
         logger.info("partition %d: released; its timers are dropped", self.number)
 
@@ -563,7 +563,7 @@ class Partition:
             barrier.set_exception(exc)
         sent = _Sent(actions, barrier, now_ms())
         self._published.append(sent)
-        barrier.add_done_callback(partial(self._barrier_done, self.generation, sent))
+        barrier.add_done_callback(partial(self._barrier_done, self.epoch, sent))
 
     async def _send(self, actions: list[tuple[HandoffRow, int, Action]]) -> asyncio.Future[None]:
         """Publish the actions; the barrier that confirms them, whatever the other partitions
@@ -578,20 +578,18 @@ class Partition:
             self._leases.sent(self.planner.open.get(action.handoff_id), action)
         return asyncio.ensure_future(self._bus.confirm(connection, stored))
 
-    def _barrier_done(
-        self, generation: int | None, sent: _Sent, barrier: asyncio.Future[None]
-    ) -> None:
+    def _barrier_done(self, epoch: int | None, sent: _Sent, barrier: asyncio.Future[None]) -> None:
         if not barrier.cancelled() and barrier.exception() is None:
             return
-        # Published again only in the generation it was published in: released since, or
+        # Published again only in the epoch it was published in: released since, or
         # claimed anew, the claim publishes it (what the file does not mark published).
-        if generation is None or self.generation != generation or sent.barrier is not barrier:
+        if epoch is None or self.epoch != epoch or sent.barrier is not barrier:
             return  # released or claimed anew since, or published again
-        resend = asyncio.create_task(self._publish_again(generation, sent))
+        resend = asyncio.create_task(self._publish_again(epoch, sent))
         self._resends.add(resend)
         resend.add_done_callback(self._resends.discard)
 
-    async def _publish_again(self, generation: int, sent: _Sent) -> None:
+    async def _publish_again(self, epoch: int, sent: _Sent) -> None:
         """The barrier behind `sent` failed: the server may never have read its actions. Publish
         them again (at least once, with the same action ids), pausing longer after each
         failure, until a new barrier confirms them or the partition is released."""
@@ -602,9 +600,9 @@ class Partition:
             self.number, len(sent.actions), error,
         )  # fmt: skip
         pause_s = _RESEND_PAUSE_S[0]
-        while self.generation == generation:
+        while self.epoch == epoch:
             await asyncio.sleep(pause_s)  # let the connection come back first
-            if self.generation != generation:
+            if self.epoch != epoch:
                 return
             try:
                 barrier = await self._send(sent.actions)
@@ -614,7 +612,7 @@ class Partition:
                 continue
             sent.at_ms = now_ms()
             sent.barrier = barrier
-            sent.barrier.add_done_callback(partial(self._barrier_done, generation, sent))
+            sent.barrier.add_done_callback(partial(self._barrier_done, epoch, sent))
             return
 
     async def _republish(self, row: HandoffRow, action: Action) -> None:
