@@ -86,7 +86,7 @@ from traffic import (
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings, WorkerConfig
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
-from kvhandoff.worker.log.store import Batch
+from kvhandoff.worker.log.rows import Batch
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.owner import Decided, max_ack_pending
 from kvhandoff.worker.tier.partition import Partition

@@ -68,7 +68,8 @@ from kvhandoff.events.messages import EngineType, HandoffCompletion, Input, Star
 from kvhandoff.events.subjects import Subjects  # noqa: E402
 from kvhandoff.worker.clock import now_ms  # noqa: E402
 from kvhandoff.worker.engines.healthy import success_script  # noqa: E402
-from kvhandoff.worker.log.store import Batch, EventLog  # noqa: E402
+from kvhandoff.worker.log.rows import Batch  # noqa: E402
+from kvhandoff.worker.log.store import EventLog  # noqa: E402
 from kvhandoff.worker.tier.planner import Planner  # noqa: E402
 
 _SUBJECTS = Subjects()

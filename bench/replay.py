@@ -59,8 +59,8 @@ from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord  # noq
 from kvhandoff.events.replay import timeline  # noqa: E402
 from kvhandoff.worker.commands.verify import verify_log  # noqa: E402
 from kvhandoff.worker.log.reader import SqliteLog  # noqa: E402
-from kvhandoff.worker.log.rows import HandoffLog, HandoffRow  # noqa: E402
-from kvhandoff.worker.log.store import Batch, EventLog  # noqa: E402
+from kvhandoff.worker.log.rows import Batch, HandoffLog, HandoffRow  # noqa: E402
+from kvhandoff.worker.log.store import EventLog  # noqa: E402
 
 GOLDEN = _ROOT / "tests" / "tools" / "golden" / "v2" / "log.sqlite3"
 BARE_QUERY = "SELECT type, at_ms, record FROM events ORDER BY handoff_key, seq"

@@ -336,3 +336,15 @@ def test_everything_loads_under_the_one_kvhandoff_name() -> None:
         if m != "kvhandoff.worker.harness.containers"
     ]
     assert_load_no(set(FOLDERS), ours)
+
+
+def test_the_planner_depends_on_no_io() -> None:
+    # worker.tier.planner is the partition's batch step without IO (its docstring): what it
+    # shares with the store (`Batch`, `Loaded`) lives in worker.log.rows, and it reaches no
+    # driver through any import.
+    planner = "kvhandoff.worker.tier.planner"
+    bad = list(violations([planner], {"kvhandoff.worker.log.store", "kvhandoff.worker.bus"}))
+    assert not bad, "the planner must not depend on the store or the bus:\n" + "\n".join(bad)
+    for driver in ("nats", "aiosqlite", "sqlite3"):
+        chain = path_to(planner, driver)
+        assert chain is None, f"{planner} reaches {driver}:\n  " + "\n  ".join(map(str, chain))

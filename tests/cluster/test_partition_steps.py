@@ -22,8 +22,8 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings, WorkerConfig
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
-from kvhandoff.worker.log.rows import HandoffLog
-from kvhandoff.worker.log.store import EventLog, Loaded
+from kvhandoff.worker.log.rows import HandoffLog, Loaded
+from kvhandoff.worker.log.store import EventLog
 from kvhandoff.worker.tier.membership import TierSettings
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.ownership import CaughtUp

@@ -34,9 +34,16 @@ from kvhandoff.events.messages import Canceled, EngineType, HandoffCompletion, I
 from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.log.reader import DataDir, JsonlLog, SqliteLog, write_jsonl
-from kvhandoff.worker.log.rows import HandoffLog, HandoffReader, HandoffRow, LoggedEvent
+from kvhandoff.worker.log.rows import (
+    Batch,
+    CorruptHandoff,
+    HandoffLog,
+    HandoffReader,
+    HandoffRow,
+    LoggedEvent,
+)
 from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.log.store import Batch, CorruptHandoff, EventLog
+from kvhandoff.worker.log.store import EventLog
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from kvhandoff.events.messages import Complete, EngineType, ReserveDestination, 
 from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.events.replay import find_divergence
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
-from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.log.rows import Batch, HandoffRow
 from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.log.store import Batch, EventLog
+from kvhandoff.worker.log.store import EventLog
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 

@@ -23,6 +23,7 @@ from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.config import NatsSettings, WorkerConfig
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log import store
+from kvhandoff.worker.log.rows import Batch
 from kvhandoff.worker.tier import service
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.owner import Decided
@@ -40,7 +41,7 @@ async def test_a_slow_file_holds_the_worker_back_instead_of_queueing_without_bou
 ) -> None:  # fmt: skip
     write = store._write_batch
 
-    def slow_write(db: sqlite3.Connection, batch: store.Batch) -> None:
+    def slow_write(db: sqlite3.Connection, batch: Batch) -> None:
         time.sleep(_SLOW_WRITE_S)  # a slow disk, on the writer's thread (not the event loop)
         write(db, batch)
 

@@ -26,8 +26,7 @@ from kvhandoff.events.coordinator import HandoffCoordinator
 from kvhandoff.events.messages import Canceled, EngineType, Input, StartHandoff
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.engines.healthy import success_script
-from kvhandoff.worker.log.rows import HandoffLog, HandoffRow, LoggedEvent
-from kvhandoff.worker.log.store import Batch, Loaded
+from kvhandoff.worker.log.rows import Batch, HandoffLog, HandoffRow, Loaded, LoggedEvent
 from kvhandoff.worker.tier.planner import Planner
 
 SUBJECTS = Subjects()

@@ -37,17 +37,16 @@ from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.errors import StoreConflict, StoreError, StoreLocked
 from kvhandoff.worker.log.reader import open_log
-from kvhandoff.worker.log.rows import HandoffLog, HandoffRow, LoggedEvent
-from kvhandoff.worker.log.schema import RECORD_TYPES, HandoffState
-from kvhandoff.worker.log.store import (
+from kvhandoff.worker.log.rows import (
     Batch,
-    Compacted,
     CorruptHandoff,
-    EventLog,
+    HandoffLog,
+    HandoffRow,
     Loaded,
-    UnpublishedAction,
-    WriterLock,
+    LoggedEvent,
 )
+from kvhandoff.worker.log.schema import RECORD_TYPES, HandoffState
+from kvhandoff.worker.log.store import Compacted, EventLog, UnpublishedAction, WriterLock
 from tests.tools.conftest import IDS, V1
 from tests.worker.scripted_engine import Script
 from tests.worker.tmpfs import fill, small_filesystem

@@ -70,7 +70,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -82,11 +82,15 @@ import msgspec
 
 from kvhandoff.events.codec import split_record
 from kvhandoff.events.errors import LogCorrupt
-from kvhandoff.events.records import VERBATIM, ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.records import VERBATIM, ActionRecord, InputRecord
 from kvhandoff.worker.errors import StoreConflict, StoreCorrupt, StoreError, StoreLocked
 from kvhandoff.worker.log.rows import (
+    Batch,
+    CorruptHandoff,
     HandoffLog,
     HandoffRow,
+    LiveState,
+    Loaded,
     LoggedEvent,
     Tombstone,
     read_event,
@@ -100,7 +104,6 @@ from kvhandoff.worker.log.schema import (
     INSERT_RECORD_TYPES,
     LAYOUT_1,
     LAYOUT_VERSION,
-    QUARANTINE_PREFIX,
     RECORD_TYPE_VALUES,
     SELECT_EVENTS,
     TABLES,
@@ -121,101 +124,10 @@ _BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 @dataclass(frozen=True, slots=True)
-class CorruptHandoff:
-    """A handoff whose row or log could not be read back: the caller quarantines it."""
-
-    handoff_id: UUID
-    reason: str
-
-
-#: What the worker's read of one handoff gives: its log, or why it could not be read.
-Loaded = HandoffLog | CorruptHandoff
-
-
-@dataclass(frozen=True, slots=True)
 class UnpublishedAction:
     row: HandoffRow
     seq: int
     record: ActionRecord
-
-
-@dataclass(slots=True)
-class LiveState:
-    """A partition file's live part, as a snapshot of the partition carries it to another
-    file: every row that rebuilding its open and quarantined handoffs reads, and the
-    tombstones of those that ended lately. `merge` it into a `Batch`."""
-
-    handoffs: list[HandoffRow] = field(default_factory=list)  # open and quarantined
-    # (handoff id, published seq, when): their outbox marks
-    marks: list[tuple[UUID, int, int | None]] = field(default_factory=list)
-    events: list[tuple[str, int, int, int, bytes]] = field(default_factory=list)  # as `Batch`
-    tombstones: list[Tombstone] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Batch:
-    """Everything one group commit writes, already encoded as rows."""
-
-    # (handoff id, seq, type, at_ms, record): the record split as layout 2 stores it.
-    events: list[tuple[str, int, int, int, bytes]] = field(default_factory=list)
-    handoffs: dict[UUID, HandoffRow] = field(default_factory=dict)
-    # handoff -> (the highest seq marked, when): one outbox mark per handoff.
-    published: dict[UUID, tuple[int, int]] = field(default_factory=dict)
-    rejections: list[tuple[int, str | None, str, bytes]] = field(default_factory=list)
-    quarantined: list[tuple[int, str]] = field(default_factory=list)
-    # meta key -> value, set in the same transaction (the partitioned worker's catch-up mark).
-    meta: dict[str, str] = field(default_factory=dict)
-    # A snapshot's live state, written first: its handoffs' rows and events are added where
-    # the file lacks them, and what the file holds open that the snapshot does not is ended
-    # (as its tombstone says) or, if the snapshot does not know it, dropped: it ended where
-    # the file never saw, more than a tombstone's life ago.
-    merge: LiveState | None = None
-
-    def append_input(self, seq: int, record: InputRecord, key: str | None = None) -> None:
-        """Log the input at `seq` of its handoff; `key`, the handoff id as text, if the caller
-        has it at hand (the planner does: it saves a `str` of the UUID per row)."""
-        self._append(key or str(record.input.handoff_id), seq, record)
-
-    def append_action(self, seq: int, record: ActionRecord, key: str | None = None) -> None:
-        """Log the action at `seq` of its handoff; `key` as for `append_input`."""
-        self._append(key or str(record.action.handoff_id), seq, record)
-
-    def _append(self, key: str, seq: int, record: LogRecord) -> None:
-        code, fields = split_record(record)
-        self.events.append((key, seq, code, record.at_ms, fields))
-
-    def upsert_handoff(self, row: HandoffRow) -> None:
-        """Write the handoff's projection as it stands now: a copy, because the worker goes on
-        changing its row (the next batch is planned before this one commits)."""
-        self.handoffs[row.handoff_id] = row.copy()
-
-    def mark_published(self, handoff_id: UUID, seq: int, at_ms: int) -> None:
-        """The handoff's action at `seq`, and so every action before it, has been published:
-        the worker publishes a handoff's actions in seq order, and marks them after the server
-        confirmed them."""
-        marked = self.published.get(handoff_id)
-        if marked is None or seq > marked[0]:
-            self.published[handoff_id] = (seq, at_ms)
-
-    def reject(self, at_ms: int, handoff_id: UUID | None, reason: str, payload: bytes) -> None:
-        hid = None if handoff_id is None else str(handoff_id)
-        self.rejections.append((at_ms, hid, reason, payload))
-
-    def quarantine(self, at_ms: int, handoff_id: UUID, reason: str) -> None:
-        """Set the handoff aside: its state becomes `quarantined`, with the reason beside it."""
-        self.quarantined.append((at_ms, str(handoff_id)))
-        self.reject(at_ms, handoff_id, f"{QUARANTINE_PREFIX} {reason}", b"")
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.events
-            or self.handoffs
-            or self.published
-            or self.rejections
-            or self.quarantined
-            or self.meta
-            or self.merge is not None
-        )
 
 
 _UPSERT_HANDOFF = """

@@ -61,9 +61,8 @@ import msgspec
 
 from kvhandoff.events.records import TYPE_CODES
 from kvhandoff.worker.errors import NewerLogVersion
-from kvhandoff.worker.log.rows import HandoffRow, Tombstone
+from kvhandoff.worker.log.rows import Batch, HandoffRow, LiveState, Tombstone
 from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.log.store import Batch, LiveState
 
 # The log version this build reads up to and writes (see "Versions").
 LOG_VERSION = 1
@@ -141,7 +140,7 @@ Entry = Claimed | Appended | HandedOver | Snapshot
 
 class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", tag_field="kind"):
     """One batch's rows, as appended to the partition's replicated log (`Appended.records`)
-    and committed to its local file: a `worker.log.store.Batch`, whose outbox marks are those the
+    and committed to its local file: a `worker.log.rows.Batch`, whose outbox marks are those the
     server confirmed since the previous batch (so that a new owner republishes only the
     actions of the last batches, not the partition's history)."""
 
@@ -182,7 +181,7 @@ class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", ta
 
 class LoggedState(msgspec.Struct, frozen=True, omit_defaults=True, tag="state", tag_field="kind"):
     """A partition's live state, as a snapshot of its replicated log holds it
-    (`Snapshot.records`): a `worker.log.store.LiveState`, and the mark of the last entry it
+    (`Snapshot.records`): a `worker.log.rows.LiveState`, and the mark of the last entry it
     sums up, so that a file that holds that entry already takes none of it."""
 
     mark: int | None  # the local file's mark after that entry (`MARK_KEY`)

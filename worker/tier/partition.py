@@ -108,9 +108,9 @@ from kvhandoff.worker.bus import Bus, Inbound
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
-from kvhandoff.worker.log.rows import HandoffLog, HandoffRow, Tombstone
+from kvhandoff.worker.log.rows import Batch, CorruptHandoff, HandoffLog, HandoffRow, Tombstone
 from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.log.store import Batch, Committed, CorruptHandoff, EventLog, WriterLock
+from kvhandoff.worker.log.store import Committed, EventLog, WriterLock
 from kvhandoff.worker.stoppable import cancel_until_done
 from kvhandoff.worker.tier.entries import (
     LOG_VERSION,

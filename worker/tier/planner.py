@@ -66,9 +66,8 @@ from kvhandoff.events.messages import (
 from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.events.replay import rebuild
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.log.rows import HandoffRow, Tombstone
+from kvhandoff.worker.log.rows import Batch, CorruptHandoff, HandoffRow, Loaded, Tombstone
 from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.log.store import Batch, CorruptHandoff, Loaded
 
 logger = logging.getLogger(__name__)
 

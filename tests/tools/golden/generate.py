@@ -60,9 +60,9 @@ from kvhandoff.events.messages import (
 )
 from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.worker.log.reader import open_log, write_jsonl
-from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.log.rows import Batch, HandoffRow
 from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.log.store import Batch, EventLog
+from kvhandoff.worker.log.store import EventLog
 
 #: 2025-01-01T00:00:00Z; handoff k starts k minutes later.
 BASE_MS = 1_735_689_600_000
