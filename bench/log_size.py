@@ -167,7 +167,7 @@ async def _write(
             now = now_ms()
             plan = planner.plan(batch, decoded, loaded, now, time.time())
             plans += clock() - planning
-            if plan.terms or plan.naks or plan.duplicates:
+            if plan.rejections or plan.naks or plan.duplicates:
                 raise SystemExit(f"the traffic went wrong: {plan.reasons}")
             for handoff_id, seq in marks:
                 plan.batch.mark_published(handoff_id, seq, now)

@@ -190,7 +190,7 @@ class BusProbe:
                           stream.state.messages)  # fmt: skip
 
     async def wait_settled(self, worker: WorkerProcess, within: float = 60.0) -> None:
-        """Every input published so far was acknowledged or terminated by the worker."""
+        """Every input published so far was acknowledged by the worker."""
         deadline = time.monotonic() + within
         while True:
             assert_running(worker)

@@ -1,11 +1,12 @@
 """The worker against hostile inputs: every failure of one input or one handoff stays there.
 
-A poison input (one that makes decoding, digesting, logging or publishing fail) is rejected: it
-is terminated, never redelivered, and a `rejection` is published on `rejected.<id>` (or
-`rejected.unknown`). A handoff whose log cannot be rebuilt is quarantined: its row says so, the
-rejections table and a gauge record it, its inputs are rejected, and every other handoff
-carries on, at recovery too. Each case runs beside valid handoffs that must still complete, and
-ends with the worker alive (the same process, /healthz 200) and every input settled.
+A poison input (one that makes decoding, digesting, logging or publishing fail) is rejected: its
+rejection is logged, it is acknowledged (never redelivered), and a `rejection` is published on
+`rejected.<id>` (or `rejected.unknown`). A handoff whose log cannot be rebuilt is quarantined: its
+row says so, the rejections table and a gauge record it, its inputs are rejected, and every other
+handoff carries on, at recovery too. Each case runs beside valid handoffs that must still
+complete, and ends with the worker alive (the same process, /healthz 200) and every input
+settled.
 
 The fuzz test throws arbitrary bytes, arbitrary JSON and well-formed messages with extreme values
 at one real worker, on valid and invalid subjects, with valid handoffs beside them.
@@ -313,7 +314,7 @@ async def test_a_poison_input_is_rejected_and_the_worker_carries_on(
         assert not probe.rejected and not probe.undecodable, probe.rejected or probe.undecodable
         assert_alive(worker, pid)
         return
-    # Settled means terminated, and the rejection is published before that.
+    # Settled means acknowledged, and the rejection is published before that.
     await probe.wait_rejections(lambda r: True, "the poison's rejection", worker, within=10)
     await probe.nc.flush()
     assert not probe.undecodable, f"not rejection messages: {probe.undecodable}"
@@ -644,7 +645,7 @@ def test_fuzzed_inputs_never_stop_the_worker(tmp_path: Path) -> None:
             loop.run_until_complete(example(messages))
 
         run()
-        # Every fuzzed message is settled in the end: acknowledged, or rejected and terminated
+        # Every fuzzed message is settled in the end: acknowledged, applied or rejected
         # (an early fact for a handoff that never starts is rejected after its redeliveries).
         loop.run_until_complete(observer.wait_settled(worker, within=120))
         assert_alive(worker, pid)

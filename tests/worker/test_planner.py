@@ -1,6 +1,6 @@
 """The batch planner without NATS or SQLite: however a run of deliveries is cut into batches,
-the log it writes and the way it settles each delivery are those of applying them one by one,
-also when each batch commits only after the next was planned, as in the worker's pipeline.
+the log it writes and the way each delivery is settled are those of applying them one by one,
+also when each batch commits only after the next was planned, as in a partition's pipeline.
 
 The deliveries are the success paths of a few handoffs (some canceled part-way), interleaved,
 with exact duplicates, early inputs (a later input moved before an earlier one), inputs refused
@@ -122,70 +122,44 @@ def deliveries(draw: st.DrawFn) -> list[Delivery]:
 
 
 def run(
-    stream: list[Delivery],
-    cuts: list[int],
-    *,
-    pipelined: bool = False,
-    top_ups: Collection[int] = (),
+    stream: list[Delivery], cuts: list[int], *, pipelined: bool = False
 ) -> tuple[MemoryLog, list[str]]:
     """Plan the stream in batches ending at `cuts`; the log and how each delivery was settled.
 
-    `pipelined` commits each batch only after the next one was planned, as the worker's loop
-    does, except that a batch that must read a handoff the previous batch took out of memory
-    waits for the previous commit first; other reads overtake it. A position of `top_ups`
-    inside a batch (pipelined only) splits it as the worker's top-up does: the rest is planned
-    after the previous batch committed, into the same batch, unless it needs a handoff that
-    the first part took out of memory; then it is held, to begin the next batch.
+    Settled as a partition's owner settles it (worker.tier.owner): a deferred input is given
+    back ("nak"); every other input is in the batch's rows, applied, a duplicate or rejected,
+    and acknowledged once they are appended ("ack", or "rejected: <why>", whose rejection is
+    published). `pipelined` commits each batch only after the next one was planned, as
+    worker.tier.service's local commits trail its `decide`, except that a batch that must read
+    a handoff the previous batch took out of memory waits for the previous commit first (the
+    service's `after_previous` and `_all_committed`); other reads overtake it.
     """
     planner = Planner(SUBJECTS, defer_budget=4, ack_wait_s=30.0)
     log = MemoryLog()
     settled: dict[int, str] = {}
-    uncommitted: list[Batch] = []
+    uncommitted: Batch | None = None
     evicted: set[UUID] = set()
-    held: list[Delivery] = []
     begin = 0
-    ends = deque([*sorted(set(cuts)), len(stream)])
-    while ends or held:
-        end = ends.popleft() if ends else len(stream)
-        fresh = stream[begin:end]
-        inside = [t - begin for t in top_ups if begin < t < end] if pipelined else []
-        begin = end
-        batch, held = held + fresh, []
+    for end in [*sorted(set(cuts)), len(stream)]:
+        batch, begin = stream[begin:end], end
         if not batch:
             continue
-        split = len(batch) - len(fresh) + min(inside) if inside else len(batch)
-        first, rest = batch[:split], batch[split:]
-        decoded = planner.decode(first)
+        decoded = planner.decode(batch)
         missing = planner.missing(decoded)
-        if evicted.intersection(missing) or not pipelined:
-            for earlier in uncommitted:
-                log.commit(earlier)
-            uncommitted.clear()
-        plan = planner.plan(first, decoded, log.load(missing), NOW_MS, 0.0)
-        for earlier in uncommitted:
-            log.commit(earlier)
-        parts = [(plan, first)]
-        if rest:
-            decoded = planner.decode(rest)
-            missing = planner.missing(decoded)
-            if set(plan.left_memory).intersection(missing):
-                held = rest
-            else:
-                loaded = log.load(missing)
-                parts.append(
-                    (planner.plan(rest, decoded, loaded, NOW_MS, 0.0, into=plan.batch), rest)
-                )
-        uncommitted = [plan.batch]
-        evicted = {h for part, _ in parts for h in part.left_memory}
-        for part, delivered in parts:
-            for i in part.acks:
-                settled[delivered[i].stream_seq] = "ack"
-            for i, rejection in part.terms:
-                settled[delivered[i].stream_seq] = f"term: {rejection.reason}"
-            for i, _ in part.naks:
-                settled[delivered[i].stream_seq] = "nak"
-    for earlier in uncommitted:
-        log.commit(earlier)
+        if uncommitted is not None and (evicted.intersection(missing) or not pipelined):
+            log.commit(uncommitted)
+            uncommitted = None
+        plan = planner.plan(batch, decoded, log.load(missing), NOW_MS, 0.0)
+        if uncommitted is not None:
+            log.commit(uncommitted)
+        uncommitted, evicted = plan.batch, set(plan.left_memory)
+        rejected = {i: f"rejected: {rejection.reason}" for i, rejection in plan.rejections}
+        deferred = {i for i, _ in plan.naks}
+        assert not deferred & rejected.keys(), "a delivery is deferred or settled, not both"
+        for i, delivery in enumerate(batch):
+            settled[delivery.stream_seq] = "nak" if i in deferred else rejected.get(i, "ack")
+    if uncommitted is not None:
+        log.commit(uncommitted)
     assert sorted(settled) == [d.stream_seq for d in stream], "every delivery settled once"
     return log, [settled[d.stream_seq] for d in stream]
 
@@ -197,9 +171,8 @@ def test_any_cut_into_batches_plans_what_one_by_one_does(
 ) -> None:
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=6))
     pipelined = data.draw(st.booleans())
-    top_ups = data.draw(st.sets(st.integers(1, len(stream)), max_size=4))
     one_by_one, settled_singly = run(stream, list(range(len(stream))))
-    batched, settled_batched = run(stream, cuts, pipelined=pipelined, top_ups=top_ups)
+    batched, settled_batched = run(stream, cuts, pipelined=pipelined)
     assert batched.events == one_by_one.events
     assert batched.rows == one_by_one.rows
     assert batched.rejections == one_by_one.rejections
@@ -221,7 +194,7 @@ def test_the_generated_traffic_exercises_every_kind_of_settlement() -> None:
     assert settled[1 : len(inputs) + 1] == ["ack"] * len(inputs)
     assert settled[len(inputs) + 1] == "ack"  # the duplicate start
     assert settled[-2] == "ack"  # a cancel after success reopens cleanup
-    assert settled[-1].startswith("term: undecodable")
+    assert settled[-1].startswith("rejected: undecodable")
     assert log.rows[start.handoff_id].state == "open"  # cleaning up after the reopen
 
 
@@ -252,9 +225,9 @@ def test_a_late_input_for_a_handoff_known_by_its_tombstone_is_answered_as_its_lo
         Delivery(encode(restart), SUBJECTS.input(start.handoff_id), 1, 102),
     ]
     plan = planner.plan(late, planner.decode(late), {}, NOW_MS + 1000, NOW_MS / 1000 + 1)
-    assert plan.duplicates == 2 and plan.acks == [0, 1]
-    assert [index for index, _ in plan.terms] == [2]
-    assert "ended (succeeded)" in plan.terms[0][1].reason
+    assert plan.duplicates == 2 and not plan.naks
+    assert [index for index, _ in plan.rejections] == [2]
+    assert "ended (succeeded)" in plan.rejections[0][1].reason
     assert not plan.publish and not plan.batch.events and not planner.open
 
     # Past its life, the tombstone is gone: a start is a new handoff (docs/durability.md says so).

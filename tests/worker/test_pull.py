@@ -1,5 +1,5 @@
 """The lean JetStream pull (`worker.bus.Pull`) against a real nats-server: every status it
-reads (100, 404, 408, 409, 423), stream order across many requests, settling (ack, nak, term),
+reads (100, 404, 408, 409, 423), stream order across many requests, settling (ack, nak),
 settling while NATS is down, and a real worker that NATS leaves while it acknowledges.
 
 nats-py plays the other clients: it creates streams and consumers, publishes, reads consumer
@@ -184,7 +184,7 @@ async def test_messages_come_back_in_stream_order_across_many_requests(
     await until_consumer(js, CONSUMER, "all acknowledged", lambda i: i.num_ack_pending == 0)
 
 
-async def test_a_nak_redelivers_after_its_delay_and_a_term_never_does(
+async def test_a_nak_redelivers_after_its_delay_and_an_ack_never_does(
     bus: Bus, js: JetStreamContext
 ) -> None:
     await publish(js, range(2))
@@ -201,7 +201,7 @@ async def test_a_nak_redelivers_after_its_delay_and_a_term_never_does(
         assert third.deliveries == 3
         assert time.monotonic() - naked_at >= 0.45  # JetStream held it back as asked
 
-        await third.term()
+        await third.ack()
     await until_consumer(
         js, CONSUMER, "settled", lambda i: i.num_ack_pending == 0 and i.num_redelivered == 0
     )
@@ -473,7 +473,6 @@ async def test_settling_while_nats_is_down_is_a_bus_error_and_the_input_comes_ba
         assert isinstance(refused.__cause__, nats.errors.OutboundBufferLimitError)
         settlings: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("ack", inbound.ack),
-            ("term", inbound.term),
             ("nak", partial(inbound.nak, 0.1)),
         ]
         for how, settle in settlings:

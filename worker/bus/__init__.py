@@ -2,7 +2,7 @@
 
 Nothing else imports nats-py (tests/test_layering.py checks it), so connecting, the publish
 barrier, durable publishing and pulling from JetStream exist once, and every nats-py error is
-translated to `BusError` here and nowhere else, `Inbound.ack`, `term` and `nak` included. The
+translated to `BusError` here and nowhere else, `Inbound.ack` and `nak` included. The
 worker consumes its input stream and publishes actions; the client library (`client/`: engines
 and frontends, and through it the mock engines and the load generator), the demo and the
 benchmarks subscribe, publish, read the completion stream and gather reports with the same
@@ -55,8 +55,8 @@ The pull. nats-py's `fetch` costs about 110 µs per message (a task and a `wait_
 requests (`PullRequest`) to `$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`, each with its own
 reply subject `<inbox>.<n>`. The server sends the messages to that subscription (nats-py's
 parser hands them to the Pull directly: `_Deliveries`), each with its
-`$JS.ACK...` reply subject, which `Inbound` reads once for its metadata and publishes `+ACK`,
-`+TERM` or `-NAK` to. It also sends status messages there, header only (`NATS/1.0 <code>
+`$JS.ACK...` reply subject, which `Inbound` reads once for its metadata and publishes `+ACK`
+or `-NAK` to. It also sends status messages there, header only (`NATS/1.0 <code>
 <description>`, on the request's own reply subject). The Pull keeps two fetches' worth of messages
 requested or ready, and asks again once half of that has been taken. Each request expires after
 `expires_s` and asks for an idle heartbeat every `heartbeat_s`. The statuses:
@@ -475,7 +475,6 @@ class Subscription:
 # --- JetStream: one input and its settling ---------------------------------------------------
 
 _ACK = b"+ACK"
-_TERM = b"+TERM"
 _NAK = b"-NAK"
 # A `$JS.ACK...` reply subject has 9 tokens,
 # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>,
@@ -486,7 +485,7 @@ _V2_MIN_TOKENS = 11
 
 
 class Inbound:
-    """One input message from the stream, with the three ways to settle it.
+    """One input message from the stream, with the two ways to settle it.
 
     Its metadata is read once, from the `$JS.ACK...` subject the server gave it as its reply
     subject; settling it is a core publish to that subject. Settling fails with `BusError`
@@ -516,10 +515,6 @@ class Inbound:
     async def ack(self) -> None:
         """Done: JetStream never delivers it again (and drops it, with work-queue retention)."""
         await self._settle(_ACK, "ack")
-
-    async def term(self) -> None:
-        """Never redeliver: the input was rejected, and redelivering changes nothing."""
-        await self._settle(_TERM, "term")
 
     async def nak(self, delay_s: float | None = None) -> None:
         """Redeliver, after `delay_s` if given."""

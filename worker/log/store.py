@@ -1,25 +1,27 @@
-"""The worker's side of the event log: SQLite in WAL mode, one writer, readers beside it.
+"""A partition's local event log: SQLite in WAL mode, one writer, readers beside it.
 
-Durability rule: an input is durable when the transaction that appends it commits. With
-`synchronous=FULL` (the default) SQLite fsyncs the WAL at every commit, so a committed input
-survives a power loss; `NORMAL` survives a process crash but may lose the last commits on power
-loss. The service acknowledges an input to JetStream only after its commit, so whatever was
-acknowledged is in the log, and whatever was not will be redelivered.
+What it is for. Each partition a worker owns keeps its handoffs in one file (worker.tier.service).
+The partition's replicated log is the authority, and it is what an input is acknowledged
+against; the file is a prefix of it, kept so that a handoff not in memory, a claim's rebuild
+and the offline tools read SQLite rather than the whole replicated log. A file that lost its
+last commits (a crash, a power loss) is caught up from the replicated log at the next claim.
+`synchronous=FULL` (the default) fsyncs the WAL at every commit; `NORMAL` survives a process
+crash but may lose the last commits on power loss, which the catch-up then writes again.
 
-Appends are group-committed: the service gathers everything one fetched batch produced (new
-handoffs, events, rejections, outbox marks) into a `Batch` and commits it in one transaction.
-A caller that must not wait for its commits queues its batches instead (`EventLog.queue`; a
-partition of the tier does, whose replicated log is the authority): whenever the writer's thread
-is free it commits every batch queued so far in one transaction, in queue order, and the writer
-never waits for the event loop between two commits. A queued batch was made on top of those
-queued before it, so once one fails every later one fails unwritten, until the caller has
-repaired the file and calls `EventLog.resume`.
+Appends are group-committed. The rows one batch of inputs produced (new handoffs, events,
+rejections, quarantines, outbox marks) are one `worker.log.rows.Batch`, and the worker queues
+it (`EventLog.queue`) rather than wait for it: whenever the writer's thread is free it commits
+every batch queued so far in one transaction, in queue order, and the writer never waits for
+the event loop between two commits. A queued batch was made on top of those queued before it,
+so once one fails every later one fails unwritten, until the caller has repaired the file and
+calls `EventLog.resume`. `EventLog.commit` writes one batch and waits (a claim's catch-up, a
+stop's last marks).
 When a transaction fails, the error is SQLite's own ("database or disk is full"), never that of
 the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
 
 Three connections. The writer's thread runs a whole transaction as one call (BEGIN to COMMIT):
-the worker's hop waits for its commit, and a statement per thread round trip, as aiosqlite runs
-them, made a small batch's commit cost several wake-ups of the event loop for one fsync. The
+a statement per thread round trip, as aiosqlite runs them, made a small batch's commit cost
+several wake-ups of the event loop for one fsync. The
 reader is an aiosqlite connection: in WAL mode it reads the last commit without waiting for the
 one in flight, so the worker loads the handoffs of its next batch while the previous batch
 commits. The probe is a third, on the event loop's own thread, for the one read nearly every

@@ -345,7 +345,7 @@ class Partition:
         committed.add_done_callback(self._observe_commit)
         self.committing.append((committed, frozenset(plan.left_memory)))
         await self._publish(plan.publish)
-        for _, rejection in plan.terms:
+        for _, rejection in plan.rejections:
             await self._bus.publish(
                 self._subjects.rejected(rejection.handoff_id), encode(rejection)
             )

@@ -1,25 +1,28 @@
-"""The worker's batch step without IO: fetched inputs and the handoffs in memory in, a plan out.
+"""A partition's batch step without IO: fetched inputs and the handoffs in memory in, a plan out.
 
 Theory of operation
 -------------------
-The worker handles its input stream a batch at a time. This module decides what one batch does;
-`worker.tier.partition` carries the decision out (commit, publish, settle, timers) and owns every
-wait. A batch is planned in two calls, with the one read the plan may need between them:
+A partition's owner handles its inputs a batch at a time (worker.tier.owner). This module
+decides what one batch does; `worker.tier.partition` carries the decision out and owns every
+wait: its `decide` plans a batch, the owner appends the plan's rows to the partition's
+replicated log, and its `act` then arms the plan's timers, queues the rows for the local file
+and publishes. A batch is planned in two calls, with the one read the plan may need between
+them:
 
-    decoded = planner.decode(deliveries)     # bytes -> inputs; rejects what cannot be read
-    loaded  = await log.load(planner.missing(decoded))   # handoffs not in memory (the executor)
+    decoded = planner.decode(deliveries)     # bytes -> inputs; refuses what cannot be read
+    loaded  = await log.load(planner.missing(decoded))   # handoffs not in memory (the partition)
     plan    = planner.plan(deliveries, decoded, loaded, now_ms, now_s)
 
-A plan may share its batch with the plan before it (`into`): the executor tops up a batch with
-what arrived while the previous batch was being carried out, so that it commits once.
-
 `plan` applies every accepted input to its handoff's coordinator in stream order, so the
-handoffs in memory are left as they will be once the plan's batch commits. The plan holds:
+handoffs in memory are left as they will be once the plan's batch is appended. The plan holds:
 
-- `batch`: the rows of one group commit (inputs, the actions they issued, handoff rows,
-  rejections, quarantines);
-- `publish`: the actions to publish once that commit returned;
-- `acks`, `terms` (with the rejection to publish), `naks` (early inputs, with their delay);
+- `batch`: the rows of the batch (inputs, the actions they issued, handoff rows, rejections,
+  quarantines), which the replicated log and then the local file take;
+- `publish`: the actions to publish once those rows are appended;
+- `rejections`: each refused input with the rejection to publish. A refused input is settled
+  as an accepted one is: its rejection is in the batch's rows, so the owner acknowledges it
+  once they are appended, and JetStream never delivers it again;
+- `naks`: early inputs, with their delay: not appended, given back to come again;
 - the timers to change: deadlines of new handoffs, retries an outcome answered, deadlines of
   handoffs that left memory;
 - the tallies for the metrics.
@@ -29,16 +32,16 @@ Invariants
 - Only accepted inputs reach `batch`, each with the actions it issued, at the handoff's next
   sequence numbers: planning a run of deliveries in one batch or one at a time gives the same
   rows (the property test in tests/worker/test_planner.py).
-- An input is acknowledged, terminated or returned exactly once per plan; no delivery is left
-  unsettled.
+- Each delivery is either deferred (in `naks`, once) or settled by the batch's rows (applied,
+  dropped as a duplicate, or rejected: in `rejections`, once); none is left out.
 - Nothing an input carries can raise out of `plan`: a failure while applying one input rejects
   it and quarantines its handoff (its coordinator may be half changed), and the rest of the
   batch goes on.
 - Early inputs (a fact before the input it depends on, or for a handoff not started yet) wait
   for a redelivery, but at most `defer_budget` at once and for at most `DEFER_LIMIT` deliveries:
   each one holds an unacknowledged slot of the consumer while it waits.
-- If the plan's commit fails, memory is ahead of the log: the executor must rebuild the
-  handoffs from the log (`adopt`) before it plans again.
+- If the plan's rows are not appended (fenced, or in doubt), memory is ahead of the log: the
+  service rebuilds the handoffs from the log (`adopt`) at the next claim, before it plans again.
 """
 
 from __future__ import annotations
@@ -131,8 +134,7 @@ class Decoded:
 class Plan:
     batch: Batch = field(default_factory=Batch)
     publish: list[tuple[HandoffRow, int, Action]] = field(default_factory=list)
-    acks: list[int] = field(default_factory=list)
-    terms: list[tuple[int, Rejection]] = field(default_factory=list)
+    rejections: list[tuple[int, Rejection]] = field(default_factory=list)  # delivery, why
     naks: list[tuple[int, float]] = field(default_factory=list)
     new_deadlines: list[tuple[UUID, float]] = field(default_factory=list)  # handoff, due (s)
     answered: list[tuple[UUID, int]] = field(default_factory=list)
@@ -215,12 +217,9 @@ class Planner:
         loaded: Mapping[UUID, Loaded],
         now_ms: int,
         now_s: float,
-        *,
-        into: Batch | None = None,
     ) -> Plan:
-        """Apply the decoded batch. With `into`, the plan's rows are added to that batch (of
-        a plan made just before, whose commit this one shares) instead of a new one."""
-        r = _Round(Plan() if into is None else Plan(batch=into), deliveries, now_ms, now_s)
+        """Apply the decoded batch."""
+        r = _Round(Plan(), deliveries, now_ms, now_s)
         self._forget_tombstones(now_ms)
         # Handoffs loaded only to check an input against their log leave memory again.
         visiting = self.adopt(loaded.values(), r.plan.batch, now_ms)
@@ -328,7 +327,6 @@ class Planner:
             digest = input_digest(message)
             if digest in handoff.digests:
                 plan.duplicates += 1
-                plan.acks.append(index)
                 return None
             if isinstance(message, StartHandoff) and handoff.row.last_seq >= 0:
                 reason = "handoff already started differently"
@@ -361,7 +359,6 @@ class Planner:
             plan.answered.append((handoff_id, message.action_id))
         plan.inputs[str(message.__struct_config__.tag)] += 1
         _project(handoff, seq, r.now_ms)
-        plan.acks.append(index)
         return handoff
 
     def _too_late(self, r: _Round, index: int, message: Input, tombstone: Tombstone) -> None:
@@ -371,7 +368,6 @@ class Planner:
         accepts nothing that would start it anew."""
         if input_digest(message) in tombstone.digests:
             r.plan.duplicates += 1
-            r.plan.acks.append(index)
             return
         reason = (
             f"handoff {tombstone.handoff_id} ended ({tombstone.state}) at "
@@ -404,7 +400,7 @@ class Planner:
         data = r.deliveries[index].data
         r.plan.batch.reject(r.now_ms, handoff_id, reason, data[:LOGGED_PAYLOAD_LIMIT])
         payload = data[:REJECTED_PAYLOAD_LIMIT].decode(errors="replace")
-        r.plan.terms.append((index, Rejection(handoff_id, reason, payload)))
+        r.plan.rejections.append((index, Rejection(handoff_id, reason, payload)))
         r.plan.reasons[label] += 1
 
     def _early(self, r: _Round, index: int, handoff_id: UUID, reason: str, *, label: str) -> None:
