@@ -1,22 +1,21 @@
-"""Runs the reference conformance vectors (`tests/core/conformance/`) through the coordinator.
+"""Checks the reference conformance vectors (`tests/core/conformance/`) against the coordinator.
 
 Each case drives one coordinator through a list of ops and records, after every op, what the
 reference returned. We compare against `expect_atomic`: ok versus err, the issued actions (kind,
 id, order, delay within a relative 1e-9), and `complete`/`completion` after the op. On top of
 the reference we check our own atomicity promise: a rejected op leaves `snapshot()` unchanged.
+
+The cases come in as decoded JSON objects: reading them from their files is IO, and so the
+shell's (`worker.conformance.vectors`), as for everything else of the core.
 """
 
 from __future__ import annotations
 
-import gzip
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from uuid import UUID
-
-import msgspec
 
 from kvhandoff.events.coordinator import HandoffCoordinator
 from kvhandoff.events.errors import InputRejected
@@ -92,15 +91,6 @@ class Report:
 
     def summary(self) -> str:
         return f"{self.passed} passed, {self.failed} failed"
-
-
-def read_cases(path: Path) -> Iterator[dict[str, Any]]:
-    """Cases from a JSONL file, gzip-compressed or plain."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as lines:
-        for line in lines:
-            if line.strip():
-                yield msgspec.json.decode(line)
 
 
 def _number(value: float | str | None) -> float | None:
@@ -190,16 +180,15 @@ def run_case(case: dict[str, Any]) -> Mismatch | None:
     return None
 
 
-def run(paths: list[Path], keep: int = 5) -> Report:
-    """Run every case in the files; keep the first `keep` mismatches for display."""
+def check(cases: Iterable[dict[str, Any]], keep: int = 5) -> Report:
+    """Run every case; keep the first `keep` mismatches for display."""
     report = Report()
-    for path in paths:
-        for case in read_cases(path):
-            mismatch = run_case(case)
-            if mismatch is None:
-                report.passed += 1
-                continue
-            report.failed += 1
-            if len(report.mismatches) < keep:
-                report.mismatches.append(mismatch)
+    for case in cases:
+        mismatch = run_case(case)
+        if mismatch is None:
+            report.passed += 1
+            continue
+        report.failed += 1
+        if len(report.mismatches) < keep:
+            report.mismatches.append(mismatch)
     return report

@@ -1,5 +1,6 @@
 """The dependency rules, checked on the source: the core imports only the standard library and
-msgspec; the log and the bus never import each other; `worker.bus` is the one module of the
+msgspec, and of the standard library nothing that does IO; the planner imports neither the log
+nor the bus; the log and the bus never import each other; `worker.bus` is the one module of the
 worker, the client (and the load benchmark) that imports nats; the client reaches the worker
 only through the bus and its settings; the offline commands never reach nats.
 
@@ -175,6 +176,32 @@ def test_the_core_imports_only_the_standard_library_and_msgspec() -> None:
         if package(imp.module) not in allowed
     ]
     assert not bad, "\n".join(bad)
+
+
+# What the core may not import even of the standard library: files, the environment, the
+# database, the event loop, and the ways to a process or a socket. Its inputs (and any file's
+# contents) reach it from the shell (worker.conformance.vectors reads the conformance vectors).
+CORE_MAY_NOT_IMPORT = {
+    "asyncio", "gzip", "io", "os", "pathlib", "shutil", "socket", "sqlite3", "subprocess",
+    "tempfile",
+}  # fmt: skip
+
+
+def test_the_core_does_no_io() -> None:
+    bad = [
+        f"{imp}: events/ does no IO; read files, the environment or the network in the worker"
+        for module in modules_of("events")
+        for imp in imports_of(module)
+        if top(imp.module) in CORE_MAY_NOT_IMPORT
+    ]
+    opens = [
+        f"{module} calls open (line {node.lineno})"
+        for module in modules_of("events")
+        if (path := source_file(module)) is not None
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open"
+    ]
+    assert not bad and not opens, "\n".join([*bad, *opens])
 
 
 def test_the_core_never_imports_the_worker() -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from kvhandoff.events import conformance
 from kvhandoff.worker.cli import main
+from kvhandoff.worker.conformance import vectors as vector_files
 
 VECTORS = Path(__file__).resolve().parent / "conformance" / "vectors.jsonl.gz"
 CASES = 1500
@@ -32,7 +33,7 @@ def _last_line(text: str) -> str:
 
 
 def test_every_vector_matches_the_reference(vectors: Path) -> None:
-    report = conformance.run([vectors])
+    report = vector_files.run([vectors])
     assert (report.passed, report.failed) == (CASES, 0), "\n".join(map(str, report.mismatches))
     assert report.mismatches == []
     assert report.summary() == f"{CASES} passed, 0 failed"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvhandoff.events import conformance
 from kvhandoff.worker.commands import _offline
+from kvhandoff.worker.conformance import vectors
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(args: argparse.Namespace) -> int:
-    report = conformance.run(args.files, keep=args.show)
+    report = vectors.run(args.files, keep=args.show)
     with _offline.printing():  # the status is the run's, whether or not all of it was read
         for mismatch in report.mismatches:
             print(mismatch)
