@@ -208,7 +208,7 @@ async def run_config(
     children = await asyncio.to_thread(launch, cluster, config, round_)
     engines = TimedEngines(cluster.url.split(",")[0])
     try:
-        await cluster.wait_stream("KVHANDOFF_IN")
+        await cluster.wait_stream(_DEFAULT_TIER.stream)
         await engines.start()
         made = 0
 

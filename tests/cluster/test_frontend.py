@@ -15,26 +15,26 @@ from kvhandoff.events.codec import encode
 from kvhandoff.events.messages import Complete, HandoffCompletion
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.config import DEFAULT_DONE_STREAM, NatsSettings
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S, until
-
-DONE_STREAM = "KVHANDOFF_DONE"
 
 
 async def test_a_wait_reads_the_completion_stream_again_until_it_answers(
     nats_cluster: NatsCluster, bus: Bus, caplog: pytest.LogCaptureFixture
 ) -> None:
     subjects = Subjects()
-    await bus.open_completions(DONE_STREAM, subjects.completions, 3600)
+    await bus.open_completions(DEFAULT_DONE_STREAM, subjects.completions, 3600)
     handoff_id = uuid.uuid4()
     complete = Complete(handoff_id, 7, HandoffCompletion.SUCCESS)
     await bus.publish_stored(subjects.done(handoff_id), encode(complete))
     await bus.flush()
     # The survivor must not lead the stream: a leader answers reads for a while after it lost
     # its quorum, until it notices and steps down.
-    await until(lambda: nats_cluster.stream_leader(DONE_STREAM) is not None, "a stream leader")
-    leader = nats_cluster.stream_leader(DONE_STREAM)
+    await until(
+        lambda: nats_cluster.stream_leader(DEFAULT_DONE_STREAM) is not None, "a stream leader"
+    )
+    leader = nats_cluster.stream_leader(DEFAULT_DONE_STREAM)
     assert leader is not None
     survivor, other = [node for node in nats_cluster.nodes if node is not leader]
     down = [leader, other]

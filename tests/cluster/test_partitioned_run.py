@@ -61,7 +61,7 @@ from kvhandoff.events.messages import (
     SubmitPrefill,
 )
 from kvhandoff.worker.bus import MEMBER_TTL_S, Bus
-from kvhandoff.worker.config import partition_path
+from kvhandoff.worker.config import DEFAULT_STREAM, partition_path
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
 from kvhandoff.worker.log.reader import open_log
@@ -78,7 +78,6 @@ from tests.worker.tmpfs import fill, small_filesystem
 HANDOFFS = 200
 SETTINGS = TierSettings(partitions=PARTITIONS)  # what `kvhandoff run` gives its tier
 LOG_STREAM = SETTINGS.log_stream
-INPUT_STREAM = "KVHANDOFF_IN"  # `kvhandoff run --stream`'s default
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 SUCCESS_EVENTS = 15  # a success handoff's log: 9 inputs and the 6 actions they issue
 
@@ -455,7 +454,7 @@ async def lead_both_streams(cluster: NatsCluster) -> EmbeddedNats:
         while True:
             leaders = [
                 await asyncio.to_thread(cluster.stream_leader, stream)
-                for stream in (INPUT_STREAM, LOG_STREAM)
+                for stream in (DEFAULT_STREAM, LOG_STREAM)
             ]
             if leaders[0] is not None and leaders[0] is leaders[1]:
                 return leaders[0]
@@ -579,7 +578,7 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
     instances: dict[int, str] = {}
 
     async def both_announced() -> bool:
-        instances.update((m.pid, m.instance) for m in await bus.members(INPUT_STREAM))
+        instances.update((m.pid, m.instance) for m in await bus.members(DEFAULT_STREAM))
         return {w1.pid, w2.pid} <= instances.keys()
 
     await until(both_announced, "both workers announce themselves")

@@ -32,10 +32,9 @@ from nats.aio.msg import Msg
 from kvhandoff.events import codec
 from kvhandoff.events.messages import Complete, Rejection
 from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.config import DEFAULT_DONE_STREAM, DEFAULT_STREAM
 from tests.worker.conftest import WorkerProcess
 
-INPUT_STREAM = "KVHANDOFF_IN"
-DONE_STREAM = "KVHANDOFF_DONE"
 SUBJECTS = Subjects()
 
 
@@ -183,8 +182,8 @@ class BusProbe:
     async def settlement(self) -> Settlement:
         js = self.nc.jetstream()
         # One per partition.
-        consumers = await js.consumers_info(INPUT_STREAM)
-        stream = await js.stream_info(INPUT_STREAM)
+        consumers = await js.consumers_info(DEFAULT_STREAM)
+        stream = await js.stream_info(DEFAULT_STREAM)
         return Settlement(sum(c.num_pending or 0 for c in consumers),
                           sum(c.num_ack_pending or 0 for c in consumers),
                           stream.state.messages)  # fmt: skip
@@ -214,7 +213,7 @@ class BusProbe:
         """The last Complete of a handoff as KVHANDOFF_DONE keeps it, if it does."""
         js = self.nc.jetstream()
         try:
-            stored = await js.get_last_msg(DONE_STREAM, SUBJECTS.done(handoff_id))
+            stored = await js.get_last_msg(DEFAULT_DONE_STREAM, SUBJECTS.done(handoff_id))
         except nats.js.errors.NotFoundError:
             return None
         assert stored.data is not None
@@ -230,7 +229,7 @@ class BusProbe:
         return True
 
     async def purge_inputs(self) -> None:
-        await self.nc.jetstream().purge_stream(INPUT_STREAM)
+        await self.nc.jetstream().purge_stream(DEFAULT_STREAM)
 
 
 def takes(subject: str) -> bool:

@@ -27,8 +27,9 @@ import pytest
 from kvhandoff.events.messages import Complete, EngineType, StartHandoff
 from kvhandoff.events.replay import find_divergence
 from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.config import DEFAULT_DONE_STREAM
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
-from tests.worker.bus_probe import DONE_STREAM, BusProbe, assert_running, poll
+from tests.worker.bus_probe import BusProbe, assert_running, poll
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 
@@ -137,8 +138,8 @@ async def test_frontends_learn_every_completion_after_nats_and_the_worker_die(
         f" {len(unheard)} frontends never got a Complete live"
     )
     # Every frontend can learn how its handoff ended, after the fact.
-    assert await probe.has_stream(DONE_STREAM), (
-        f"no {DONE_STREAM} stream; {len(unheard)} frontends never got a Complete live"
+    assert await probe.has_stream(DEFAULT_DONE_STREAM), (
+        f"no {DEFAULT_DONE_STREAM} stream; {len(unheard)} frontends never got a Complete live"
     )
     stored = await stored_completions(probe, ids, within=60)
     for handoff_id in ids:
