@@ -24,8 +24,10 @@ action with no outcome after the retry interval is published again, through the 
 publish (`republish`), with the same action id, then again after twice as long, and so on up to
 `RETRY_BACKOFF_CAP` intervals, so a slow engine is not buried under its own backlog. Both look
 the handoff up in the planner when they fire, so a handoff that completed, or an action that
-was answered, meanwhile is left alone. A timer whose publish fails (NATS away) fires again a
-second later.
+was answered, meanwhile is left alone. A deadline whose `TimedOut` cannot be published (NATS
+away) fires again a second later. A retry never fails here: the owner's publish takes a failed
+publication as a failed barrier, and publishes it again itself, with its own growing pause, until
+one confirms it (worker.tier.service's `_publish_again`), so there is one such backoff, not two.
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ from kvhandoff.worker.tier.planner import OpenHandoff, Plan, Planner
 logger = logging.getLogger(__name__)
 
 RETRY_BACKOFF_CAP = 8  # the longest wait between two publications, in retry intervals
-_PUBLISH_FAILED_PAUSE_S = 1.0  # NATS is reconnecting; the timer was rearmed
+_PUBLISH_FAILED_PAUSE_S = 1.0  # a deadline's TimedOut found NATS reconnecting; it was rearmed
 
 K = TypeVar("K", bound=Hashable)
-# Publish an action again as its owner publishes any action (and so calls `sent`).
+# Publish an action again as its owner publishes any action (and so calls `sent`); it does
+# not raise for a publication NATS lost, which the owner publishes again itself.
 Republish = Callable[[HandoffRow, Action], Awaitable[None]]
 
 
@@ -186,26 +189,27 @@ class HandoffTimers:
                     await asyncio.wait_for(self._changed.wait(), wait)
                 continue
             now = time.time()
+            expired = self._deadlines.pop_due(now)
             try:
-                for handoff_id in self._deadlines.pop_due(now):
-                    await self._expire(handoff_id)
+                while expired:
+                    await self._expire(expired[0])
+                    expired.pop(0)
                 for handoff_id, action_id in self._retries.pop_due(now):
                     await self._retry(handoff_id, action_id)
             except BusError as exc:
-                logger.warning("timer publish failed, will retry: %s", exc)
+                # Those due behind the one that failed were taken off the queue: put them back.
+                for handoff_id in expired:
+                    self._deadlines.schedule(handoff_id, time.time() + _PUBLISH_FAILED_PAUSE_S)
+                logger.warning("a deadline's TimedOut was not published, will retry: %s", exc)
                 await asyncio.sleep(_PUBLISH_FAILED_PAUSE_S)
 
     async def _expire(self, handoff_id: UUID) -> None:
         handoff = self._planner.open.get(handoff_id)
         if handoff is None or handoff.coordinator.mode is not Mode.ACTIVE:
             return
-        try:
-            await self._bus.publish_durable(
-                self._subjects.input(handoff_id), encode(TimedOut(handoff_id))
-            )
-        except BusError:
-            self._deadlines.schedule(handoff_id, time.time() + _PUBLISH_FAILED_PAUSE_S)
-            raise
+        await self._bus.publish_durable(
+            self._subjects.input(handoff_id), encode(TimedOut(handoff_id))
+        )
         logger.info("handoff %s: deadline passed, timed out", handoff_id)
 
     async def _retry(self, handoff_id: UUID, action_id: int) -> None:
@@ -218,10 +222,5 @@ class HandoffTimers:
                 logger.debug("handoff %s: republishing action %d", handoff_id, action_id)
                 self._metrics.republished.inc()
                 self._attempts[(handoff_id, action_id)] = attempts
-                try:
-                    await self._republish(handoff.row, action)
-                except BusError:
-                    retry_at = time.time() + _PUBLISH_FAILED_PAUSE_S
-                    self._retries.schedule((handoff_id, action_id), retry_at)
-                    raise
+                await self._republish(handoff.row, action)
                 return
