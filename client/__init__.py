@@ -26,11 +26,12 @@ from kvhandoff.client.errors import (
     OutcomeLogFailed,
     Refused,
 )
-from kvhandoff.client.frontend import Frontend, HandoffStatus
+from kvhandoff.client.frontend import CompletionStatus, Frontend
 
 __all__ = [
     "BusUnavailable",
     "ClientError",
+    "CompletionStatus",
     "CompletionTimeout",
     "Connection",
     "Engine",
@@ -39,7 +40,6 @@ __all__ = [
     "Handlers",
     "HandoffFacts",
     "HandoffRejected",
-    "HandoffStatus",
     "Interference",
     "OutcomeLogFailed",
     "Refused",

@@ -70,8 +70,11 @@ _REREAD_PAUSE_S = (0.1, 2.0)
 DEFAULT_REMEMBER = 100_000
 
 
-class HandoffStatus(enum.StrEnum):
-    """A handoff's state as the completion stream tells it (the names of the log's states)."""
+class CompletionStatus(enum.StrEnum):
+    """What the completion stream tells of a handoff: its last `Complete`, if the stream keeps
+    one. Named like the log's states (`worker.log.schema.HandoffState`), but not one of them:
+    OPEN is no `Complete` kept, which is also a handoff that ended longer ago than the stream
+    keeps, and the stream knows nothing of a quarantined handoff."""
 
     OPEN = "open"  # no completion kept: not completed yet, or longer ago than the stream keeps
     SUCCEEDED = "succeeded"
@@ -242,7 +245,7 @@ class Frontend:
                 f"handoff {handoff_id}: no final Complete within {timeout_s:g}s{why}"
             ) from exc
 
-    async def state(self, handoff_id: HandoffId) -> HandoffStatus:
+    async def state(self, handoff_id: HandoffId) -> CompletionStatus:
         """The handoff's state from the last `Complete` the completion stream keeps, or, while
         the stream has none, from the one that ended this frontend's wait on it."""
         last = await self._connection.last_complete(self._done_stream, handoff_id)
@@ -251,10 +254,10 @@ class Frontend:
             # a read right after a wait returned can come before the stream has the Complete.
             last = watched.end()
         if last is None:
-            return HandoffStatus.OPEN
+            return CompletionStatus.OPEN
         if last.completion is HandoffCompletion.SUCCESS:
-            return HandoffStatus.SUCCEEDED
-        return HandoffStatus.CANCELED
+            return CompletionStatus.SUCCEEDED
+        return CompletionStatus.CANCELED
 
     def forget(self, handoff_id: HandoffId) -> None:
         """Drop what the frontend knows of the handoff (its later messages are ignored)."""

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kvhandoff.client import CompletionTimeout, Frontend, HandoffStatus
+from kvhandoff.client import CompletionStatus, CompletionTimeout, Frontend
 from kvhandoff.events.messages import Complete, EngineType, HandoffCompletion, StartHandoff
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.conftest import Connect
@@ -49,13 +49,13 @@ async def test_a_handoff_between_client_engines_succeeds_each_action_running_onc
     await pair.start()
     frontend = await Frontend.open(connection)
     start = start_message()
-    assert await frontend.state(start.handoff_id) is HandoffStatus.OPEN
+    assert await frontend.state(start.handoff_id) is CompletionStatus.OPEN
 
     handoff_id = await frontend.start(start)
     complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
 
     assert complete.completion is HandoffCompletion.SUCCESS
-    assert await frontend.state(handoff_id) is HandoffStatus.SUCCEEDED
+    assert await frontend.state(handoff_id) is CompletionStatus.SUCCEEDED
     assert pair.calls == {
         "submit_prefill": 1,
         "reserve_destination": 1,
@@ -75,13 +75,13 @@ async def test_a_canceled_handoff_waits_for_its_canceled_completion(
     frontend = await Frontend.open(connection)
     handoff_id = await frontend.start(start_message())
     await until(lambda: _is(pair.calls["submit_prefill"] == 1), "the prefill was submitted")
-    assert await frontend.state(handoff_id) is HandoffStatus.OPEN
+    assert await frontend.state(handoff_id) is CompletionStatus.OPEN
 
     await frontend.cancel(handoff_id)
     complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
 
     assert complete.completion is HandoffCompletion.CANCELED
-    assert await frontend.state(handoff_id) is HandoffStatus.CANCELED
+    assert await frontend.state(handoff_id) is CompletionStatus.CANCELED
     assert pair.calls["cancel_source"] == 1
     await pair.stop()
 
@@ -120,7 +120,7 @@ async def test_a_complete_that_went_by_during_a_reconnect_is_not_missed(
     await proxy.cut()  # the frontend is away while the handoff completes
     pair.activations.set()
     await until(
-        lambda: _equals(observer.state(handoff_id), HandoffStatus.SUCCEEDED),
+        lambda: _equals(observer.state(handoff_id), CompletionStatus.SUCCEEDED),
         "the handoff completed",
     )
     assert not waiting.done()
@@ -143,7 +143,7 @@ async def test_a_wait_with_no_completion_times_out_and_the_handoff_stays_open(
     handoff_id = await frontend.start(start_message())
     with pytest.raises(CompletionTimeout, match=str(handoff_id)):
         await frontend.wait(handoff_id, timeout_s=0.5)
-    assert await frontend.state(handoff_id) is HandoffStatus.OPEN
+    assert await frontend.state(handoff_id) is CompletionStatus.OPEN
     await frontend.cancel(handoff_id)  # leaves nothing open behind the test
     await frontend.wait(handoff_id, timeout_s=WAIT_S)
     await pair.stop()
@@ -153,5 +153,5 @@ async def _is(value: bool) -> bool:
     return value
 
 
-async def _equals(state: Awaitable[HandoffStatus], expected: HandoffStatus) -> bool:
+async def _equals(state: Awaitable[CompletionStatus], expected: CompletionStatus) -> bool:
     return await state is expected

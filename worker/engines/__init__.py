@@ -30,7 +30,7 @@ handoff's deadline.
 from kvhandoff.worker.engines.capacity import KvCapacity
 from kvhandoff.worker.engines.engines import (
     DestinationEngine,
-    HandoffState,
+    EnginePhase,
     MockEngine,
     SourceEngine,
 )
@@ -59,12 +59,12 @@ __all__ = [
     "DestinationEngine",
     "EngineCounters",
     "EngineModel",
+    "EnginePhase",
     "EngineStatus",
     "EnginesConfig",
     "EnginesReport",
     "FailureForm",
     "Faults",
-    "HandoffState",
     "KvCapacity",
     "Leak",
     "MockEngine",

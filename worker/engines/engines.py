@@ -63,8 +63,11 @@ from kvhandoff.worker.engines.report import EngineCounters, EngineStatus, Leak
 logger = logging.getLogger(__name__)
 
 
-class HandoffState(enum.StrEnum):
-    """Where one handoff stands on one engine."""
+class EnginePhase(enum.StrEnum):
+    """Where one handoff stands on one mock engine: its KV blocks and its slot, as the engine
+    models them. Not the handoff's state (`worker.log.schema.HandoffState`, what its log says):
+    a handoff the log calls succeeded ends as FINISHED on its destination and RELEASED on its
+    source."""
 
     NEW = "new"
     QUEUED = "queued"  # waiting for KV blocks and a slot
@@ -81,7 +84,7 @@ class HandoffState(enum.StrEnum):
 
 
 _ENDED = frozenset(
-    {HandoffState.RELEASED, HandoffState.FINISHED, HandoffState.CANCELED, HandoffState.FAILED}
+    {EnginePhase.RELEASED, EnginePhase.FINISHED, EnginePhase.CANCELED, EnginePhase.FAILED}
 )
 _CLEANUPS = (ReleaseSource, CancelSource, CancelDestination)
 
@@ -92,7 +95,7 @@ class _Handoff:
 
     handoff_id: HandoffId
     prompt_tokens: int
-    state: HandoffState = HandoffState.NEW
+    state: EnginePhase = EnginePhase.NEW
     completed: bool = False  # the engine saw the worker's `Complete`
     receipts: dict[int, int] = field(default_factory=dict)
     work: asyncio.Task[None] | None = None  # the prefill, reservation, transfer or decode
@@ -207,10 +210,10 @@ class MockEngine(abc.ABC):
         handoffs only."""
         for handoff_id in handoff_ids:
             record = self._handoffs.get(handoff_id)
-            if record is None or (record.completed and record.state is HandoffState.DECODING):
+            if record is None or (record.completed and record.state is EnginePhase.DECODING):
                 continue
             logger.warning("handoff %s: %s fenced: dropped", handoff_id, self.engine_id)
-            self._free(record, HandoffState.CANCELED)
+            self._free(record, EnginePhase.CANCELED)
 
     @abc.abstractmethod
     def _execute_own(self, record: _Handoff, action: Action) -> Outcome:
@@ -224,7 +227,7 @@ class MockEngine(abc.ABC):
         Returns the outcome to answer instead (the engine then owns nothing, and a refused
         fresh handoff is closed), or the failure form to enact later, or None.
         """
-        if record.state is not HandoffState.NEW:
+        if record.state is not EnginePhase.NEW:
             return ActionFailed(f"{self.engine_id}: the handoff is already {record.state}")
         blocks = self.model.blocks_for(record.prompt_tokens)
         refusal: FailureForm | ActionFailed | None
@@ -236,7 +239,7 @@ class MockEngine(abc.ABC):
                 f"the engine has {self.capacity.total_blocks}"
             )
         if isinstance(refusal, ActionFailed):
-            record.state = HandoffState.FAILED
+            record.state = EnginePhase.FAILED
         return refusal
 
     def _fault(self, record: _Handoff, action: Action) -> FailureForm | ActionFailed | None:
@@ -249,11 +252,11 @@ class MockEngine(abc.ABC):
         return failure
 
     def _request_blocks(self, record: _Handoff) -> asyncio.Future[None]:
-        record.state = HandoffState.QUEUED
+        record.state = EnginePhase.QUEUED
         blocks = self.model.blocks_for(record.prompt_tokens)
         return self.capacity.request(record.handoff_id, blocks)
 
-    def _free(self, record: _Handoff, ended: HandoffState) -> Outcome:
+    def _free(self, record: _Handoff, ended: EnginePhase) -> Outcome:
         """Release or cancel: stop the follow-up work and give back what is held or awaited."""
         if record.work is not None:
             record.work.cancel()
@@ -266,7 +269,7 @@ class MockEngine(abc.ABC):
     async def _lose(self, record: _Handoff, facts: HandoffFacts) -> None:
         """The injected `Failed` fact: the engine drops the request and frees its blocks."""
         self.capacity.release(record.handoff_id)
-        record.state = HandoffState.FAILED
+        record.state = EnginePhase.FAILED
         record.work = None
         with self._unless_unstored(record):
             await facts.failed()
@@ -328,16 +331,14 @@ class MockEngine(abc.ABC):
                 waiting=self.capacity.is_waiting(record.handoff_id),
             )
             for record in self._handoffs.values()
-            if record.completed
-            and record.state is not HandoffState.DECODING
-            and self._holds(record)
+            if record.completed and record.state is not EnginePhase.DECODING and self._holds(record)
         ]
 
     def status(self) -> EngineStatus:
         decoding = sum(
             self.capacity.held(r.handoff_id)
             for r in self._handoffs.values()
-            if r.state is HandoffState.DECODING
+            if r.state is EnginePhase.DECODING
         )
         return EngineStatus(
             engine_id=self.engine_id,
@@ -379,7 +380,7 @@ class SourceEngine(MockEngine):
                 self._start(record, self._prefill(record, granted, refusal is FailureForm.FACT))
                 return SUBMITTED
             case StartTransfer(delay_ms=delay_ms):
-                if record.state is not HandoffState.HELD:
+                if record.state is not EnginePhase.HELD:
                     return ActionFailed(
                         f"{self.engine_id}: no KV to send, handoff is {record.state}"
                     )
@@ -388,25 +389,25 @@ class SourceEngine(MockEngine):
                 refusal = self._fault(record, action)
                 if isinstance(refusal, ActionFailed):
                     return refusal  # still held: the cleanup's CancelSource frees the blocks
-                record.state = HandoffState.TRANSFERRING
+                record.state = EnginePhase.TRANSFERRING
                 self._start(record, self._transfer(record, delay_ms, refusal is FailureForm.FACT))
                 return SCHEDULED
             case ReleaseSource():
-                return self._free(record, HandoffState.RELEASED)
+                return self._free(record, EnginePhase.RELEASED)
             case CancelSource():
-                return self._free(record, HandoffState.CANCELED)
+                return self._free(record, EnginePhase.CANCELED)
             case _:
                 raise AssertionError(f"not a source action: {action!r}")
 
     async def _prefill(self, record: _Handoff, granted: asyncio.Future[None], lose: bool) -> None:
         await granted
-        record.state = HandoffState.PREFILLING
+        record.state = EnginePhase.PREFILLING
         await asyncio.sleep(self.model.prefill_s(record.prompt_tokens))
         async with self.client.handoff(record.handoff_id) as facts:
             if lose:
                 await self._lose(record, facts)
                 return
-            record.state = HandoffState.HELD
+            record.state = EnginePhase.HELD
             record.work = None
             with self._unless_unstored(record):
                 await facts.source_held(self.model.timing(record.prompt_tokens))
@@ -417,7 +418,7 @@ class SourceEngine(MockEngine):
             if lose:
                 await self._lose(record, facts)
                 return
-            record.state = HandoffState.TRANSFERRED
+            record.state = EnginePhase.TRANSFERRED
             record.work = None
             with self._unless_unstored(record):
                 await facts.transfer_completed()
@@ -438,18 +439,18 @@ class DestinationEngine(MockEngine):
                 self._start(record, self._reserve(record, granted, refusal is FailureForm.FACT))
                 return ACCEPTED
             case ActivateDestination():
-                if record.state is not HandoffState.RESERVED:
+                if record.state is not EnginePhase.RESERVED:
                     return ActionFailed(
                         f"{self.engine_id}: nothing reserved, handoff is {record.state}"
                     )
                 refusal = self._fault(record, action)
                 if isinstance(refusal, ActionFailed):
                     return refusal  # still reserved: the cleanup's CancelDestination frees it
-                record.state = HandoffState.DECODING
+                record.state = EnginePhase.DECODING
                 self._start(record, self._decode(record, refusal is FailureForm.FACT))
                 return APPLIED
             case CancelDestination():
-                return self._free(record, HandoffState.CANCELED)
+                return self._free(record, EnginePhase.CANCELED)
             case _:
                 raise AssertionError(f"not a destination action: {action!r}")
 
@@ -459,7 +460,7 @@ class DestinationEngine(MockEngine):
             if lose:
                 await self._lose(record, facts)
                 return
-            record.state = HandoffState.RESERVED
+            record.state = EnginePhase.RESERVED
             record.work = None
             tokens = self.model.transferable_tokens(record.prompt_tokens)
             with self._unless_unstored(record):
@@ -475,5 +476,5 @@ class DestinationEngine(MockEngine):
             return
         await asyncio.sleep(self.model.decode_s())
         self.capacity.release(record.handoff_id)
-        record.state = HandoffState.FINISHED
+        record.state = EnginePhase.FINISHED
         record.work = None

@@ -53,6 +53,10 @@ LAYOUT_1 = "1"
 
 
 class HandoffState(enum.StrEnum):
+    """A handoff's state as its log records it (the `handoffs` row): the authority. A mock
+    engine's own progress through a handoff is `worker.engines.EnginePhase`, and what a
+    frontend reads of it from the completion stream is `client.CompletionStatus`."""
+
     OPEN = "open"
     SUCCEEDED = "succeeded"
     CANCELED = "canceled"
