@@ -33,6 +33,7 @@ from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines.healthy import TIMING
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.conftest import Connect
+from tests.eventually import until
 from tests.worker.conftest import WorkerProcess
 
 ENGINE = "test-prefill-0"
@@ -107,10 +108,9 @@ async def test_outcomes_are_remembered_for_the_handoffs_used_last(
         await side.next(action.handoff_id)
     # An outcome arrives before its receipt let go of the handoff's lock, and a handoff whose
     # lock is held is not forgotten yet: the memory is trimmed once the receipts are done.
-    give_up_at = asyncio.get_running_loop().time() + WAIT_S
-    while engine.remembered > remember:
-        assert asyncio.get_running_loop().time() < give_up_at, "the memory was not trimmed"
-        await asyncio.sleep(0.01)  # a bounded poll of the engine's memory
+    await until(
+        lambda: engine.remembered <= remember, "the memory trimmed", within=WAIT_S, every=0.01
+    )
     await side.send(first)
     await side.next(first.handoff_id)
     assert runs.count(first.handoff_id) == runs_of_the_first

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 import pytest
 
@@ -17,6 +17,7 @@ from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.conftest import Connect
 from tests.client.pair import DESTINATION, SOURCE, Pair
 from tests.client.proxy import CuttableProxy
+from tests.eventually import until
 from tests.worker.conftest import WorkerProcess
 
 WAIT_S = 60.0  # generous: the machine is shared
@@ -30,15 +31,6 @@ def start_message() -> StartHandoff:
         destination=DESTINATION,
         deadline_ms=120_000,
     )
-
-
-async def until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Poll real state until `condition` holds, for at most WAIT_S."""
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + WAIT_S
-    while not await condition():
-        assert loop.time() < give_up_at, f"not within {WAIT_S}s: {what}"
-        await asyncio.sleep(0.05)  # poll interval
 
 
 async def test_a_handoff_between_client_engines_succeeds_each_action_running_once(
@@ -74,7 +66,9 @@ async def test_a_canceled_handoff_waits_for_its_canceled_completion(
     await pair.start()
     frontend = await Frontend.open(connection)
     handoff_id = await frontend.start(start_message())
-    await until(lambda: _is(pair.calls["submit_prefill"] == 1), "the prefill was submitted")
+    await until(
+        lambda: pair.calls["submit_prefill"] == 1, "the prefill was submitted", within=WAIT_S
+    )
     assert await frontend.state(handoff_id) is CompletionStatus.OPEN
 
     await frontend.cancel(handoff_id)
@@ -115,13 +109,16 @@ async def test_a_complete_that_went_by_during_a_reconnect_is_not_missed(
     frontend = await Frontend.open(await connect(proxy.url))
     handoff_id = await frontend.start(start_message())
     waiting = asyncio.create_task(frontend.wait(handoff_id, timeout_s=WAIT_S))
-    await until(lambda: _is(pair.calls["activate_destination"] == 1), "the activation began")
+    await until(
+        lambda: pair.calls["activate_destination"] == 1, "the activation began", within=WAIT_S
+    )
 
     await proxy.cut()  # the frontend is away while the handoff completes
     pair.activations.set()
     await until(
         lambda: _equals(observer.state(handoff_id), CompletionStatus.SUCCEEDED),
         "the handoff completed",
+        within=WAIT_S,
     )
     assert not waiting.done()
     await proxy.open()
@@ -147,10 +144,6 @@ async def test_a_wait_with_no_completion_times_out_and_the_handoff_stays_open(
     await frontend.cancel(handoff_id)  # leaves nothing open behind the test
     await frontend.wait(handoff_id, timeout_s=WAIT_S)
     await pair.stop()
-
-
-async def _is(value: bool) -> bool:
-    return value
 
 
 async def _equals(state: Awaitable[CompletionStatus], expected: CompletionStatus) -> bool:

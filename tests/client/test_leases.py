@@ -22,7 +22,6 @@ from kvhandoff.events.messages import (
     EngineType,
     Failed,
     HandoffCompletion,
-    Input,
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
@@ -30,11 +29,11 @@ from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.reader import open_log
-from kvhandoff.worker.log.schema import HandoffState
 from tests.client.conftest import Connect
 from tests.client.pair import DESTINATION, SOURCE, Pair
 from tests.client.proxy import CuttableProxy
-from tests.worker.conftest import WorkerProcess, logged, logged_inputs
+from tests.eventually import until
+from tests.worker.conftest import WorkerProcess, completed_inputs, logged_inputs
 
 WAIT_S = 60.0
 LEASE_TTL_S = 1.0
@@ -69,7 +68,7 @@ async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answe
 
     assert complete.completion is HandoffCompletion.CANCELED
     assert engines.fenced == [handoff_id]  # it dropped what it held
-    inputs = await completed_inputs(tmp_path / "kvhandoff.db", handoff_id)
+    inputs = await completed_inputs(tmp_path / "kvhandoff.db", handoff_id, within=WAIT_S)
     assert Failed(handoff_id, LEASE_EXPIRED) in inputs
     tier_answers = [i for i in inputs if isinstance(i, ActionOutcome) and i.by_tier]
     assert [type(i.outcome).__name__ for i in tier_answers] == ["Noop"]  # its CancelSource
@@ -94,30 +93,20 @@ async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answe
     await proxy.cut()
 
 
-async def completed_inputs(db: Path, handoff_id: HandoffId) -> list[Input]:
-    """The handoff's logged inputs, once its local file holds its completion (the file commits
-    behind the publishes, the `Complete` included)."""
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + WAIT_S
-    while logged(db, handoff_id).handoff.state is HandoffState.OPEN:
-        assert loop.time() < give_up_at, "the file never held the completion"
-        await asyncio.sleep(0.05)  # poll interval
-    return logged_inputs(db, handoff_id)
-
-
 async def until_stuck_shows(db: Path, text: str) -> None:
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + WAIT_S
-    while True:
+    shown = [""]
+
+    async def shows() -> bool:
         stuck = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvhandoff.worker.cli", "stuck", str(db),
             stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         out, _ = await stuck.communicate()
-        if text in out.decode():
-            return
-        assert loop.time() < give_up_at, f"stuck never showed {text!r}: {out.decode()}"
-        await asyncio.sleep(0.1)  # poll interval: the handoff reaches the file, the view too
+        shown[0] = out.decode()
+        return text in shown[0]
+
+    # Every 0.1 s: the handoff reaches the file, and the view too.
+    await until(shows, f"stuck shows {text!r}", within=WAIT_S, every=0.1, context=lambda: shown[0])
 
 
 async def until_admitted(frontend: Frontend, source: str = SOURCE) -> HandoffCompletion:
@@ -173,11 +162,9 @@ async def test_a_worker_that_starts_after_an_engine_died_answers_for_it_at_its_c
     # the source is gone from the bucket alone (its claim's sweep, or its republishing of the
     # actions the file does not mark published, whichever comes first).
     db = tmp_path / "kvhandoff.db"
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + WAIT_S
-    while not _outcome_logged(db, handoff_id):
-        assert loop.time() < give_up_at, "the prefill's outcome was never logged"
-        await asyncio.sleep(0.05)  # poll interval
+    await until(
+        lambda: _outcome_logged(db, handoff_id), "the prefill's outcome logged", within=WAIT_S
+    )
 
     worker.kill()  # SIGKILL: no worker sees the lease expire
     await engines.source.stop()  # its lease expires while no worker runs
@@ -186,7 +173,7 @@ async def test_a_worker_that_starts_after_an_engine_died_answers_for_it_at_its_c
 
     complete = await frontend.wait(handoff_id, timeout_s=WAIT_S)
     assert complete.completion is HandoffCompletion.CANCELED
-    inputs = await completed_inputs(tmp_path / "kvhandoff.db", handoff_id)
+    inputs = await completed_inputs(tmp_path / "kvhandoff.db", handoff_id, within=WAIT_S)
     assert Failed(handoff_id, LEASE_EXPIRED) in inputs
     assert any(isinstance(i, ActionOutcome) and i.by_tier for i in inputs)
     await engines.destination.stop()

@@ -6,7 +6,6 @@ and worker processes of the failover tests publish when they act."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import os
 import re
@@ -15,7 +14,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +30,8 @@ from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.harness.child import WorkerChild
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier.membership import TierSettings
+from tests import eventually
+from tests.eventually import Condition
 
 # What a step that should take milliseconds may take on a busy two-core machine, elections
 # included.
@@ -211,16 +212,11 @@ class Watched(Protocol):
     def logs(self) -> str: ...
 
 
-async def until(holds: Callable[[], bool | Awaitable[bool]], what: str, *watched: Watched) -> None:
-    """Return once `holds()` (awaited, if it reads over the bus); fail after twice WITHIN_S, or
-    at once if a watched child died."""
-    deadline = time.monotonic() + 2 * WITHIN_S
-    while not await _truth(holds()):
-        for owner in watched:
-            assert owner.process.poll() is None, f"{owner.name} died: {owner.logs()}"
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.05)  # a bounded poll of what the owners published
+async def until(holds: Condition, what: str, *watched: Watched) -> None:
+    """`tests.eventually.until` within twice WITHIN_S, failing at once if a watched child died."""
 
+    def alive() -> None:
+        for child in watched:
+            assert child.process.poll() is None, f"{child.name} died: {child.logs()}"
 
-async def _truth(held: bool | Awaitable[bool]) -> bool:
-    return await held if inspect.isawaitable(held) else held
+    await eventually.until(holds, what, within=2 * WITHIN_S, guard=alive)

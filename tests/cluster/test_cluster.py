@@ -19,6 +19,7 @@ from nats.js.api import StreamConfig
 
 from kvhandoff.worker.harness.natsserver import CLUSTER_SIZE, NatsCluster
 from tests.cluster.conftest import WITHIN_S
+from tests.eventually import until
 
 STREAM = "REPLICATED"
 
@@ -94,12 +95,17 @@ async def test_killing_the_stream_leader_loses_nothing_acknowledged_and_it_rejoi
             stored.add(int(message.data))
         assert set(acknowledged) <= stored
         # The restarted node caught up: every replica is current again, within a bound.
-        deadline = time.monotonic() + WITHIN_S
-        while not all(p.current for p in (info.cluster.replicas or [])):
-            assert time.monotonic() < deadline, f"replicas not current: {info.cluster}"
-            await asyncio.sleep(0.1)  # a bounded poll of the cluster's state
+
+        async def replicas_current() -> bool:
+            nonlocal info
             info = await js.stream_info(STREAM)
             assert info.cluster is not None
+            return all(p.current for p in (info.cluster.replicas or []))
+
+        await until(
+            replicas_current, "every replica current", within=WITHIN_S, every=0.1,
+            context=lambda: info.cluster,
+        )  # fmt: skip
         assert info.cluster is not None
         assert len(info.cluster.replicas or []) == CLUSTER_SIZE - 1
     finally:

@@ -17,6 +17,7 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
 from kvhandoff.worker.config import DEFAULT_DONE_STREAM, NatsSettings
 from kvhandoff.worker.harness.natsserver import NatsCluster
+from tests import eventually
 from tests.cluster.conftest import WITHIN_S, until
 
 
@@ -46,10 +47,10 @@ async def test_a_wait_reads_the_completion_stream_again_until_it_answers(
         frontend = await Frontend.open(connection)
         # Started elsewhere: the wait reads the stream, which has no leader now.
         waiting = asyncio.create_task(frontend.wait(handoff_id, timeout_s=4 * WITHIN_S))
-        async with asyncio.timeout(2 * WITHIN_S):
-            while "reading it again" not in caplog.text:
-                assert not waiting.done(), waiting
-                await asyncio.sleep(0.05)  # a bounded poll of the frontend's log
+        await eventually.until(
+            lambda: "reading it again" in caplog.text, "the frontend reads the stream again",
+            within=2 * WITHIN_S, guard=eventually.still_running(waiting),
+        )  # fmt: skip
         for node in down:
             await asyncio.to_thread(nats_cluster.restart, node, WITHIN_S)
         assert await waiting == complete

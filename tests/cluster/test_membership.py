@@ -17,6 +17,7 @@ from kvhandoff.worker.bus import MEMBER_TTL_S, MEMBERS_BUCKET, Bus, Member
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S
+from tests.eventually import until
 
 TIER = "KVHANDOFF_IN"  # the tier's input stream
 
@@ -37,13 +38,13 @@ def in_a_row(holds: Callable[[set[str]], bool], times: int = 5) -> Callable[[set
     return held
 
 
-async def until(bus: Bus, holds: Callable[[set[str]], bool], what: str) -> float:
+async def until_listed(bus: Bus, holds: Callable[[set[str]], bool], what: str) -> float:
     """Poll the bucket until `holds(listed instances)`; how long that took."""
-    started = time.monotonic()
-    while not holds(await listed(bus)):
-        assert time.monotonic() - started < WITHIN_S, f"timed out waiting until {what}"
-        await asyncio.sleep(0.1)  # a bounded poll of the bucket
-    return time.monotonic() - started
+
+    async def check() -> bool:
+        return holds(await listed(bus))
+
+    return await until(check, what, within=WITHIN_S, every=0.1)
 
 
 async def test_members_are_listed_oldest_first_and_one_that_leaves_goes_at_once(
@@ -53,7 +54,7 @@ async def test_members_are_listed_oldest_first_and_one_that_leaves_goes_at_once(
     first, second = Member.this_process(), Member.this_process()
     one = await bus.announce(first, TIER)
     two = await bus.announce(second, TIER)
-    await until(bus, in_a_row(lambda now: now == {first.instance, second.instance}), "both")
+    await until_listed(bus, in_a_row(lambda now: now == {first.instance, second.instance}), "both")
     assert await bus.members(TIER) == sorted(
         [first, second], key=lambda m: (m.since_ms, m.instance)
     )
@@ -70,9 +71,9 @@ async def test_members_are_listed_oldest_first_and_one_that_leaves_goes_at_once(
     await elsewhere.leave()
 
     await one.leave()
-    await until(bus, in_a_row(lambda now: now == {second.instance}), "one left")
+    await until_listed(bus, in_a_row(lambda now: now == {second.instance}), "one left")
     await two.leave()
-    await until(bus, in_a_row(lambda now: now == set()), "both left")
+    await until_listed(bus, in_a_row(lambda now: now == set()), "both left")
 
 
 async def test_a_kept_member_outlives_the_ttl_and_a_silent_one_expires(
@@ -88,8 +89,8 @@ async def test_a_kept_member_outlives_the_ttl_and_a_silent_one_expires(
         # Reads may be served by any replica of the bucket, one that has not applied the latest
         # put yet, or (around the TTL) one that has not expired a key yet that another has: so
         # a listing is waited for, until it holds a few times in a row.
-        await until(bus, in_a_row(lambda now: now == both), "both listed")
-        expired_s = await until(
+        await until_listed(bus, in_a_row(lambda now: now == both), "both listed")
+        expired_s = await until_listed(
             bus, in_a_row(lambda now: now == {kept.member.instance}), "the silent one expired"
         )
         print(

@@ -19,6 +19,7 @@ from kvhandoff.worker.tier.owner import Decided, PartitionOwner
 from kvhandoff.worker.tier.ownership import PartitionLog
 from tests.cluster.conftest import WITHIN_S
 from tests.cluster.stand_in import StandIn
+from tests.eventually import still_running, until
 
 PREFIX, STREAM, LOG_STREAM, PARTITIONS = "kvhandoff", "KVHANDOFF_IN", "KVHANDOFF_LOG", 2
 INPUTS = 60
@@ -64,10 +65,12 @@ async def test_an_owner_forgets_the_inputs_below_the_ack_floor(
     nats_cluster: NatsCluster, bus: Bus
 ) -> None:
     applied: list[int] = []
-    async with _owner_of(bus, applied) as (owner, running), asyncio.timeout(2 * WITHIN_S):
-        while len(applied) < INPUTS or owner.remembered:
-            assert not running.done(), running
-            await asyncio.sleep(0.05)  # a bounded poll of the owner's counts
+    async with _owner_of(bus, applied) as (owner, running):
+        await until(
+            lambda: len(applied) >= INPUTS and not owner.remembered,
+            "every input applied, and forgotten", within=2 * WITHIN_S,
+            guard=still_running(running),
+        )  # fmt: skip
     assert owner.applied == INPUTS and len(set(applied)) == INPUTS
 
 
@@ -90,11 +93,13 @@ async def test_an_owner_keeps_what_a_new_consumer_leader_may_deliver_again(
         return reads[-1]
 
     monkeypatch.setattr(bus, "ack_floor", ack_floor)
-    async with _owner_of(bus, applied) as (owner, running), asyncio.timeout(2 * WITHIN_S):
+    async with _owner_of(bus, applied) as (owner, running):
         # Until two reads of the successor's floor (the cut after the second is its own), or
         # until the owner remembers nothing: it would read no floor any more.
-        while len(applied) < INPUTS or (owner.remembered and len(reads) < 3):
-            assert not running.done(), running
-            await asyncio.sleep(0.05)  # a bounded poll of the owner's reads
+        await until(
+            lambda: len(applied) >= INPUTS and (not owner.remembered or len(reads) >= 3),
+            "every input applied, and the successor's floor read twice", within=2 * WITHIN_S,
+            guard=still_running(running),
+        )  # fmt: skip
     assert owner.applied == INPUTS
     assert owner.remembered == INPUTS - INPUTS // 2

@@ -4,8 +4,6 @@ fetch's timeout."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from kvhandoff.worker.bus import Bus
@@ -13,6 +11,7 @@ from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier import owner as owner_module
 from tests.cluster.conftest import WITHIN_S
 from tests.cluster.test_owner_memory import INPUTS, _owner_of
+from tests.eventually import still_running, until
 
 
 async def test_an_idle_owner_stops_at_once_though_its_fetch_would_wait_an_hour(
@@ -20,10 +19,11 @@ async def test_an_idle_owner_stops_at_once_though_its_fetch_would_wait_an_hour(
 ) -> None:
     monkeypatch.setattr(owner_module, "_FETCH_TIMEOUT_S", 3600.0)
     applied: list[int] = []
-    async with _owner_of(bus, applied) as (owner, running), asyncio.timeout(2 * WITHIN_S):
-        while len(applied) < INPUTS:
-            assert not running.done(), running
-            await asyncio.sleep(0.05)  # a bounded poll of the owner's counts
+    async with _owner_of(bus, applied) as (owner, running):
+        await until(
+            lambda: len(applied) >= INPUTS, "every input applied", within=2 * WITHIN_S,
+            guard=still_running(running),
+        )  # fmt: skip
     # Every input applied, its fetch waiting for more: leaving `_owner_of` sets the stop and
     # waits WITHIN_S for the owner, then cancels it.
     assert not running.cancelled() and running.exception() is None

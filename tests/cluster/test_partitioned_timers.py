@@ -33,6 +33,7 @@ from kvhandoff.worker.config import partition_path
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier.balance import partition_of
+from tests import eventually
 from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 from tests.worker.conftest import logged_inputs
 from tests.worker.scripted_engine import Script, ScriptedEngines
@@ -181,16 +182,20 @@ async def test_a_handed_over_partitions_retries_move_to_its_new_owner(
         seen = {key: engines.deliveries[key] for key in first}
         kept = [key for p, key in enumerate(first) if p not in handed]
         assert kept, handed
-        deadline = time.monotonic() + 2 * WITHIN_S
-        while not handed <= claimed_by_w2():
+
+        def w1_stopped_retrying() -> None:
             deliveries = dict(engines.deliveries)  # before reading w2's log: see below
             for p in handed - claimed_by_w2():
                 # Not claimed by w2 when its log was read, so not republished by it when the
                 # deliveries were counted: at most one that w1 was publishing as it released.
                 assert deliveries[first[p]] <= seen[first[p]] + 1, (p, seen, deliveries)
             assert w2.running(), w2.logs()
-            assert time.monotonic() < deadline, f"w2 claimed {claimed_by_w2()} of {handed}"
-            await asyncio.sleep(0.05)  # a bounded poll of the deliveries and w2's log
+
+        await eventually.until(
+            lambda: handed <= claimed_by_w2(), "w2 claimed the partitions handed to it",
+            within=2 * WITHIN_S, guard=w1_stopped_retrying,
+            context=lambda: f"w2 claimed {claimed_by_w2()} of {handed}",
+        )  # fmt: skip
         await until(
             lambda: all(engines.deliveries[key] >= seen[key] + 3 for key in kept),
             "w1 goes on retrying the actions of the partitions it kept",

@@ -18,6 +18,7 @@ from kvhandoff.worker.tier.membership import Tier, TierSettings
 from kvhandoff.worker.tier.owner import Decided
 from tests.cluster.conftest import WITHIN_S
 from tests.cluster.stand_in import StandIn
+from tests.eventually import still_running, until
 
 
 async def _decide(_: Sequence[Inbound]) -> Decided:
@@ -42,17 +43,17 @@ async def test_a_worker_started_without_a_quorum_sets_up_once_the_cluster_has_on
     caplog.set_level(logging.WARNING, logger="kvhandoff.worker.tier.membership")
     running = asyncio.create_task(tier.run(stop))
     try:
-        async with asyncio.timeout(2 * WITHIN_S):
-            while "cannot set up yet" not in caplog.text:
-                assert not running.done(), running
-                await asyncio.sleep(0.05)  # a bounded poll of the tier's log
+        await until(
+            lambda: "cannot set up yet" in caplog.text, "the tier waits to set up",
+            within=2 * WITHIN_S, guard=still_running(running),
+        )  # fmt: skip
         assert tier.owned == set()
         for node in down:
             await asyncio.to_thread(nats_cluster.restart, node, WITHIN_S)
-        async with asyncio.timeout(2 * WITHIN_S):
-            while tier.owned != {0, 1}:
-                assert not running.done(), running
-                await asyncio.sleep(0.05)  # a bounded poll of what it owns
+        await until(
+            lambda: tier.owned == {0, 1}, "the tier owns both partitions",
+            within=2 * WITHIN_S, guard=still_running(running),
+        )  # fmt: skip
     finally:
         stop.set()
         with contextlib.suppress(Exception):

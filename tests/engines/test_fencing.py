@@ -4,9 +4,7 @@ of that handoff with `noop` and anything else with a refusal, while it serves ne
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import Callable
 
 from kvhandoff.client import Connection
 from kvhandoff.events.leases import LEASE_EXPIRED
@@ -27,18 +25,10 @@ from kvhandoff.worker.engines import EngineModel, EnginesConfig, MockEngines
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.proxy import CuttableProxy
 from tests.engines.harness import ONE_PAIR, PROMPT, SOURCE, WorkerSide, held
+from tests.eventually import until
 
-WAIT_S = 30.0
 # A prefill of several seconds: the handoff is held, not yet reported, when the lease lapses.
 SLOW = EngineModel(shortest_prompt=PROMPT, longest_prompt=PROMPT, prefill_tokens_per_s=20.0)
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + WAIT_S
-    while not condition():
-        assert loop.time() < give_up_at, f"not within {WAIT_S}s: {what}"
-        await asyncio.sleep(0.02)  # poll interval
 
 
 async def test_an_engine_whose_lease_lapsed_drops_its_handoffs_and_refuses_their_actions(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -43,6 +42,7 @@ from kvhandoff.worker.log.reader import open_log
 from kvhandoff.worker.log.schema import HandoffState
 from tests.engines.conftest import StartEngines
 from tests.engines.harness import FAST, ONE_PAIR
+from tests.eventually import still_running, until
 
 ROSTER = Roster(sources=1, destinations=1)
 FATES = ("success", "canceled", "rejected", "silent", "success, then reopened")
@@ -257,11 +257,10 @@ async def test_a_load_told_to_wait_for_the_engines_starts_its_handoffs_once_they
         settle_timeout_s=0.1, roster=ONE_PAIR,
     )  # fmt: skip
     load = asyncio.create_task(run_load(config))
-    deadline = time.monotonic() + 30
-    while not probes:
-        assert not load.done(), load
-        assert time.monotonic() < deadline, "the load never asked whether the engines listen"
-        await asyncio.sleep(0.05)  # a bounded poll of what the load sent
+    await until(
+        lambda: bool(probes), "the load asked whether the engines listen",
+        guard=still_running(load),
+    )  # fmt: skip
     stored_before = (await js.stream_info(stream)).state.messages
     await start_engines(roster=ONE_PAIR)
     report = await asyncio.wait_for(load, 60)

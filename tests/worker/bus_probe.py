@@ -33,6 +33,7 @@ from kvhandoff.events import codec
 from kvhandoff.events.messages import Complete, Rejection
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.config import DEFAULT_DONE_STREAM, DEFAULT_STREAM
+from tests.eventually import until
 from tests.worker.conftest import WorkerProcess
 
 SUBJECTS = Subjects()
@@ -74,21 +75,9 @@ def assert_running(worker: WorkerProcess) -> None:
     assert code is None, f"the worker exited with {code}: {worker.logs()}"
 
 
-async def poll(
-    predicate: Callable[[], bool],
-    what: str,
-    worker: WorkerProcess | None = None,
-    within: float = 60.0,
-) -> None:
-    """Return once `predicate` holds; fail after `within` s, or at once if the worker died."""
-    deadline = time.monotonic() + within
-    while not predicate():
-        if worker is not None:
-            assert_running(worker)
-        assert time.monotonic() < deadline, f"timed out after {within}s waiting for {what}"
-        await asyncio.sleep(0.05)  # a bounded poll of another process's effects
-    if worker is not None:
-        assert_running(worker)
+def running(worker: WorkerProcess) -> Callable[[], None]:
+    """A guard for `tests.eventually.until`: fail at once, with its logs, if the worker died."""
+    return lambda: assert_running(worker)
 
 
 class BusProbe:
@@ -190,14 +179,16 @@ class BusProbe:
 
     async def wait_settled(self, worker: WorkerProcess, within: float = 60.0) -> None:
         """Every input published so far was acknowledged by the worker."""
-        deadline = time.monotonic() + within
-        while True:
-            assert_running(worker)
-            state = await self.settlement()
-            if state.settled:
-                return
-            assert time.monotonic() < deadline, f"inputs not settled after {within}s: {state}"
-            await asyncio.sleep(0.1)  # a bounded poll of the consumer's state on the server
+        last: list[Settlement] = []
+
+        async def settled() -> bool:
+            last[:] = [await self.settlement()]
+            return last[0].settled
+
+        await until(
+            settled, "inputs settled", within=within, every=0.1, guard=running(worker),
+            context=lambda: last,
+        )  # fmt: skip
 
     async def wait_rejections(
         self,
@@ -206,7 +197,9 @@ class BusProbe:
         worker: WorkerProcess,
         within: float = 60.0,
     ) -> list[Rejected]:
-        await poll(lambda: any(match(r) for r in self.rejected), what, worker, within)
+        await until(
+            lambda: any(match(r) for r in self.rejected), what, within=within, guard=running(worker)
+        )
         return [r for r in self.rejected if match(r)]
 
     async def stored_completion(self, handoff_id: UUID) -> Complete | None:

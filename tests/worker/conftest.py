@@ -15,6 +15,8 @@ from kvhandoff.worker.harness.child import WorkerChild
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.reader import open_log
 from kvhandoff.worker.log.rows import HandoffLog
+from kvhandoff.worker.log.schema import HandoffState
+from tests.eventually import until
 from tests.worker.scripted_engine import ScriptedEngines
 
 
@@ -70,3 +72,19 @@ def logged_actions(db: Path, handoff_id: UUID) -> list[Action]:
 def logged_inputs(db: Path, handoff_id: UUID) -> list[Input]:
     records = (e.record for e in logged(db, handoff_id).events)
     return [r.input for r in records if isinstance(r, InputRecord)]
+
+
+async def completed_inputs(db: Path, handoff_id: UUID, within: float = 60.0) -> list[Input]:
+    """The handoff's logged inputs, once its local file holds its completion: the file commits
+    behind the publishes, the `Complete` included, so a handoff seen complete on the bus may
+    not be in the file yet."""
+
+    def ended_in_file() -> bool:
+        with open_log(db) as log:
+            return any(
+                row.handoff_id == handoff_id and row.state is not HandoffState.OPEN
+                for row in log.handoffs()
+            )
+
+    await until(ended_in_file, f"the file held the completion of {handoff_id}", within=within)
+    return logged_inputs(db, handoff_id)

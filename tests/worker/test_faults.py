@@ -4,10 +4,8 @@ action takes effect once, and the log replays to exactly what was published."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import sqlite3
-import time
 import uuid
 from functools import partial
 from pathlib import Path
@@ -22,6 +20,7 @@ from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.rows import Batch, HandoffRow
 from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.log.store import EventLog
+from tests.eventually import until
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 
@@ -117,16 +116,19 @@ async def test_nats_restart_mid_load(
 
 async def wait_closed(db: Path, count: int, within: float = 180.0) -> None:
     """Poll the worker's log until `count` handoffs are closed (the worker is another process)."""
-    deadline = time.monotonic() + within
-    while True:
+    closed = [0]
+
+    def all_closed() -> bool:
         with sqlite3.connect(db) as connection:
-            (closed,) = connection.execute(
+            (closed[0],) = connection.execute(
                 "SELECT count(*) FROM handoffs WHERE state != 'open'"
             ).fetchone()
-        if closed == count:
-            return
-        assert time.monotonic() < deadline, f"only {closed} of {count} handoffs closed"
-        await asyncio.sleep(0.1)  # polling another process's file, not ordering our own work
+        return closed[0] == count
+
+    await until(
+        all_closed, f"{count} handoffs closed", within=within, every=0.1,
+        context=lambda: f"{closed[0]} closed",
+    )  # fmt: skip
 
 
 async def test_actions_committed_but_never_published_are_published_on_start(

@@ -24,7 +24,8 @@ import pytest
 
 from kvhandoff.events.messages import EngineType, HandoffCompletion, StartHandoff
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
-from tests.worker.bus_probe import BusProbe, assert_alive, poll, rejected_ids
+from tests.eventually import until
+from tests.worker.bus_probe import BusProbe, assert_alive, rejected_ids, running
 from tests.worker.conftest import WorkerProcess
 from tests.worker.scripted_engine import ScriptedEngines
 
@@ -176,9 +177,9 @@ async def test_a_flood_of_facts_for_unknown_handoffs_does_not_starve_valid_ones(
         # Every fact of the flood ends rejected, and nothing is left in the stream.
         await probe.wait_settled(worker, within=120)
         # In the log too: a tier worker's file may trail what it settled by its last commits.
-        await poll(
+        await until(
             partial(all_rejected, worker.db, set(ghosts)),
-            "every fact of the flood rejected in the log", worker, within=30,
+            "every fact of the flood rejected in the log", guard=running(worker),
         )  # fmt: skip
         assert_alive(worker, pid)
         if flooded.median_s <= 2 * baseline.median_s:

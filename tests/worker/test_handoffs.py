@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 import uuid
 
@@ -39,7 +38,13 @@ from kvhandoff.events.messages import (
 from kvhandoff.worker.engines.healthy import TIMING, success_script
 from kvhandoff.worker.log.reader import open_log
 from kvhandoff.worker.log.schema import HandoffState
-from tests.worker.conftest import WorkerProcess, logged_actions, logged_inputs
+from tests.eventually import until
+from tests.worker.conftest import (
+    WorkerProcess,
+    completed_inputs,
+    logged_actions,
+    logged_inputs,
+)
 from tests.worker.scripted_engine import ScriptedEngines
 
 
@@ -142,11 +147,10 @@ async def test_deadline_appends_timed_out_and_cleans_up(
     ]  # fmt: skip
     # The deadline is an input like any other, so replay sees it (once the file, which commits
     # behind the publishes, holds it).
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + 30.0
-    while not any(isinstance(i, TimedOut) for i in logged_inputs(worker.db, command.handoff_id)):
-        assert loop.time() < give_up_at, "the TimedOut never reached the file"
-        await asyncio.sleep(0.05)  # poll interval
+    await until(
+        lambda: any(isinstance(i, TimedOut) for i in logged_inputs(worker.db, command.handoff_id)),
+        "the TimedOut reached the file",
+    )
 
 
 async def test_duplicates_are_logged_once(worker: WorkerProcess, engines: ScriptedEngines) -> None:
@@ -168,7 +172,7 @@ async def test_duplicates_are_logged_once(worker: WorkerProcess, engines: Script
     await engines.send(SourceHeld(h, TIMING))
     await engines.wait_complete({h})
 
-    inputs = logged_inputs(worker.db, h)
+    inputs = await completed_inputs(worker.db, h)
     assert inputs.count(command) == 1
     assert inputs.count(ActionOutcome(h, 0, SUBMITTED)) == 1
     assert inputs.count(SourceHeld(h, TIMING)) == 1
@@ -195,7 +199,7 @@ async def test_an_early_fact_is_deferred_until_its_precondition_holds(
     await engines.send(reserved)  # before ReserveDestination was even issued
     await engines.wait_complete({h})
 
-    inputs = logged_inputs(worker.db, h)
+    inputs = await completed_inputs(worker.db, h)
     accepted = inputs.index(ActionOutcome(h, 1, ACCEPTED))
     assert inputs.index(reserved) > accepted  # applied once its precondition held
     transfer = next(a for a in engines.actions_of(h) if isinstance(a, StartTransfer))

@@ -49,6 +49,7 @@ from kvhandoff.events.messages import (
 from kvhandoff.worker.engines.healthy import TIMING, success_script
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.tier.planner import LOGGED_PAYLOAD_LIMIT
+from tests.eventually import until
 from tests.worker.bus_probe import (
     SUBJECTS,
     BusProbe,
@@ -59,8 +60,8 @@ from tests.worker.bus_probe import (
     handoff_state,
     listed,
     logged_rejections,
-    poll,
     rejection_subject_matches,
+    running,
     takes,
 )
 from tests.worker.conftest import WorkerProcess
@@ -99,7 +100,12 @@ async def completed(
 ) -> None:
     """Wait until every one of `starts` completed, and check that each succeeded."""
     ids = {s.handoff_id for s in starts}
-    await poll(lambda: ids <= engines.completions.keys(), f"{len(ids)} handoffs", worker)
+    await until(
+        lambda: ids <= engines.completions.keys(),
+        f"{len(ids)} handoffs",
+        within=60,
+        guard=running(worker),
+    )
     for s in starts:
         completions = [c.completion for c in engines.completions[s.handoff_id]]
         assert completions == [HandoffCompletion.SUCCESS], f"{s.handoff_id}: {completions}"
@@ -292,7 +298,12 @@ async def test_a_poison_input_is_rejected_and_the_worker_carries_on(
     for command in (victims.done, victims.open):
         await engines.start_handoff(command)
     await completed(engines, worker, [victims.done])
-    await poll(lambda: bool(engines.actions_of(victims.open_id)), "the open victim", worker)
+    await until(
+        lambda: bool(engines.actions_of(victims.open_id)),
+        "the open victim",
+        within=60,
+        guard=running(worker),
+    )
 
     poison = make_poison(victims)
     stored = takes(poison.subject)
@@ -341,7 +352,12 @@ async def test_inputs_that_together_outgrow_a_log_entry_are_rejected_and_nothing
     victim = start()
     engines.script = holding_back({victim.handoff_id})
     await engines.start_handoff(victim)
-    await poll(lambda: bool(engines.actions_of(victim.handoff_id)), "the victim", worker)
+    await until(
+        lambda: bool(engines.actions_of(victim.handoff_id)),
+        "the victim",
+        within=60,
+        guard=running(worker),
+    )
     largest = probe.nc.max_payload - 1024  # room for JetStream's headers
     subject = SUBJECTS.input(victim.handoff_id)
     for size in (largest, 900_000, 900_000, 900_000):
@@ -352,7 +368,9 @@ async def test_inputs_that_together_outgrow_a_log_entry_are_rejected_and_nothing
     await completed(engines, worker, valid)
 
     await probe.wait_settled(worker, within=60)
-    await poll(lambda: len(probe.rejected) == 4, "four rejections", worker, within=10)
+    await until(
+        lambda: len(probe.rejected) == 4, "four rejections", within=10, guard=running(worker)
+    )
     assert all(r.rejection.handoff_id == victim.handoff_id for r in probe.rejected)
     assert_alive(worker, pid)
     assert worker.terminate() == 0  # the file committed in full
@@ -385,7 +403,12 @@ async def assert_quarantined(
     # It stays quarantined: a later input for it is rejected too, and changes nothing.
     already = sum(names_it(r) for r in probe.rejected)
     await engines.send(Failed(handoff_id))
-    await poll(lambda: sum(names_it(r) for r in probe.rejected) > already, "a second", worker)
+    await until(
+        lambda: sum(names_it(r) for r in probe.rejected) > already,
+        "a second",
+        within=60,
+        guard=running(worker),
+    )
     assert handoff_state(worker.db, handoff_id) == "quarantined"
 
 
@@ -413,7 +436,12 @@ async def test_an_input_for_a_completed_handoff_with_a_corrupt_log_quarantines_o
     await engines.send(SourceHeld(held.handoff_id, TIMING))
     await completed(engines, worker, [held])
     await engines.send(Canceled(intact.handoff_id))
-    await poll(lambda: len(engines.completions[intact.handoff_id]) == 2, "a recancel", worker)
+    await until(
+        lambda: len(engines.completions[intact.handoff_id]) == 2,
+        "a recancel",
+        within=60,
+        guard=running(worker),
+    )
     assert engines.completions[intact.handoff_id][1].completion is HandoffCompletion.CANCELED
     assert len(engines.completions[corrupt.handoff_id]) == 1
     await probe.wait_settled(worker, within=30)
@@ -429,7 +457,12 @@ async def test_an_open_handoff_with_a_corrupt_log_is_quarantined_at_recovery(
         await engines.start_handoff(command)
     await completed(engines, worker, [done])
     held = {corrupt.handoff_id, other.handoff_id}
-    await poll(lambda: all(engines.actions_of(h) for h in held), "both held handoffs", worker)
+    await until(
+        lambda: all(engines.actions_of(h) for h in held),
+        "both held handoffs",
+        within=60,
+        guard=running(worker),
+    )
     await probe.wait_settled(worker, within=30)  # the Submitted outcomes are in the log
     assert worker.terminate() == 0
 

@@ -24,8 +24,9 @@ from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.commands.verify import verify_log
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.reader import open_log
+from tests.eventually import until
 from tests.tools.conftest import IDS, V1
-from tests.worker.bus_probe import poll
+from tests.worker.bus_probe import running
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 
@@ -74,8 +75,11 @@ async def test_a_worker_migrates_a_layout_1_log_and_carries_on_with_its_open_han
     # An input layout 1 logged, delivered again: the worker knows it from the migrated log,
     # though layout 2 keeps no digest of it, and drops it instead of rejecting it.
     await engines.send(ActionOutcome(transfer, 2, SCHEDULED))
-    await poll(
-        lambda: metric(worker, "kvhandoff_duplicate_inputs_total") == 1, "the duplicate", worker
+    await until(
+        lambda: metric(worker, "kvhandoff_duplicate_inputs_total") == 1,
+        "the duplicate",
+        within=60,
+        guard=running(worker),
     )
     # stuck-on-transfer waits for a fact, not an action: the source reports it now.
     await engines.send(TransferCompleted(transfer))

@@ -28,8 +28,8 @@ from kvhandoff.worker.tier import service
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.owner import Decided
 from kvhandoff.worker.tier.partition import COMMITS_AHEAD, Partition
+from tests.eventually import until
 from tests.worker.scripted_engine import ScriptedEngines
-from tests.worker.test_disk_full import poll
 from tests.worker.test_faults import make_starts
 
 _SLOW_WRITE_S = 0.02  # per batch, in the writer's thread: far slower than deciding one
@@ -64,7 +64,7 @@ async def test_a_slow_file_holds_the_worker_back_instead_of_queueing_without_bou
     stop = asyncio.Event()
     running = asyncio.create_task(worker.run(stop))
     try:
-        await poll(lambda: worker.healthy, "the worker to claim its partition")
+        await until(lambda: worker.healthy, "the worker to claim its partition")
         starts = make_starts(300, random.Random(5))
         for start in starts:
             await engines.start_handoff(start)

@@ -29,7 +29,8 @@ from kvhandoff.events.replay import find_divergence
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import DEFAULT_DONE_STREAM
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
-from tests.worker.bus_probe import BusProbe, assert_running, poll
+from tests.eventually import until
+from tests.worker.bus_probe import BusProbe, assert_running, running
 from tests.worker.conftest import WorkerProcess, logged, logged_actions
 from tests.worker.scripted_engine import ScriptedEngines
 
@@ -107,7 +108,12 @@ async def test_frontends_learn_every_completion_after_nats_and_the_worker_die(
             await asyncio.sleep(PACE_S)  # the load's pace, not a wait for anything
 
     load = asyncio.create_task(frontends())
-    await poll(lambda: len(probe.completed_at) >= KILL_AFTER, "the load to get going", worker)
+    await until(
+        lambda: len(probe.completed_at) >= KILL_AFTER,
+        "the load to get going",
+        within=60,
+        guard=running(worker),
+    )
     assert not load.done(), "the load ended before NATS died: nothing was in flight"
 
     # NATS dies mid-load; the worker rides out the outage, and is killed during it.
@@ -120,15 +126,16 @@ async def test_frontends_learn_every_completion_after_nats_and_the_worker_die(
     worker.kill()
     nats_server.start()
     nats_back_ms = now_ms()
-    await poll(lambda: probe.nc.is_connected and engines.nc.is_connected, "reconnection")
+    await until(
+        lambda: probe.nc.is_connected and engines.nc.is_connected, "reconnection", within=60
+    )
     worker.start()
     await asyncio.wait_for(load, 120)
 
-    deadline = time.monotonic() + 120
-    while open_count(worker.db):
-        assert_running(worker)
-        assert time.monotonic() < deadline, f"{open_count(worker.db)} handoffs still open"
-        await asyncio.sleep(0.1)  # polling another process's log
+    await until(
+        lambda: not open_count(worker.db), "every handoff ended in the log", within=120,
+        every=0.1, guard=running(worker), context=lambda: f"{open_count(worker.db)} still open",
+    )  # fmt: skip
 
     # The outbox told the truth: nothing can have reached NATS while it was down.
     lies = marked_between(worker.db, nats_killed_ms + MARK_SLACK_MS, nats_back_ms)

@@ -25,13 +25,14 @@ import nats.errors
 import nats.js.errors
 import pytest
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo
 
 from kvhandoff.events.replay import find_divergence
 from kvhandoff.worker.bus import Bus, Inbound, Message, Pull
 from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import BusError, ConfigError, PinMismatch
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from tests.eventually import until
 from tests.worker.conftest import WorkerProcess, logged
 from tests.worker.scripted_engine import ScriptedEngines
 from tests.worker.test_faults import make_starts, wait_closed
@@ -128,10 +129,13 @@ async def until_consumer(
     js: JetStreamContext, name: str, what: str, check: Any, within: float = WITHIN_S
 ) -> None:
     """Poll the server's consumer state (another process) until `check(info)` holds."""
-    deadline = time.monotonic() + within
-    while not check(info := await js.consumer_info(STREAM, name)):
-        assert time.monotonic() < deadline, f"consumer {name}: not {what}: {info}"
-        await asyncio.sleep(0.02)  # polling the server's state
+    last: list[ConsumerInfo] = []
+
+    async def holds() -> bool:
+        last[:] = [await js.consumer_info(STREAM, name)]
+        return bool(check(last[0]))
+
+    await until(holds, f"consumer {name} {what}", within=within, every=0.02, context=lambda: last)
 
 
 class Logged(logging.Handler):
@@ -464,10 +468,7 @@ async def test_settling_while_nats_is_down_is_a_bus_error_and_the_input_comes_ba
     async with Pull(bus, STREAM, "brief", max_ahead=1) as pull:
         [inbound] = await pull.fetch(1, timeout_s=WITHIN_S)
         nats_server.stop()
-        deadline = time.monotonic() + WITHIN_S
-        while bus.is_connected:
-            assert time.monotonic() < deadline, "the bus did not notice NATS stop"
-            await asyncio.sleep(0.02)  # until nats-py has read the server's end
+        await until(lambda: not bus.is_connected, "the bus noticed NATS stop", every=0.02)
         refused = await fill_the_reconnect_buffer(bus)
         assert "publish to filler failed" in str(refused)
         assert isinstance(refused.__cause__, nats.errors.OutboundBufferLimitError)
@@ -552,10 +553,12 @@ async def test_a_reconnect_makes_the_pull_ask_again_at_once(
 
 
 async def until_connected(bus: Bus, connected: bool) -> None:
-    deadline = time.monotonic() + WITHIN_S
-    while bus.is_connected != connected:
-        assert time.monotonic() < deadline, f"the bus is not {'dis' * (not connected)}connected"
-        await asyncio.sleep(0.02)  # until nats-py has noticed the server's process come or go
+    await until(
+        lambda: bus.is_connected == connected,
+        f"the bus {'dis' * (not connected)}connected",
+        within=WITHIN_S,
+        every=0.02,
+    )
 
 
 @pytest.mark.slow
@@ -573,10 +576,10 @@ async def test_the_worker_lives_through_nats_killed_while_it_acknowledges(
             await engines.start_handoff(start)
         await engines.until(lambda: len(engines.first) >= 300, "a sixth of the load")
         nats_server.stop(kill=True)
-        deadline = time.monotonic() + WITHIN_S
-        while "disconnected from NATS" not in worker.logs():
-            assert time.monotonic() < deadline, worker.logs()
-            await asyncio.sleep(0.05)  # polling the worker's log
+        await until(
+            lambda: "disconnected from NATS" in worker.logs(), "the worker noticed NATS stop",
+            within=WITHIN_S, context=worker.logs,
+        )  # fmt: skip
         nats_server.start()
 
         await wait_closed(worker.db, len(starts))
