@@ -84,7 +84,7 @@ from traffic import (
 )
 
 from kvhandoff.worker.bus import Bus, Inbound
-from kvhandoff.worker.config import NatsSettings, WorkerConfig
+from kvhandoff.worker.config import NatsSettings, TierConfig, WorkerConfig
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.rows import Batch
 from kvhandoff.worker.tier.metrics import Metrics
@@ -180,7 +180,7 @@ class Bench:
         return WorkerConfig(
             nats=NatsSettings(url=self.url),
             db_path=self.scratch / f"run-{self._runs}.sqlite3",
-            batch_size=self.batch_size,
+            tier=TierConfig(batch_size=self.batch_size),
         )
 
     async def _preload(self, stream: str) -> None:
@@ -201,7 +201,7 @@ class Bench:
         try:
             yield
         finally:
-            for stream in (config.stream, config.done_stream, *more):
+            for stream in (config.tier.stream, config.tier.done_stream, *more):
                 with contextlib.suppress(nats.js.errors.NotFoundError):
                     await self._nc.jetstream().delete_stream(stream)
             await asyncio.to_thread(_remove_db, config.db_path)
@@ -213,8 +213,10 @@ class Bench:
             bus = await Bus.connect(config.nats, name="bench")
             try:
                 # The input stream first, for the preload; the worker makes the rest.
-                await bus.open_partitions(config.stream, SUBJECTS.prefix, config.partitions)
-                await self._preload(config.stream)
+                await bus.open_partitions(
+                    config.tier.stream, SUBJECTS.prefix, config.tier.partitions
+                )
+                await self._preload(config.tier.stream)
                 metrics = Metrics()
                 worker = CountingWorker(config, settings, bus, metrics, label="bench")
                 worker.stop, worker.expected = asyncio.Event(), len(self.traffic.steps)
@@ -252,27 +254,28 @@ class Bench:
         js = self._nc.jetstream()
         async with self._streams(config):
             # A plain input stream and consumer, as the floor has them.
-            await js.add_stream(StreamConfig(name=config.stream, subjects=[SUBJECTS.inputs],
+            await js.add_stream(StreamConfig(name=config.tier.stream, subjects=[SUBJECTS.inputs],
                                              retention=RetentionPolicy.WORK_QUEUE,
                                              duplicate_window=120.0))  # fmt: skip
-            await js.add_consumer(config.stream, ConsumerConfig(
-                durable_name=config.consumer, filter_subject=SUBJECTS.inputs,
+            tier = config.tier
+            await js.add_consumer(tier.stream, ConsumerConfig(
+                durable_name=tier.consumer, filter_subject=SUBJECTS.inputs,
                 ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-                ack_wait=config.ack_wait_s, max_ack_pending=max_ack_pending(config.batch_size),
+                ack_wait=tier.ack_wait_s, max_ack_pending=max_ack_pending(tier.batch_size),
                 max_deliver=-1))  # fmt: skip
-            await js.add_stream(StreamConfig(name=config.done_stream,
+            await js.add_stream(StreamConfig(name=config.tier.done_stream,
                                              subjects=[SUBJECTS.completions],
                                              max_msgs_per_subject=1, max_age=60.0))  # fmt: skip
-            await self._preload(config.stream)
+            await self._preload(config.tier.stream)
             nc = await nats.connect(self.url)
             bare = BarePipeline(nc, config.db_path, self._by_payload)
             try:
                 subscription = await nc.jetstream().pull_subscribe_bind(
-                    config.consumer, config.stream
+                    config.tier.consumer, config.tier.stream
                 )
                 gc.collect()
                 cpu = time.process_time()
-                seconds, fetch_s = await bare.drain(subscription, config.batch_size,
+                seconds, fetch_s = await bare.drain(subscription, config.tier.batch_size,
                                                     len(self.traffic.steps))  # fmt: skip
                 cpu_s = time.process_time() - cpu
             finally:

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -101,43 +101,31 @@ def partition_path(data_dir: Path, partition: int) -> Path:
     return data_dir / f"partition-{partition}.db"
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    nats: NatsSettings
-    db_path: Path
+_NAME = r"[A-Za-z0-9_-]+"  # a stream's or a consumer's name
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """What every worker of a tier shares: the partition count, the streams and the consumers,
+    and the consumers' timings. `WorkerConfig.tier` is the one `kvhandoff run` was given, and
+    `worker.tier.membership.TierSettings` is a `TierConfig` with what a running tier adds to it
+    (it is not here, nor held by `WorkerConfig`, because the client library imports this module
+    for its NATS settings and may not load the tier)."""
+
+    # Partitions of the input stream. Without a data directory the worker runs the one
+    # partition whose file is `WorkerConfig.db_path`: the embedded default, a tier of one.
+    partitions: int = 1
     stream: str = DEFAULT_STREAM
     consumer: str = "kvhandoff-worker"
     # Empty: the tier's, named after `stream` (`done_stream_of`, `log_stream_of`).
     done_stream: str = ""
     log_stream: str = ""  # the partitions' replicated logs (worker.tier.service)
     completion_ttl_s: float = 3600.0
-    batch_size: int = 512
-    retry_interval_s: float = 5.0
     # The input consumers' ack wait: short, since a new owner is pinned only after it (see
     # worker.tier.membership.TierSettings); it also bounds how long an early input is deferred.
     ack_wait_s: float = 1.0
-    synchronous: str = "FULL"
-    retention_s: float | None = None
-    # Loopback unless told otherwise: the endpoint has no authentication. The container image
-    # sets KVHANDOFF_METRICS_HOST=0.0.0.0, because there the port is reached from outside.
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 9464
-    log_format: str = "text"
-    log_level: str = "INFO"
-    # The tier (worker.tier.service). Without a data directory the worker runs the one partition
-    # whose file is `db_path`: the embedded default, a tier of one partition.
-    partitions: int = 1
-    data_dir: Path | None = None
-    priority_timeout_s: float = 3.0  # worker.tier.membership.TierSettings'
-    # Snapshots of each partition's state in its replicated log (worker.tier.owner):
-    # every this many entries, or this long with any; 0 entries: never.
-    snapshot_every: int = 10_000
-    snapshot_interval_s: float = 60.0
-    # How long a handoff that ended is remembered by its tombstone, for a late input that
-    # names it (worker.tier.planner): at least the longest deadline plus the bus's duplicate window.
-    tombstone_ttl_s: float = 300.0
-    # Engine leases (worker.tier.leases): reject a start naming an engine that holds none.
-    require_leases: bool = False
+    priority_timeout_s: float = 3.0
+    batch_size: int = 512  # inputs an owner pulls and appends at most at once
 
     def __post_init__(self) -> None:
         # Frozen: the derived names are set once, here, so every reader sees them.
@@ -146,27 +134,19 @@ class WorkerConfig:
         if not self.log_stream:
             object.__setattr__(self, "log_stream", log_stream_of(self.stream))
 
-    @property
-    def tier_retention_s(self) -> float:
-        """How long the files keep their completed handoffs and rejections: `--retention`, or a
-        week. The replicated log has no age limit (worker.tier.service's "Retention")."""
-        return TIER_RETENTION_S if self.retention_s is None else self.retention_s
-
     def validate(self) -> None:
-        self.nats.validate()
-        self._validate_tier()
-        if not self.db_path.parent.is_dir():
-            raise ConfigError(f"--db: directory {self.db_path.parent} does not exist")
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.stream):
+        if not 1 <= self.partitions <= 1024:
+            raise ConfigError(f"--partitions: {self.partitions} is not in 1..1024")
+        if not re.fullmatch(_NAME, self.stream):
             raise ConfigError(f"--stream: {self.stream!r} must be letters, digits, '-' or '_'")
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.consumer):
+        if not re.fullmatch(_NAME, self.consumer):
             raise ConfigError(f"--consumer: {self.consumer!r} must be letters, digits, '-' or '_'")
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.done_stream) or self.done_stream == self.stream:
+        if not re.fullmatch(_NAME, self.done_stream) or self.done_stream == self.stream:
             raise ConfigError(
                 f"--done-stream: {self.done_stream!r} must be letters, digits, '-' or '_', and"
                 " not the input stream"
             )
-        if not re.fullmatch(r"[A-Za-z0-9_-]+", self.log_stream) or self.log_stream in {
+        if not re.fullmatch(_NAME, self.log_stream) or self.log_stream in {
             self.stream,
             self.done_stream,
         }:
@@ -178,10 +158,53 @@ class WorkerConfig:
             raise ConfigError("--completion-ttl must be positive")
         if not 1 <= self.batch_size <= 10_000:
             raise ConfigError(f"--batch-size: {self.batch_size} is not in 1..10000")
-        if self.retry_interval_s <= 0:
-            raise ConfigError("--retry-interval must be positive")
         if self.ack_wait_s <= 0:
             raise ConfigError("--ack-wait must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    nats: NatsSettings
+    db_path: Path
+    tier: TierConfig = field(default_factory=TierConfig)
+    retry_interval_s: float = 5.0
+    synchronous: str = "FULL"
+    retention_s: float | None = None
+    # Loopback unless told otherwise: the endpoint has no authentication. The container image
+    # sets KVHANDOFF_METRICS_HOST=0.0.0.0, because there the port is reached from outside.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464
+    log_format: str = "text"
+    log_level: str = "INFO"
+    # The owned partitions' files (worker.tier.service); None: `db_path`, the one partition's.
+    data_dir: Path | None = None
+    # Snapshots of each partition's state in its replicated log (worker.tier.owner):
+    # every this many entries, or this long with any; 0 entries: never.
+    snapshot_every: int = 10_000
+    snapshot_interval_s: float = 60.0
+    # How long a handoff that ended is remembered by its tombstone, for a late input that
+    # names it (worker.tier.planner): at least the longest deadline plus the bus's duplicate window.
+    tombstone_ttl_s: float = 300.0
+    # Engine leases (worker.tier.leases): reject a start naming an engine that holds none.
+    require_leases: bool = False
+
+    @property
+    def tier_retention_s(self) -> float:
+        """How long the files keep their completed handoffs and rejections: `--retention`, or a
+        week. The replicated log has no age limit (worker.tier.service's "Retention")."""
+        return TIER_RETENTION_S if self.retention_s is None else self.retention_s
+
+    def validate(self) -> None:
+        self.nats.validate()
+        self.tier.validate()
+        if self.data_dir is None and self.tier.partitions > 1:
+            raise ConfigError(
+                "--partitions above 1 needs --data-dir: one file per partition it owns"
+            )
+        if not self.db_path.parent.is_dir():
+            raise ConfigError(f"--db: directory {self.db_path.parent} does not exist")
+        if self.retry_interval_s <= 0:
+            raise ConfigError("--retry-interval must be positive")
         if self.synchronous not in {"FULL", "NORMAL", "EXTRA"}:
             raise ConfigError(f"--synchronous: {self.synchronous!r} is not FULL, NORMAL or EXTRA")
         if self.retention_s is not None and self.retention_s <= 0:
@@ -212,14 +235,6 @@ class WorkerConfig:
         if self.data_dir is None:
             return self.db_path
         return partition_path(self.data_dir, partition)
-
-    def _validate_tier(self) -> None:
-        if not 1 <= self.partitions <= 1024:
-            raise ConfigError(f"--partitions: {self.partitions} is not in 1..1024")
-        if self.data_dir is None and self.partitions > 1:
-            raise ConfigError(
-                "--partitions above 1 needs --data-dir: one file per partition it owns"
-            )
 
     def make_data_dir(self) -> None:
         """Create the data directory if absent, with any missing parents, each of mode 0700
@@ -310,6 +325,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_arguments(parser)
     env = os.environ
     defaults = WorkerConfig(nats=NatsSettings(), db_path=Path("kvhandoff.db"))
+    tier_defaults = defaults.tier
     group = parser.add_argument_group("worker", f"DURATION is {DURATION_HELP}.")
     group.add_argument(
         "--db",
@@ -319,13 +335,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--stream",
-        default=env.get("KVHANDOFF_STREAM", defaults.stream),
+        default=env.get("KVHANDOFF_STREAM", tier_defaults.stream),
         help="JetStream stream for inputs, created if absent (env KVHANDOFF_STREAM; "
         "default %(default)s)",
     )
     group.add_argument(
         "--consumer",
-        default=env.get("KVHANDOFF_CONSUMER", defaults.consumer),
+        default=env.get("KVHANDOFF_CONSUMER", tier_defaults.consumer),
         help="durable consumer name (env KVHANDOFF_CONSUMER; default %(default)s)",
     )
     group.add_argument(
@@ -333,14 +349,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=env.get("KVHANDOFF_DONE_STREAM", ""),
         help="JetStream stream keeping each handoff's last completion, created if absent "
         f"(env KVHANDOFF_DONE_STREAM; default the input stream's name with _DONE for _IN: "
-        f"{defaults.done_stream})",
+        f"{tier_defaults.done_stream})",
     )
     group.add_argument(
         "--log-stream",
         default=env.get("KVHANDOFF_LOG_STREAM", ""),
         help="JetStream stream of the partitions' replicated event logs, created if absent "
         f"(env KVHANDOFF_LOG_STREAM; default the input stream's name with _LOG for _IN: "
-        f"{defaults.log_stream})",
+        f"{tier_defaults.log_stream})",
     )
     _add_duration_option(
         group,
@@ -349,7 +365,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "1h",
         "how long the completion stream keeps a completion",
     )
-    group.add_argument("--batch-size", type=int, default=defaults.batch_size,
+    group.add_argument("--batch-size", type=int, default=tier_defaults.batch_size,
                        help="most inputs per group commit (default %(default)s)")  # fmt: skip
     _add_duration_option(
         group,
@@ -362,7 +378,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--ack-wait",
         type=duration_arg,
         metavar="DURATION",
-        default=f"{defaults.ack_wait_s}s",
+        default=f"{tier_defaults.ack_wait_s}s",
         help="JetStream redelivers an input not acknowledged in this time; --priority-timeout "
         "must exceed it by the pull's expiry, 1s (default %(default)s)",
     )
@@ -402,7 +418,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     tier.add_argument(
         "--partitions",
         type=int,
-        default=env.get("KVHANDOFF_PARTITIONS", str(defaults.partitions)),
+        default=env.get("KVHANDOFF_PARTITIONS", str(tier_defaults.partitions)),
         help="partitions of the input stream, fixed when it is created; every worker of the "
         "tier gives the same (env KVHANDOFF_PARTITIONS; default %(default)s); above 1 it needs "
         "--data-dir",
@@ -419,7 +435,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         tier,
         "--priority-timeout",
         "KVHANDOFF_PRIORITY_TIMEOUT",
-        f"{defaults.priority_timeout_s}s",
+        f"{tier_defaults.priority_timeout_s}s",
         "how long a partition's pin outlives its owner's last pull, and how long a vacant "
         "partition waits before it is claimed: most of a failover",
     )
@@ -461,23 +477,25 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
     config = WorkerConfig(
         nats=nats_settings(args),
         db_path=args.db,
-        stream=args.stream,
-        consumer=args.consumer,
-        done_stream=args.done_stream,
-        log_stream=args.log_stream,
-        completion_ttl_s=args.completion_ttl,
-        batch_size=args.batch_size,
+        tier=TierConfig(
+            partitions=args.partitions,
+            stream=args.stream,
+            consumer=args.consumer,
+            done_stream=args.done_stream,
+            log_stream=args.log_stream,
+            completion_ttl_s=args.completion_ttl,
+            ack_wait_s=args.ack_wait,
+            priority_timeout_s=args.priority_timeout,
+            batch_size=args.batch_size,
+        ),
         retry_interval_s=args.retry_interval,
-        ack_wait_s=args.ack_wait,
         synchronous=args.synchronous,
         retention_s=args.retention,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         log_format=args.log_format,
         log_level=args.log_level.upper(),
-        partitions=args.partitions,
         data_dir=args.data_dir,
-        priority_timeout_s=args.priority_timeout,
         snapshot_every=args.snapshot_every,
         snapshot_interval_s=args.snapshot_interval,
         tombstone_ttl_s=args.tombstone_ttl,

@@ -62,12 +62,11 @@ class Steps:
 async def steps(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Steps]:
     """A worker of a one-partition tier that has claimed its partition, run step by step."""
     config = WorkerConfig(
-        NatsSettings(url=nats_server.url), tmp_path / "unused.db", partitions=1,
-        data_dir=tmp_path,
+        NatsSettings(url=nats_server.url), tmp_path / "unused.db", data_dir=tmp_path,
     )  # fmt: skip
     bus = await Bus.connect(config.nats, "test-partition-steps")
     await bus.open_completions(
-        config.done_stream, Subjects(PREFIX).completions, config.completion_ttl_s
+        config.tier.done_stream, Subjects(PREFIX).completions, config.tier.completion_ttl_s
     )
     metrics = Metrics()
     worker = Worker(config, TierSettings(partitions=1), bus, metrics, label="test")

@@ -15,7 +15,7 @@ import pytest
 
 import kvhandoff.worker.commands.run as run_command
 from kvhandoff.worker.cli import build_parser, main
-from kvhandoff.worker.config import NatsSettings, WorkerConfig, worker_config
+from kvhandoff.worker.config import NatsSettings, TierConfig, WorkerConfig, worker_config
 from kvhandoff.worker.errors import ConfigError
 from kvhandoff.worker.tier.membership import TierSettings
 from kvhandoff.worker.tier.service import tier_settings
@@ -51,11 +51,16 @@ def test_defaults() -> None:
             subject_prefix="kvhandoff",
         ),
         db_path=Path("kvhandoff.db"),
-        stream="KVHANDOFF_IN",
-        consumer="kvhandoff-worker",
-        batch_size=512,
+        tier=TierConfig(
+            partitions=1,
+            stream="KVHANDOFF_IN",
+            consumer="kvhandoff-worker",
+            completion_ttl_s=3600.0,
+            ack_wait_s=1.0,
+            priority_timeout_s=3.0,
+            batch_size=512,
+        ),
         retry_interval_s=5.0,
-        ack_wait_s=1.0,
         synchronous="FULL",
         retention_s=None,
         metrics_host="127.0.0.1",  # the endpoint has no authentication
@@ -69,13 +74,16 @@ def test_the_tiers_streams_are_named_after_its_input_stream_unless_told() -> Non
     """The default tier keeps the names it always had; another input stream names its own, so
     that a second tier on the account needs only `--subject-prefix` and `--stream`."""
     default = worker_config(parse())
-    assert (default.done_stream, default.log_stream) == ("KVHANDOFF_DONE", "KVHANDOFF_LOG")
+    assert (default.tier.done_stream, default.tier.log_stream) == (
+        "KVHANDOFF_DONE",
+        "KVHANDOFF_LOG",
+    )
     other = worker_config(parse("--stream", "TIERB_IN"))
-    assert (other.done_stream, other.log_stream) == ("TIERB_DONE", "TIERB_LOG")
+    assert (other.tier.done_stream, other.tier.log_stream) == ("TIERB_DONE", "TIERB_LOG")
     bare = worker_config(parse("--stream", "tierb"))
-    assert (bare.done_stream, bare.log_stream) == ("tierb_DONE", "tierb_LOG")
+    assert (bare.tier.done_stream, bare.tier.log_stream) == ("tierb_DONE", "tierb_LOG")
     told = worker_config(parse("--stream", "TIERB_IN", "--done-stream", "D", "--log-stream", "L"))
-    assert (told.done_stream, told.log_stream) == ("D", "L")
+    assert (told.tier.done_stream, told.tier.log_stream) == ("D", "L")
     assert tier_settings(other) == TierSettings(partitions=1, stream="TIERB_IN")
 
 
@@ -87,7 +95,7 @@ def test_the_log_is_kept_a_week_unless_told_and_the_default_is_one_partition_in_
     told = worker_config(parse(*tier, "--retention", "1h"))
     assert (told.retention_s, told.tier_retention_s) == (3600, 3600)
     default = worker_config(parse("--db", str(tmp_path / "k.db")))
-    assert (default.partitions, default.tier_retention_s) == (1, 7 * 86_400)
+    assert (default.tier.partitions, default.tier_retention_s) == (1, 7 * 86_400)
     # `run` locks the one file itself, or the directory, whose partition files it locks apart.
     assert default.partition_file(0) == default.locked_path == tmp_path / "k.db"
     one = worker_config(parse("--partitions", "1", "--data-dir", str(tmp_path)))
@@ -133,8 +141,8 @@ def test_environment_fallbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         subject_prefix="prod.kv",
     )
     assert config.db_path == Path("logs/worker.db")
-    assert (config.stream, config.consumer) == ("PROD_IN", "worker-a")
-    assert (config.done_stream, config.log_stream) == ("PROD_DONE", "PROD_LOG")
+    assert (config.tier.stream, config.tier.consumer) == ("PROD_IN", "worker-a")
+    assert (config.tier.done_stream, config.tier.log_stream) == ("PROD_DONE", "PROD_LOG")
     assert config.retry_interval_s == pytest.approx(0.25)
     assert config.synchronous == "NORMAL"
     assert config.retention_s == 7 * 86_400
@@ -307,7 +315,7 @@ def test_a_tier_priority_timeout_within_the_ack_wait_and_pull_expiry_exits_2_bef
     newer inputs first. Nothing listens at the URL: the worker must not get as far."""
     monkeypatch.chdir(tmp_path)
     flags = ["--partitions", "4", "--data-dir", ".", "--nats-url", "nats://127.0.0.1:9"]
-    assert worker_config(parse(*flags, "--priority-timeout", "5s")).priority_timeout_s == 5
+    assert worker_config(parse(*flags, "--priority-timeout", "5s")).tier.priority_timeout_s == 5
     assert main(["run", *flags, "--priority-timeout", "2s", "--metrics-port", "0"]) == 2
     assert "--priority-timeout must be more than 2s" in capfd.readouterr().err
 
@@ -330,10 +338,10 @@ def test_the_ack_wait_is_the_input_consumers_and_the_priority_timeout_must_excee
 def test_kvhandoff_runs_defaults_are_the_tiers_and_its_help_says_them(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`WorkerConfig` does not import worker.tier.membership (the client library imports
-    worker.config for its NATS settings, and may not load the tier), so the tier's timings are
-    written in both: they must agree, and `--ack-wait`'s help must give the pull's expiry that the
-    check adds."""
+    """The tier's settings are `kvhandoff run`'s `TierConfig` (written once, in worker.config),
+    so its defaults are the tier's; `--ack-wait`'s help must give the pull's expiry, which only
+    `TierSettings` has (the client library imports worker.config for its NATS settings, and may
+    not load the tier), that the check adds."""
     config = worker_config(parse())
     assert tier_settings(config) == TierSettings(partitions=1)
     with pytest.raises(SystemExit):

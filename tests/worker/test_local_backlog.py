@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.worker.bus import Bus, Inbound
-from kvhandoff.worker.config import NatsSettings, WorkerConfig
+from kvhandoff.worker.config import NatsSettings, TierConfig, WorkerConfig
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log import store
 from kvhandoff.worker.log.rows import Batch
@@ -57,7 +57,9 @@ async def test_a_slow_file_holds_the_worker_back_instead_of_queueing_without_bou
 
     monkeypatch.setattr(Partition, "decide", watched_decide)
     config = WorkerConfig(
-        nats=NatsSettings(url=nats_server.url), db_path=tmp_path / "kvhandoff.db", batch_size=16
+        nats=NatsSettings(url=nats_server.url),
+        db_path=tmp_path / "kvhandoff.db",
+        tier=TierConfig(batch_size=16),
     )
     bus = await Bus.connect(config.nats, "test-backlog")
     worker = service.Worker(config, service.tier_settings(config), bus, Metrics(), label="test")

@@ -110,7 +110,7 @@ async def serve(config: WorkerConfig) -> int:
         async with beside:
             logger.info(
                 "serving %d partitions of %s as %s; logs %s",
-                config.partitions, config.stream, worker.tier.owner_name,
+                config.tier.partitions, config.tier.stream, worker.tier.owner_name,
                 config.partition_file(0) if config.data_dir is None else config.data_dir,
             )  # fmt: skip
             await worker.run(stop)

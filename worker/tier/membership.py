@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus, Member, Membership
-from kvhandoff.worker.config import DEFAULT_STREAM, done_stream_of, log_stream_of
+from kvhandoff.worker.config import TierConfig
 from kvhandoff.worker.errors import (
     BusError,
     ConfigError,
@@ -74,23 +74,12 @@ _OWNERS_KEPT = 1024  # `Tier.owners`
 
 
 @dataclass(frozen=True)
-class TierSettings:
-    """The streams, the partition count and the timings every worker of a tier shares."""
+class TierSettings(TierConfig):
+    """The `TierConfig` every worker of a tier shares (its streams, partition count and
+    consumers' timings), and what running the tier adds to it."""
 
-    partitions: int
     prefix: str = "kvhandoff"
-    stream: str = DEFAULT_STREAM
-    log_stream: str = ""  # empty: the tier's, named after `stream` (`log_stream_of`)
-    consumer: str = "kvhandoff-worker"
-    # The completions a frontend reads (worker.tier.service); empty: `done_stream_of(stream)`.
-    done_stream: str = ""
-    completion_ttl_s: float = 3600.0
-    # The ack wait is shorter than the priority timeout less the pull expiry, so that a new
-    # owner is pinned only once the old owner's unacknowledged inputs are due again.
-    ack_wait_s: float = 1.0
     pull_expires_s: float = 1.0
-    priority_timeout_s: float = 3.0
-    batch_size: int = 512  # inputs an owner pulls and appends at most at once
     rebalance_s: float = 1.0
     # When owners snapshot their partitions (worker.tier.owner); None: never, so that
     # claims read the whole log (a measure's baseline, bench/catchup.py).
@@ -102,10 +91,9 @@ class TierSettings:
         return max_ack_pending(self.batch_size)
 
     def __post_init__(self) -> None:
-        if not self.log_stream:
-            object.__setattr__(self, "log_stream", log_stream_of(self.stream))
-        if not self.done_stream:
-            object.__setattr__(self, "done_stream", done_stream_of(self.stream))
+        super().__post_init__()
+        # The ack wait is shorter than the priority timeout less the pull expiry, so that a new
+        # owner is pinned only once the old owner's unacknowledged inputs are due again.
         floor_s = self.ack_wait_s + self.pull_expires_s
         if self.priority_timeout_s <= floor_s:
             raise ConfigError(

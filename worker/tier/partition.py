@@ -204,7 +204,7 @@ class Partition:
         # Its inputs' subjects, `<prefix>.inp.<p>.<id>`, less the handoff id.
         self._inputs_of = f"{config.nats.subject_prefix}.inp.{number}."
         self.planner = Planner(
-            self._subjects, config.batch_size, config.ack_wait_s,
+            self._subjects, config.tier.batch_size, config.tier.ack_wait_s,
             tombstone_ttl_ms=int(config.tombstone_ttl_s * 1000),
         )  # fmt: skip
         self.planner.admit = leases.admit

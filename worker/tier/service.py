@@ -27,6 +27,7 @@ up from its mark: the entries after it never need a handoff that was completed b
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus import Bus
@@ -46,14 +47,8 @@ def tier_settings(config: WorkerConfig) -> TierSettings:
     if config.snapshot_every:
         snapshots = SnapshotPolicy(config.snapshot_every, config.snapshot_interval_s)
     return TierSettings(
-        partitions=config.partitions, prefix=config.nats.subject_prefix,
-        stream=config.stream, consumer=config.consumer,
-        log_stream=config.log_stream,
-        done_stream=config.done_stream,
-        completion_ttl_s=config.completion_ttl_s, priority_timeout_s=config.priority_timeout_s,
-        ack_wait_s=config.ack_wait_s,
-        batch_size=config.batch_size, snapshots=snapshots,
-    )  # fmt: skip
+        **asdict(config.tier), prefix=config.nats.subject_prefix, snapshots=snapshots
+    )
 
 
 class Worker:
