@@ -68,7 +68,7 @@ from rich.table import Table
 from traffic import ROOT, SUBJECTS, load_average, new_start, resident_mb
 
 from kvhandoff.events.codec import encode
-from kvhandoff.worker.config import DEFAULT_STREAM, log_stream_of
+from kvhandoff.events.subjects import DEFAULT_STREAM, log_stream_of
 from kvhandoff.worker.harness.child import WorkerChild
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 

@@ -12,7 +12,7 @@ sets it) and a fresh completion stream, then drains it into a fresh SQLite file:
 
 - ``worker``: `Worker.run`, what `kvhandoff run` runs (a tier of one partition, see
   `worker.tier.service`): each batch of up to `--batch-size` (default 512) inputs is pulled through
-  the lean `worker.bus.Pull`, decided, appended to the partition's replicated log (a JetStream
+  the lean `worker.bus.pull.Pull`, decided, appended to the partition's replicated log (a JetStream
   stream), acted on (published, acknowledged) and queued for the SQLite file, whose commits run
   behind. The clock stops once the last input was acted on, every row is in the SQLite file
   (the worker waits for its queued commits) and a flush came back; then the bench sets the
@@ -83,14 +83,17 @@ from traffic import (
     load_average,
 )
 
-from kvhandoff.worker.bus import Bus, Inbound
-from kvhandoff.worker.config import NatsSettings, TierConfig, WorkerConfig
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.config import TierConfig, WorkerConfig
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.rows import Batch
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.owner import Decided, max_ack_pending
 from kvhandoff.worker.tier.partition import Partition
 from kvhandoff.worker.tier.service import Worker, tier_settings
+from kvhandoff.worker.tier.streams import open_partitions
 
 # The package's own modules, as their code objects name them (kvhandoff/ links events/ and
 # worker/, so their files are found under it, not under the repository's root).
@@ -213,8 +216,8 @@ class Bench:
             bus = await Bus.connect(config.nats, name="bench")
             try:
                 # The input stream first, for the preload; the worker makes the rest.
-                await bus.open_partitions(
-                    config.tier.stream, SUBJECTS.prefix, config.tier.partitions
+                await open_partitions(
+                    bus, config.tier.stream, SUBJECTS.prefix, config.tier.partitions
                 )
                 await self._preload(config.tier.stream)
                 metrics = Metrics()

@@ -77,13 +77,16 @@ from traffic import (
 
 from kvhandoff.events.codec import decode_action, encode
 from kvhandoff.events.messages import Action, ActionOutcome, Input, StartHandoff
-from kvhandoff.worker.bus import Bus, Pull, partition_log_subject
+from kvhandoff.events.subjects import partition_log_subject
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Pull
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.clock import now_ms
-from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.harness.child import Child
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.tier.owner import max_ack_pending
+from kvhandoff.worker.tier.streams import open_partition_log
 
 _WAIT_S = 60.0  # the longest any closed-loop step may take before the bench gives up
 _ECHO_PAD = b" " * 120  # echo payloads about the size of an input
@@ -412,7 +415,7 @@ async def serve_echo(url: str, prefix: str, batch_size: int, ready_file: Path, *
         await nc.close()
     log_subject, last_seq = partition_log_subject(prefix, 0), 0
     if append:
-        await bus.open_partition_log(f"{stream}_LOG", prefix)
+        await open_partition_log(bus, f"{stream}_LOG", prefix)
     pull = Pull(bus, stream, prefix, max_ahead=max_ack_pending(batch_size))
     await pull.start()
     log = None if db is None else RawLog(db)

@@ -49,7 +49,7 @@ from kvhandoff.client import Connection, Frontend
 from kvhandoff.client.lease import DEFAULT_LEASE_TTL_S, RENEWALS_PER_TTL, Lease
 from kvhandoff.events.messages import EngineType, HandoffCompletion, StartHandoff
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EnginesReport
 from kvhandoff.worker.harness.child import WorkerChild
 from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster, free_port

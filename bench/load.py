@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvhandoff.client import Connection
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EngineModel, EnginesConfig, MockEngines
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load

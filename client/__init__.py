@@ -3,7 +3,7 @@
     from kvhandoff.client import Connection, Engine, Frontend, Handlers
 
 - `Connection`: one NATS connection with the shared `--nats-*`/`--tls-*` settings
-  (`worker.config.NatsSettings`); engines and a frontend of one process can share it.
+  (`worker.bus.settings.NatsSettings`); engines and a frontend of one process can share it.
 - `Engine` (`client.engine`): subscribes to an engine id's actions, dispatches each kind to a
   typed handler (`Handlers`), runs each action id once and answers a repeated id with the
   stored outcome, and stores outcomes and facts durably (`source_held`,
@@ -12,7 +12,7 @@
   no window in which one can be missed, `cancel` it, read its `state`.
 
 Every error is a `ClientError` (`client.errors` draws the tree). All NATS traffic goes through
-`worker.bus`, the project's one NATS module; this package imports `events` (the wire
+`worker.bus`, the project's one NATS package; this package imports `events` (the wire
 vocabulary) and, of the worker, only the bus and its settings and errors.
 """
 

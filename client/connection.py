@@ -1,8 +1,8 @@
 """One connection to the bus for engines and frontends, and the seam where `worker.bus`'s errors
 become the client's (`BusError` → `BusUnavailable`, `BusRefused` → `Refused`).
 
-It holds a `worker.bus.Bus` (the one module that talks to nats-py) and offers what the roles
-need from it in the wire vocabulary: inputs stored with JetStream, actions and completions
+It holds a `worker.bus.connection.Bus` (the package that talks to nats-py) and offers what the
+roles need from it in the wire vocabulary: inputs stored with JetStream, actions and completions
 decoded, the last completion a stream keeps, scatter-gather for reports. Every engine and the
 frontend of a process can share one connection. A message that does not decode is logged and
 skipped here, so the handlers get typed messages only.
@@ -23,8 +23,10 @@ from kvhandoff.events.codec import decode_action, decode_rejection, encode
 from kvhandoff.events.ids import HandoffId
 from kvhandoff.events.messages import Action, Complete, Input, Rejection
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Message, Subscription
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus, Message, Subscription
+from kvhandoff.worker.bus.kv import open_expiring_bucket, put_expiring
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.bus.streams import last_message
 from kvhandoff.worker.errors import BusError, BusRefused
 
 logger = logging.getLogger(__name__)
@@ -140,10 +142,10 @@ class Connection:
         bucket = self.subjects.lease_bucket
         try:
             if not self._lease_bucket_open:
-                await self._bus.open_lease_bucket(bucket, LEASE_MARKER_TTL_S)
+                await open_expiring_bucket(self._bus, bucket, LEASE_MARKER_TTL_S)
                 self._lease_bucket_open = True
-            await self._bus.put_lease(
-                bucket, engine_id, value, ttl_s, give_up_after_s=give_up_after_s
+            await put_expiring(
+                self._bus, bucket, engine_id, value, ttl_s, give_up_after_s=give_up_after_s
             )
         except BusError as exc:
             _translated(exc, f"{engine_id}: renewing its lease")
@@ -206,7 +208,7 @@ class Connection:
         completed, completed longer ago than the stream keeps, or no stream yet)."""
         subject = self.subjects.done(handoff_id)
         try:
-            data = await self._bus.get_last_msg(stream, subject)
+            data = await last_message(self._bus, stream, subject)
         except BusError as exc:
             _translated(exc, f"reading the completion of handoff {handoff_id}")
         if data is None:

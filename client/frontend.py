@@ -10,7 +10,7 @@ handoffs that other frontends started, and drops them.
 
 No window for a missed `Complete`. A `Complete` is published with core NATS semantics to
 subscribers and stored in the worker's completion stream (`KVHANDOFF_DONE` by default; a tier
-of another input stream has its own, `worker.config.done_stream_of`), which keeps each
+of another input stream has its own, `events.subjects.done_stream_of`), which keeps each
 handoff's last one for `--completion-ttl`. Core delivery can miss one in two cases only: the
 subscription did not exist yet (a handoff started elsewhere, or before this frontend
 subscribed), or the connection was down when it went by. So `wait` reads the stream's last
@@ -60,7 +60,7 @@ from kvhandoff.events.messages import (
     Rejection,
     StartHandoff,
 )
-from kvhandoff.worker.config import DEFAULT_DONE_STREAM
+from kvhandoff.events.subjects import DEFAULT_DONE_STREAM
 
 logger = logging.getLogger(__name__)
 

@@ -6,6 +6,15 @@
                                        worker's completion stream keeps the last one)
 <prefix>.rejected.<handoff_id>         Rejection of an input (`unknown` if undecodable)
 $KV.<PREFIX>_LEASES.<engine_id>        the engine's lease (`events.leases`; a KV bucket)
+
+A tier of workers stores its inputs partitioned, and logs each partition on its own subject:
+
+<prefix>.inp.<partition>.<handoff_id>  an input as the input stream's subject transform stores it
+                                       (`{{partition(P,1)}}` of the handoff id)
+<prefix>.log.<partition>               the partition's replicated log, compare-and-set appended
+
+The tier's streams are named after its input stream (`KVHANDOFF_IN` by default): its
+completions in `<input less _IN>_DONE`, its partition logs in `<input less _IN>_LOG`.
 """
 
 from __future__ import annotations
@@ -14,6 +23,40 @@ from dataclasses import dataclass
 from uuid import UUID
 
 from kvhandoff.events.messages import Action, Role
+
+DEFAULT_STREAM = "KVHANDOFF_IN"
+
+
+def tier_stream(input_stream: str, role: str) -> str:
+    """The name of a stream of the tier whose input stream is `input_stream`, unless its flag
+    names another: `<input stream less _IN>_<role>`. Tiers on one account are told apart by
+    their input streams (and subject prefixes), so naming the others after it lets a second
+    tier run with only `--subject-prefix` and `--stream` given, while the default tier keeps
+    the names it always had (`KVHANDOFF_LOG`, `KVHANDOFF_DONE`)."""
+    return f"{input_stream.removesuffix('_IN')}_{role}"
+
+
+def done_stream_of(input_stream: str) -> str:
+    """The tier's completion stream, which a frontend reads (`--done-stream`'s default)."""
+    return tier_stream(input_stream, "DONE")
+
+
+def log_stream_of(input_stream: str) -> str:
+    """The tier's stream of replicated partition logs (`--log-stream`'s default)."""
+    return tier_stream(input_stream, "LOG")
+
+
+DEFAULT_DONE_STREAM = done_stream_of(DEFAULT_STREAM)
+
+
+def partition_subject(prefix: str, partition: int) -> str:
+    """The subjects of one partition's inputs, as the stream's transform stores them."""
+    return f"{prefix}.inp.{partition}.*"
+
+
+def partition_log_subject(prefix: str, partition: int) -> str:
+    """The subject of one partition's log, appended with compare-and-set."""
+    return f"{prefix}.log.{partition}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from kvhandoff.events.messages import (
     SubmitPrefill,
 )
 from kvhandoff.events.reports import EnginesReport, EngineStatus, Leak
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.settings import NatsSettings
 
 PROMPT_TOKENS = 1024  # what your engine knows of the request
 # Llama-3-8B in fp16 over a 25 GB/s link: the worker sizes the transfer delay from these.

@@ -1,8 +1,9 @@
 """The dependency rules, checked on the source: the core imports only the standard library and
 msgspec, and of the standard library nothing that does IO; the planner imports neither the log
-nor the bus; the log and the bus never import each other; `worker.bus` is the one module of the
-worker, the client (and the load benchmark) that imports nats; the client reaches the worker
-only through the bus and its settings; the offline commands never reach nats.
+nor the bus; the log and the bus never import each other; the `worker.bus` package is the one
+part of the worker, the client (and the load benchmark) that imports nats, and it is the
+transport and nothing else (no tier rules, no log, no worker config); the client reaches the
+worker only through the bus and its errors; the offline commands never reach nats.
 
 Imports are read with `ast`, not by importing, so a rule holds for every import statement,
 including those inside functions that a test run might never execute. One check imports for
@@ -32,12 +33,14 @@ OFFLINE_COMMANDS = [
     for name in ("list", "stuck", "replay", "verify", "export", "compact", "conformance", "schema")
 ]
 OFFLINE = [*OFFLINE_COMMANDS, "kvhandoff.worker.log.reader"]
-# The one module that talks to nats-py: connecting, the barrier, durable publishing and the pull
-# exist once, and every nats-py error is translated there.
+# The one package that talks to nats-py: connecting, the barrier, durable publishing and the
+# pull exist once, and every nats-py error is translated there.
 NATS_SEAM = "kvhandoff.worker.bus"
-# What the client may use of the worker: the NATS seam, the settings it connects with, and the
-# errors it translates. Never the log, the service or the commands.
-CLIENT_MAY_IMPORT = {NATS_SEAM, "kvhandoff.worker.config", "kvhandoff.worker.errors"}
+# What the transport must not know: the tier's rules, the log, the worker's settings.
+BUS_MUST_NOT_IMPORT = {"kvhandoff.worker.tier", "kvhandoff.worker.log", "kvhandoff.worker.config"}
+# What the client may use of the worker: the NATS seam (with the settings it connects with)
+# and the errors it translates. Never the tier, the log, the worker's config or the commands.
+CLIENT_MAY_IMPORT = {NATS_SEAM, "kvhandoff.worker.errors"}
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,20 @@ def package(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "kvhandoff" else parts[0]
 
 
+def within(module: str, packages: set[str]) -> bool:
+    """Whether `module` is one of `packages` or inside one of them."""
+    return any(module == p or module.startswith(f"{p}.") for p in packages)
+
+
+def bus_modules() -> list[str]:
+    return [m for m in modules_of("worker") if within(m, {NATS_SEAM})]
+
+
 def violations(modules: list[str], forbidden: set[str]) -> Iterator[str]:
     """Imports of a forbidden module or package (`worker.bus` forbids `worker.bus.x` too)."""
     for module in modules:
         for imp in imports_of(module):
-            if any(imp.module == f or imp.module.startswith(f"{f}.") for f in forbidden):
+            if within(imp.module, forbidden):
                 yield str(imp)
 
 
@@ -160,7 +172,8 @@ def test_the_module_discovery_sees_the_code() -> None:
         "kvhandoff.worker.commands.demo",
     } <= set(modules_of("worker"))
     assert source_file("bench.load") is not None
-    assert any(top(i.module) == "nats" for i in imports_of("kvhandoff.worker.bus"))
+    assert {"kvhandoff.worker.bus.connection", "kvhandoff.worker.bus.pull"} <= set(bus_modules())
+    assert any(top(i.module) == "nats" for m in bus_modules() for i in imports_of(m))
     assert any(
         i.module == "kvhandoff.worker.log.store"
         for i in imports_of("kvhandoff.worker.commands.run")
@@ -219,9 +232,17 @@ def test_the_client_imports_the_core_and_of_the_worker_only_the_bus() -> None:
         f"worker, only {', '.join(sorted(CLIENT_MAY_IMPORT))}"
         for module in modules_of("client")
         for imp in imports_of(module)
-        if package(imp.module) not in allowed and imp.module not in CLIENT_MAY_IMPORT
+        if package(imp.module) not in allowed and not within(imp.module, CLIENT_MAY_IMPORT)
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_the_bus_is_the_transport_and_nothing_else() -> None:
+    bad = list(violations(bus_modules(), BUS_MUST_NOT_IMPORT))
+    assert not bad, (
+        "worker.bus must not know the tier, the log or the worker's config (the tier's rules "
+        "go in worker.tier, built on the bus's generic calls):\n" + "\n".join(bad)
+    )
 
 
 def test_the_log_and_the_bus_never_import_each_other() -> None:
@@ -231,7 +252,7 @@ def test_the_log_and_the_bus_never_import_each_other() -> None:
             {"kvhandoff.worker.bus", "nats"},
         ),
         *violations(
-            ["kvhandoff.worker.bus"],
+            bus_modules(),
             {"kvhandoff.worker.log.store", "kvhandoff.worker.log.schema", "aiosqlite"},
         ),
     ]
@@ -242,7 +263,14 @@ def test_the_mock_engines_and_the_load_generator_use_the_client_not_the_bus() ->
     # They are the client's first users: an engine or a frontend needs nothing else.
     users = [m for m in modules_of("worker") if m.startswith("kvhandoff.worker.engines")]
     assert "kvhandoff.worker.engines.host" in users
-    bad = list(violations([*users, "kvhandoff.worker.loadgen.generator"], {NATS_SEAM, "nats"}))
+    # They may name the settings they connect with (plain data), nothing else of the bus.
+    settings = "kvhandoff.worker.bus.settings"
+    bad = [
+        str(imp)
+        for module in [*users, "kvhandoff.worker.loadgen.generator"]
+        for imp in imports_of(module)
+        if within(imp.module, {NATS_SEAM, "nats"}) and imp.module not in {NATS_SEAM, settings}
+    ]
     assert not bad, "go through client.Connection:\n" + "\n".join(bad)
 
 
@@ -251,9 +279,9 @@ def test_only_the_nats_seam_imports_nats() -> None:
     # nats-py itself beside the bus as their baseline.
     users = [*modules_of("worker"), *modules_of("client"), "bench.load"]
     bad = [
-        f"{imp}: only {NATS_SEAM} may import nats; go through worker.bus.Bus"
+        f"{imp}: only {NATS_SEAM}.* may import nats; go through worker.bus"
         for module in users
-        if module != NATS_SEAM
+        if not within(module, {NATS_SEAM})
         for imp in imports_of(module)
         if top(imp.module) == "nats"
     ]
@@ -339,6 +367,35 @@ def test_importing_the_offline_modules_leaves_nats_unloaded() -> None:
     assert_load_no({"nats"}, present)
     missing = sorted(set(OFFLINE) - set(present))
     assert not missing, f"missing offline modules: {', '.join(missing)}"
+
+
+_MODULES_PROBE = """
+import importlib, json, sys
+modules, packages = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for module in modules:
+    importlib.import_module(module)
+print(json.dumps(sorted(
+    m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in packages)
+)))
+"""
+
+
+def test_importing_an_engine_loads_the_transport_alone() -> None:
+    # What an engine or a frontend drags in: the client, the core and the transport, and
+    # none of the tier's rules, the worker's log (nor its aiosqlite) or the worker's config.
+    # (sqlite3 itself is the engine's own outcome log's, client.outcomes.)
+    unwanted = [
+        "kvhandoff.worker.tier", "kvhandoff.worker.log", "kvhandoff.worker.config", "aiosqlite",
+    ]  # fmt: skip
+    client = ["kvhandoff.client", *modules_of("client")]
+    probe = subprocess.run(
+        [sys.executable, "-c", _MODULES_PROBE, json.dumps(client), json.dumps(unwanted)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        pytest.fail(f"importing the client failed:\n{probe.stderr}")
+    loaded: list[str] = json.loads(probe.stdout)
+    assert not loaded, f"importing the client loads {', '.join(loaded)}"
 
 
 def test_importing_the_core_loads_no_driver() -> None:

@@ -1,7 +1,7 @@
-"""The worker's exceptions, rooted at one class. Driver errors (nats, sqlite) are translated
-into these at exactly one seam per adapter, with `raise ... from exc`: sqlite's in
-`worker.log.store` (the writer) and `worker.log.reader` (the offline reader), nats-py's in
-`worker.bus`. What the core raises (`events.errors`) passes through the worker as it is.
+"""The worker's exceptions, rooted at one class. Driver errors (nats, sqlite) are translated into
+these at exactly one seam per adapter, with `raise ... from exc`: sqlite's in `worker.log.store`
+(the writer) and `worker.log.reader` (the offline reader), nats-py's in `worker.bus` (its modules,
+each at its call). What the core raises (`events.errors`) passes through the worker as it is.
 
     WorkerError
     ├── ConfigError        a setting or a command's argument that cannot work, reported at start

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from kvhandoff.client import Connection
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.worker.conftest import nats_server, worker  # noqa: F401  # fixtures, reused
 

@@ -28,8 +28,8 @@ from kvhandoff.events.messages import (
     SubmitPrefill,
 )
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Message
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus, Message
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines.healthy import TIMING
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.conftest import Connect

@@ -25,8 +25,9 @@ from kvhandoff.events.messages import (
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.kv import watch_bucket
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.reader import open_log
 from tests.client.conftest import Connect
@@ -188,7 +189,7 @@ async def until_expired(nats_server: EmbeddedNats, engine_id: str) -> None:
         if key == engine_id and value is None:
             gone.set()
 
-    watch = await bus.watch_leases(Subjects().lease_bucket, seen)
+    watch = await watch_bucket(bus, Subjects().lease_bucket, seen)
     await asyncio.wait_for(gone.wait(), WAIT_S)
     await watch.unsubscribe()
     await bus.close()

@@ -27,8 +27,8 @@ from jsonschema import Draft202012Validator
 
 from kvhandoff.client import Connection
 from kvhandoff.events.messages import EngineType
-from kvhandoff.worker.bus import Bus, Message
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus, Message
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EnginesConfig, MockEngines, Roster
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 

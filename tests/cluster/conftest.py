@@ -25,11 +25,13 @@ import pytest
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.bus.streams import wait_jetstream
 from kvhandoff.worker.harness.child import WorkerChild
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier.membership import TierSettings
+from kvhandoff.worker.tier.streams import open_partition_log
 from tests import eventually
 from tests.eventually import Condition
 
@@ -50,7 +52,7 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
 async def bus(nats_cluster: NatsCluster) -> AsyncIterator[Bus]:
     """A Bus given every node's URL, once JetStream answers through it."""
     bus = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-cluster")
-    await bus.wait_jetstream(WITHIN_S)
+    await wait_jetstream(bus, WITHIN_S)
     yield bus
     await bus.close()
 
@@ -60,7 +62,7 @@ async def other(nats_cluster: NatsCluster, bus: Bus) -> AsyncIterator[Bus]:
     """A second worker's Bus, for a partition's log written by two owners (the default tier's
     log stream, opened)."""
     settings = TierSettings(partitions=1)
-    await bus.open_partition_log(settings.log_stream, settings.prefix)
+    await open_partition_log(bus, settings.log_stream, settings.prefix)
     other = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-other-owner")
     yield other
     await other.close()

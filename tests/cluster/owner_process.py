@@ -31,11 +31,19 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from kvhandoff.worker.bus import Bus, Inbound, Member
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.bus.streams import wait_jetstream
+from kvhandoff.worker.tier.members import Member
 from kvhandoff.worker.tier.metrics import TierMetrics
 from kvhandoff.worker.tier.owner import Decided, PartitionOwner
 from kvhandoff.worker.tier.ownership import CaughtUp, PartitionLog
+from kvhandoff.worker.tier.streams import (
+    open_partition_consumer,
+    open_partition_log,
+    open_partitions,
+)
 from tests.cluster.stand_in import StandIn
 
 PREFIX = "kvhandoff"
@@ -59,11 +67,11 @@ async def own(url: str, name: str, partition: int, metrics: TierMetrics) -> Part
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     bus = await Bus.connect(NatsSettings(url=url), f"owner-{name}")
     try:
-        await bus.wait_jetstream(30)
-        await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
-        await bus.open_partition_log(LOG_STREAM, PREFIX)
-        consumer = await bus.open_partition_consumer(
-            STREAM, PREFIX, CONSUMER, partition,
+        await wait_jetstream(bus, 30)
+        await open_partitions(bus, STREAM, PREFIX, PARTITIONS)
+        await open_partition_log(bus, LOG_STREAM, PREFIX)
+        consumer = await open_partition_consumer(
+            bus, STREAM, PREFIX, CONSUMER, partition,
             ack_wait_s=ACK_WAIT_S, max_pending=1024, priority_timeout_s=PRIORITY_TIMEOUT_S,
             partitions=PARTITIONS,
         )  # fmt: skip

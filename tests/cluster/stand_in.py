@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from kvhandoff.worker.bus import Inbound
+from kvhandoff.worker.bus.pull import Inbound
 from kvhandoff.worker.tier.owner import Decided
 from kvhandoff.worker.tier.ownership import CaughtUp
 

@@ -15,8 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.js import JetStreamContext
 
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.tier.balance import assign, fair_share, partition_of, rebalance
+from kvhandoff.worker.tier.streams import open_partitions
 from tests.cluster.conftest import publish
 
 names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
@@ -76,7 +77,7 @@ async def test_partition_of_is_the_partition_the_stream_chooses(
     bus: Bus, js: JetStreamContext
 ) -> None:
     partitions = 7
-    await bus.open_partitions("KVHANDOFF_IN", "kvhandoff", partitions)
+    await open_partitions(bus, "KVHANDOFF_IN", "kvhandoff", partitions)
     for _ in range(50):
         handoff = uuid.uuid4()
         seq = await publish(js, f"kvhandoff.in.{handoff}", b"x")

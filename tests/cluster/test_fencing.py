@@ -1,9 +1,8 @@
-"""The fence (see "Fencing" in worker.bus): compare-and-set appends to a partition's subject of
-the replicated log stream, on the real three-node cluster. Of two writers that both read the
-same last sequence, exactly one appends; the other gets `Fenced`. A new owner's ownership record
-fences the old owner's next append. A retried append (same `Nats-Msg-Id`) is not fenced by its
-own first attempt. The chain survives the death of the stream's leader.
-"""
+"""The fence (see "Fencing" in worker.bus.publish): compare-and-set appends to a partition's subject
+of the replicated log stream, on the real three-node cluster. Of two writers that both read the same
+last sequence, exactly one appends; the other gets `Fenced`. A new owner's ownership record fences
+the old owner's next append. A retried append (same `Nats-Msg-Id`) is not fenced by its own first
+attempt. The chain survives the death of the stream's leader."""
 
 from __future__ import annotations
 
@@ -13,10 +12,13 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.js import JetStreamContext
 
-from kvhandoff.worker.bus import Bus, partition_log_subject
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.events.subjects import partition_log_subject
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.bus.streams import last_sequence
 from kvhandoff.worker.errors import Fenced
 from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.streams import open_partition_log
 from tests.cluster.conftest import WITHIN_S
 
 PREFIX = "kvhandoff"
@@ -27,7 +29,7 @@ ROUNDS = 20
 
 @pytest.fixture
 async def log_bus(bus: Bus) -> Bus:
-    await bus.open_partition_log(LOG_STREAM, PREFIX)
+    await open_partition_log(bus, LOG_STREAM, PREFIX)
     return bus
 
 
@@ -44,13 +46,13 @@ async def test_an_append_returns_its_sequence_and_a_stale_one_is_fenced(
 ) -> None:
     info = await js.stream_info(LOG_STREAM)
     assert info.config.num_replicas == 3
-    assert await log_bus.last_sequence(LOG_STREAM, SUBJECT) == 0
+    assert await last_sequence(log_bus, LOG_STREAM, SUBJECT) == 0
     first = await log_bus.append_expecting(
         SUBJECT, b"epoch 1", last_seq=0, give_up_after_s=WITHIN_S
     )
     second = await log_bus.append_expecting(SUBJECT, b"r", last_seq=first, give_up_after_s=WITHIN_S)
     assert second > first
-    assert await log_bus.last_sequence(LOG_STREAM, SUBJECT) == second
+    assert await last_sequence(log_bus, LOG_STREAM, SUBJECT) == second
     with pytest.raises(Fenced, match=rf"{SUBJECT} expecting last sequence {first} was refused"):
         await log_bus.append_expecting(SUBJECT, b"late", last_seq=first)
     # Another partition's subject is a chain of its own.
@@ -88,7 +90,7 @@ async def test_a_new_owners_ownership_record_fences_the_old_owner(log_bus: Bus, 
     at = await old_owner.append_expecting(SUBJECT, b"owner old, epoch 1", last_seq=0)
     at = await old_owner.append_expecting(SUBJECT, b"record", last_seq=at)
     # The new owner reads where the log is, and appends its ownership record there.
-    seen = await new_owner.last_sequence(LOG_STREAM, SUBJECT)
+    seen = await last_sequence(new_owner, LOG_STREAM, SUBJECT)
     assert seen == at
     await new_owner.append_expecting(SUBJECT, b"owner new, epoch 2", last_seq=seen)
     # The old owner, paused meanwhile, wakes and appends where it left off: refused.
@@ -118,6 +120,6 @@ async def test_appends_go_on_across_the_death_of_the_stream_leader(
     nats_cluster.node(info.cluster.leader).stop(kill=True)
     for n in range(50, 100):
         last = await log_bus.append_expecting(SUBJECT, b"%d" % n, last, give_up_after_s=WITHIN_S)
-    assert await log_bus.last_sequence(LOG_STREAM, SUBJECT) == last
+    assert await last_sequence(log_bus, LOG_STREAM, SUBJECT) == last
     info = await js.stream_info(LOG_STREAM)
     assert info.state.messages == 100  # each once: no retry stored a record twice

@@ -1,4 +1,4 @@
-"""The barrier across a reconnect (see "The barrier" in worker.bus): a node killed under a
+"""The barrier across a reconnect (see "The barrier" in worker.bus.publish): a node killed under a
 connection loses what the connection had written and the node had not read, while a barrier
 written after the reconnect comes back all the same. So a flush that a reconnect separates from
 what it covers fails, and the next one, covering only what came after, proves that again; and a
@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.errors import BusError
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from tests.cluster.conftest import WITHIN_S

@@ -13,10 +13,11 @@ import pytest
 from kvhandoff.client import Connection, Frontend
 from kvhandoff.events.codec import encode
 from kvhandoff.events.messages import Complete, HandoffCompletion
-from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import DEFAULT_DONE_STREAM, NatsSettings
+from kvhandoff.events.subjects import DEFAULT_DONE_STREAM, Subjects
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.streams import open_completions
 from tests import eventually
 from tests.cluster.conftest import WITHIN_S, until
 
@@ -25,7 +26,7 @@ async def test_a_wait_reads_the_completion_stream_again_until_it_answers(
     nats_cluster: NatsCluster, bus: Bus, caplog: pytest.LogCaptureFixture
 ) -> None:
     subjects = Subjects()
-    await bus.open_completions(DEFAULT_DONE_STREAM, subjects.completions, 3600)
+    await open_completions(bus, DEFAULT_DONE_STREAM, subjects.completions, 3600)
     handoff_id = uuid.uuid4()
     complete = Complete(handoff_id, 7, HandoffCompletion.SUCCESS)
     await bus.publish_stored(subjects.done(handoff_id), encode(complete))

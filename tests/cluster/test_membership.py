@@ -1,8 +1,7 @@
-"""Membership (see "Membership" in worker.bus): workers announce themselves in the replicated KV
-bucket `KVHANDOFF_MEMBERS`, with a TTL; a worker that keeps its announcement stays listed, one
-that stops refreshing (dead, or paused) drops out after the TTL, one that leaves drops out at
-once. Real three-node cluster; waits are bounded polls of the bucket.
-"""
+"""Membership (see "Membership" in worker.tier.members): workers announce themselves in the
+replicated KV bucket `KVHANDOFF_MEMBERS`, with a TTL; a worker that keeps its announcement stays
+listed, one that stops refreshing (dead, or paused) drops out after the TTL, one that leaves drops
+out at once. Real three-node cluster; waits are bounded polls of the bucket."""
 
 from __future__ import annotations
 
@@ -13,9 +12,10 @@ from collections.abc import Callable
 
 from nats.js import JetStreamContext
 
-from kvhandoff.worker.bus import MEMBER_TTL_S, MEMBERS_BUCKET, Bus, Member
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.members import MEMBER_TTL_S, MEMBERS_BUCKET, Member, announce, members
 from tests.cluster.conftest import WITHIN_S
 from tests.eventually import until
 
@@ -23,7 +23,7 @@ TIER = "KVHANDOFF_IN"  # the tier's input stream
 
 
 async def listed(bus: Bus) -> set[str]:
-    return {member.instance for member in await bus.members(TIER)}
+    return {member.instance for member in await members(bus, TIER)}
 
 
 def in_a_row(holds: Callable[[set[str]], bool], times: int = 5) -> Callable[[set[str]], bool]:
@@ -50,12 +50,12 @@ async def until_listed(bus: Bus, holds: Callable[[set[str]], bool], what: str) -
 async def test_members_are_listed_oldest_first_and_one_that_leaves_goes_at_once(
     bus: Bus, js: JetStreamContext
 ) -> None:
-    assert await bus.members(TIER) == []
+    assert await members(bus, TIER) == []
     first, second = Member.this_process(), Member.this_process()
-    one = await bus.announce(first, TIER)
-    two = await bus.announce(second, TIER)
+    one = await announce(bus, first, TIER)
+    two = await announce(bus, second, TIER)
     await until_listed(bus, in_a_row(lambda now: now == {first.instance, second.instance}), "both")
-    assert await bus.members(TIER) == sorted(
+    assert await members(bus, TIER) == sorted(
         [first, second], key=lambda m: (m.since_ms, m.instance)
     )
     status = await js.find_stream_name_by_subject(f"$KV.{MEMBERS_BUCKET}.x")
@@ -63,9 +63,9 @@ async def test_members_are_listed_oldest_first_and_one_that_leaves_goes_at_once(
     assert info.config.num_replicas == 3 and info.config.max_age == MEMBER_TTL_S
 
     # Another tier's worker in the same bucket is not one of this tier's.
-    elsewhere = await bus.announce(Member.this_process(), "OTHER_IN")
-    assert {m.instance for m in await bus.members("OTHER_IN")} == {elsewhere.member.instance}
-    assert await bus.members(TIER) == sorted(
+    elsewhere = await announce(bus, Member.this_process(), "OTHER_IN")
+    assert {m.instance for m in await members(bus, "OTHER_IN")} == {elsewhere.member.instance}
+    assert await members(bus, TIER) == sorted(
         [first, second], key=lambda m: (m.since_ms, m.instance)
     )
     await elsewhere.leave()
@@ -79,10 +79,10 @@ async def test_members_are_listed_oldest_first_and_one_that_leaves_goes_at_once(
 async def test_a_kept_member_outlives_the_ttl_and_a_silent_one_expires(
     nats_cluster: NatsCluster, bus: Bus
 ) -> None:
-    kept = await bus.announce(Member.this_process(), TIER)
+    kept = await announce(bus, Member.this_process(), TIER)
     keeper = asyncio.create_task(kept.keep())
     other = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-silent")
-    silent = await other.announce(Member.this_process(), TIER)
+    silent = await announce(other, Member.this_process(), TIER)
     await other.close()  # dead without leaving: nobody refreshes its key
     try:
         both = {kept.member.instance, silent.member.instance}

@@ -12,11 +12,18 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound
 from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier import owner as owner_module
 from kvhandoff.worker.tier.balance import partition_of
 from kvhandoff.worker.tier.owner import Decided, PartitionOwner
 from kvhandoff.worker.tier.ownership import PartitionLog
+from kvhandoff.worker.tier.streams import (
+    open_partition_consumer,
+    open_partition_log,
+    open_partitions,
+)
 from tests.cluster.conftest import WITHIN_S
 from tests.cluster.stand_in import StandIn
 from tests.eventually import still_running, until
@@ -31,10 +38,10 @@ async def _owner_of(
 ) -> AsyncIterator[tuple[PartitionOwner, asyncio.Task[None]]]:
     """An owner of partition 0 that forgets every 0.2 s, and its running task, with INPUTS
     inputs sent to it; `applied` gets the stream sequence of each input it applies."""
-    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
-    await bus.open_partition_log(LOG_STREAM, PREFIX)
-    consumer = await bus.open_partition_consumer(
-        STREAM, PREFIX, "c", 0,
+    await open_partitions(bus, STREAM, PREFIX, PARTITIONS)
+    await open_partition_log(bus, LOG_STREAM, PREFIX)
+    consumer = await open_partition_consumer(
+        bus, STREAM, PREFIX, "c", 0,
         ack_wait_s=1.0, max_pending=1024, priority_timeout_s=3.0, partitions=PARTITIONS,
     )  # fmt: skip
     log = PartitionLog(bus, LOG_STREAM, PREFIX, 0, "test/owner")
@@ -85,14 +92,14 @@ async def test_an_owner_keeps_what_a_new_consumer_leader_may_deliver_again(
     applied: list[int] = []
     reads: list[int] = []  # the floors read once every input was applied
 
-    async def ack_floor(stream: str, consumer: str) -> int:
+    async def ack_floor(_bus: Bus, stream: str, consumer: str) -> int:
         if len(applied) < INPUTS:
             return 0
         # The old leader's floor, then its successor's.
         reads.append(sorted(applied)[-1 if not reads else INPUTS // 2 - 1])
         return reads[-1]
 
-    monkeypatch.setattr(bus, "ack_floor", ack_floor)
+    monkeypatch.setattr(owner_module, "ack_floor", ack_floor)  # the owner's floor reads
     async with _owner_of(bus, applied) as (owner, running):
         # Until two reads of the successor's floor (the cut after the second is its own), or
         # until the owner remembers nothing: it would read no floor any more.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier import owner as owner_module
 from tests.cluster.conftest import WITHIN_S

@@ -12,7 +12,7 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.errors import BusError, Fenced
 from kvhandoff.worker.tier.entries import Appended, Claimed, Entry
 from kvhandoff.worker.tier.ownership import PartitionLog, read_entries

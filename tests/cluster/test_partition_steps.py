@@ -19,8 +19,10 @@ import pytest
 from kvhandoff.events.codec import encode
 from kvhandoff.events.messages import EngineType, StartHandoff
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Inbound
-from kvhandoff.worker.config import NatsSettings, WorkerConfig
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.rows import HandoffLog, Loaded
 from kvhandoff.worker.log.store import EventLog
@@ -29,6 +31,7 @@ from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.ownership import CaughtUp
 from kvhandoff.worker.tier.partition import Partition
 from kvhandoff.worker.tier.service import Worker
+from kvhandoff.worker.tier.streams import open_completions
 from tests.worker.test_planner import success_inputs
 
 PREFIX = "kvhandoff"
@@ -36,7 +39,7 @@ PREFIX = "kvhandoff"
 
 @dataclass(frozen=True)
 class Delivered:
-    """What `decide` and `act` read of a delivery (worker.bus.Inbound's fields): an input as
+    """What `decide` and `act` read of a delivery (worker.bus.pull.Inbound's fields): an input as
     the tier's stream stores it, under its partition-qualified subject."""
 
     data: bytes
@@ -65,8 +68,8 @@ async def steps(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Step
         NatsSettings(url=nats_server.url), tmp_path / "unused.db", data_dir=tmp_path,
     )  # fmt: skip
     bus = await Bus.connect(config.nats, "test-partition-steps")
-    await bus.open_completions(
-        config.tier.done_stream, Subjects(PREFIX).completions, config.tier.completion_ttl_s
+    await open_completions(
+        bus, config.tier.done_stream, Subjects(PREFIX).completions, config.tier.completion_ttl_s
     )
     metrics = Metrics()
     worker = Worker(config, TierSettings(partitions=1), bus, metrics, label="test")

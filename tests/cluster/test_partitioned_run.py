@@ -60,14 +60,16 @@ from kvhandoff.events.messages import (
     StartHandoff,
     SubmitPrefill,
 )
-from kvhandoff.worker.bus import MEMBER_TTL_S, Bus
-from kvhandoff.worker.config import DEFAULT_STREAM, partition_path
+from kvhandoff.events.subjects import DEFAULT_STREAM
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.config import partition_path
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
 from kvhandoff.worker.log.reader import open_log
 from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.tier.balance import assign, partition_of
 from kvhandoff.worker.tier.entries import Appended, Claimed, Entry, Snapshot
+from kvhandoff.worker.tier.members import MEMBER_TTL_S, members
 from kvhandoff.worker.tier.membership import TierSettings
 from tests.cluster.conftest import PARTITIONS, WITHIN_S, TierWorker, until
 from tests.cluster.test_tier import the_log
@@ -578,7 +580,7 @@ async def test_at_one_partition_a_second_worker_stands_by_and_takes_over_a_kille
     instances: dict[int, str] = {}
 
     async def both_announced() -> bool:
-        instances.update((m.pid, m.instance) for m in await bus.members(DEFAULT_STREAM))
+        instances.update((m.pid, m.instance) for m in await members(bus, DEFAULT_STREAM))
         return {w1.pid, w2.pid} <= instances.keys()
 
     await until(both_announced, "both workers announce themselves")

@@ -1,4 +1,4 @@
-"""The partitioned input stream (`Bus.open_partitions`, see "Partitions" in worker.bus): the
+"""The partitioned input stream (`open_partitions`, see "Partitions" in worker.tier.streams): the
 stream's subject transform puts every input of a handoff in one partition, in order, and spreads
 handoffs over all of them; the partition count is stored with the stream and a worker with
 another count refuses, the single-worker worker included (exit 2); R3 in a cluster, R1 alone.
@@ -18,18 +18,20 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from kvhandoff.worker.bus import (
+from kvhandoff.events.subjects import partition_subject
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound, Pull
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.bus.streams import unacknowledged
+from kvhandoff.worker.errors import ConfigError, PartitionsMismatch
+from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
+from kvhandoff.worker.tier.streams import (
     CONSUMER_METADATA,
     PARTITIONS_METADATA,
     PRIORITY_GROUP,
-    Bus,
-    Inbound,
-    Pull,
-    partition_subject,
+    open_partition_consumer,
+    open_partitions,
 )
-from kvhandoff.worker.config import NatsSettings
-from kvhandoff.worker.errors import ConfigError, PartitionsMismatch
-from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
 from tests.cluster.conftest import WITHIN_S, publish
 from tests.worker.conftest import WorkerProcess
 
@@ -41,7 +43,7 @@ PARTITIONS = 4
 async def test_every_input_of_a_handoff_lands_in_one_partition_in_order(
     bus: Bus, js: JetStreamContext
 ) -> None:
-    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+    await open_partitions(bus, STREAM, PREFIX, PARTITIONS)
     handoffs = [uuid.uuid4() for _ in range(40)]
     for step in range(3):
         for handoff in handoffs:
@@ -74,25 +76,25 @@ async def test_the_stream_is_replicated_and_keeps_its_partition_count(
     bus: Bus, js: JetStreamContext
 ) -> None:
     assert bus.clustered and bus.replicas == 3
-    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
-    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)  # a second worker: the same stream
+    await open_partitions(bus, STREAM, PREFIX, PARTITIONS)
+    await open_partitions(bus, STREAM, PREFIX, PARTITIONS)  # a second worker: the same stream
 
     info = await js.stream_info(STREAM)
     assert info.config.num_replicas == 3
     metadata = info.config.metadata or {}
     assert (metadata[PARTITIONS_METADATA], metadata[CONSUMER_METADATA]) == ("4", "tier")
     with pytest.raises(PartitionsMismatch, match=rf"{STREAM} has 4 partition\(s\).* with 8"):
-        await bus.open_partitions(STREAM, PREFIX, 8)
+        await open_partitions(bus, STREAM, PREFIX, 8)
     with pytest.raises(PartitionsMismatch, match=r"has 4 partition.* started with 1"):
-        await bus.open_partitions(STREAM, PREFIX, 1)
+        await open_partitions(bus, STREAM, PREFIX, 1)
     with pytest.raises(ConfigError, match="0 partitions; at least one"):
-        await bus.open_partitions("OTHER", PREFIX, 0)
+        await open_partitions(bus, "OTHER", PREFIX, 0)
 
 
 async def test_an_input_outside_the_partitioned_subjects_is_not_stored(
     bus: Bus, js: JetStreamContext
 ) -> None:
-    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+    await open_partitions(bus, STREAM, PREFIX, PARTITIONS)
     await publish(js, f"{PREFIX}.in.{uuid.uuid4()}", b"x")  # the stream answers by now
     with pytest.raises(nats.js.errors.NoStreamResponseError):
         # It would sit in no partition, unconsumed, for ever: no stream takes it.
@@ -106,7 +108,7 @@ async def test_alone_the_stream_is_r1_and_a_single_worker_stream_of_old_is_refus
         bus = await Bus.connect(NatsSettings(url=server.url), "test-alone")
         try:
             assert not bus.clustered and bus.replicas == 1
-            await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+            await open_partitions(bus, STREAM, PREFIX, PARTITIONS)
             nc = await nats.connect(server.url)
             try:
                 info = await nc.jetstream().stream_info(STREAM)
@@ -125,7 +127,7 @@ async def test_alone_the_stream_is_r1_and_a_single_worker_stream_of_old_is_refus
                             match=rf"{name} was made for 'single', the single worker of an "
                             r"earlier kvhandoff.*then delete the stream",
                         ):
-                            await bus.open_partitions(name, name.lower(), partitions)
+                            await open_partitions(bus, name, name.lower(), partitions)
             finally:
                 await nc.close()
         finally:
@@ -157,7 +159,7 @@ def test_a_worker_started_on_a_stream_of_another_count_or_kind_exits_2(
             return
         bus = await Bus.connect(NatsSettings(url=server.url), "test-partition")
         try:
-            await bus.open_partitions(STREAM, PREFIX, made_by)
+            await open_partitions(bus, STREAM, PREFIX, made_by)
         finally:
             await bus.close()
 
@@ -182,8 +184,9 @@ async def test_the_only_partitions_consumer_is_unfiltered_and_an_earlier_filtere
     nats_cluster: NatsCluster, bus: Bus, js: JetStreamContext
 ) -> None:
     # A wildcard filter costs the server more per delivery over a backlog of many handoffs,
-    # and the only partition's would select every message anyway (see "Pins" in worker.bus).
-    await bus.open_partitions(STREAM, PREFIX, 1)
+    # and the only partition's would select every message anyway (see "Pins" in
+    # worker.tier.streams).
+    await open_partitions(bus, STREAM, PREFIX, 1)
     name = "kvhandoff-worker-p0"
     earlier = {  # the config an earlier version made it with: filtered by the partition
         "stream_name": STREAM,
@@ -204,8 +207,8 @@ async def test_the_only_partitions_consumer_is_unfiltered_and_an_earlier_filtere
         await nc.close()
     assert (await js.consumer_info(STREAM, name)).config.filter_subject
 
-    made = await bus.open_partition_consumer(
-        STREAM, PREFIX, "kvhandoff-worker", 0,
+    made = await open_partition_consumer(
+        bus, STREAM, PREFIX, "kvhandoff-worker", 0,
         ack_wait_s=1.0, max_pending=64, priority_timeout_s=5.0, partitions=1,
     )  # fmt: skip
     assert made == name
@@ -215,7 +218,7 @@ async def test_the_only_partitions_consumer_is_unfiltered_and_an_earlier_filtere
         got = await pull_all(pull, len(sent))
         assert [inbound.stream_seq for inbound in got] == sent
         # What a new owner reads first, unfiltered too.
-        left = await bus.unacknowledged(STREAM, name)
+        left = await unacknowledged(bus, STREAM, name)
         assert left == [(inbound.stream_seq, inbound.subject) for inbound in got]
         for inbound in got:
             await inbound.ack()
@@ -248,9 +251,9 @@ async def test_what_a_new_owner_holds_of_the_unacknowledged_messages_is_not_read
     """A new owner's first batch over a backlog holds most of what a claim reads: those are
     not read again (one message get each), in whatever order they came, and what comes while
     the walk goes on counts too; only the rest is read."""
-    await bus.open_partitions(STREAM, PREFIX, 1)
-    name = await bus.open_partition_consumer(
-        STREAM, PREFIX, "kvhandoff-worker", 0,
+    await open_partitions(bus, STREAM, PREFIX, 1)
+    name = await open_partition_consumer(
+        bus, STREAM, PREFIX, "kvhandoff-worker", 0,
         ack_wait_s=30.0, max_pending=64, priority_timeout_s=5.0, partitions=1,
     )  # fmt: skip
     sent = [await publish(js, f"{PREFIX}.in.{uuid.uuid4()}", b"%d" % n) for n in range(5)]
@@ -262,7 +265,7 @@ async def test_what_a_new_owner_holds_of_the_unacknowledged_messages_is_not_read
     async def read_with(held: Callable[[], Mapping[int, str]] | None) -> int:
         """Read what is unacknowledged, given what is held; the message gets it took."""
         before = gets.count
-        assert await bus.unacknowledged(STREAM, name, held) == every
+        assert await unacknowledged(bus, STREAM, name, held) == every
         await watcher.flush()  # the server routed each get to it before answering the get
         return gets.count - before
 

@@ -1,6 +1,6 @@
-"""One owner per partition, as far as a pin goes (see "Pins" in worker.bus): the partition's
-consumer is made with the raw API, with a priority group pinned to one client; the lean `Pull`
-of worker.bus speaks the group and the pin, on the real three-node cluster.
+"""One owner per partition, as far as a pin goes (see "Pins" in worker.tier.streams): the
+partition's consumer is made with the raw API, with a priority group pinned to one client; the lean
+`Pull` of worker.bus.pull speaks the group and the pin, on the real three-node cluster.
 
 Checked: the first puller is pinned (`Nats-Pin-Id`); a pull with another id gets 423
 (`PinMismatch`); a pull without one waits while the pin holds; the pin moves to another puller
@@ -18,10 +18,13 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.js import JetStreamContext
 
-from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound, Pull
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.bus.streams import unpin
 from kvhandoff.worker.errors import BusError, PinMismatch
 from kvhandoff.worker.harness.natsserver import NatsCluster
+from kvhandoff.worker.tier.streams import PRIORITY_GROUP, open_partition_consumer, open_partitions
 from tests.cluster.conftest import WITHIN_S, publish
 
 PREFIX = "kvhandoff"
@@ -45,14 +48,14 @@ async def partition_with_inputs(
     bus: Bus, js: JetStreamContext, count: int, priority_timeout_s: float
 ) -> str:
     """Publish `count` inputs of one handoff; the consumer of the partition they landed in."""
-    await bus.open_partitions(STREAM, PREFIX, PARTITIONS)
+    await open_partitions(bus, STREAM, PREFIX, PARTITIONS)
     handoff = uuid.uuid4()
     seqs = [await publish(js, f"{PREFIX}.in.{handoff}", b"%d" % n) for n in range(count)]
     subject = (await js.get_msg(STREAM, seqs[0])).subject
     assert subject is not None
     partition = int(subject.split(".")[2])
-    return await bus.open_partition_consumer(
-        STREAM, PREFIX, "kvhandoff-worker", partition,
+    return await open_partition_consumer(
+        bus, STREAM, PREFIX, "kvhandoff-worker", partition,
         ack_wait_s=ACK_WAIT_S, max_pending=64, priority_timeout_s=priority_timeout_s,
         partitions=PARTITIONS,
     )  # fmt: skip
@@ -139,7 +142,7 @@ async def test_unpin_hands_the_pin_over_at_once(bus: Bus, other: Bus, js: JetStr
         [first] = await first_fetch(holder)
         await first.ack()  # and the holder's Pull has asked for the next one already
         old_pin = holder.pin_id
-        await bus.unpin(STREAM, consumer)
+        await unpin(bus, STREAM, consumer, PRIORITY_GROUP)
         handoff = first.subject.rpartition(".")[2]
         await publish(js, f"{PREFIX}.in.{handoff}", b"1")
         # Pinned long before the ten-minute timeout: the hand-over did it.

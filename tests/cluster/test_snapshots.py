@@ -15,7 +15,8 @@ import sys
 import pytest
 from nats.js import JetStreamContext
 
-from kvhandoff.worker.bus import Bus, partition_log_subject
+from kvhandoff.events.subjects import partition_log_subject
+from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.errors import Fenced
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier.entries import Appended, Claimed, Snapshot
@@ -118,8 +119,8 @@ async def test_a_zombies_batch_is_refused_whole(bus: Bus, other: Bus, js: JetStr
 # tail, then starts a second snapshot's batch and kills itself (SIGKILL) before its commit.
 _KILLED_MID_BATCH = """
 import asyncio, os, signal, sys
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.tier.ownership import PartitionLog
 
 async def main(url):
@@ -175,8 +176,8 @@ async def test_a_writer_killed_in_the_middle_of_a_snapshots_batch_leaves_the_las
 # and kills itself (SIGKILL) once it is on the wire, before any answer.
 _KILLED_AFTER_SENDING = """
 import asyncio, os, signal, sys
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.tier.ownership import PartitionLog
 
 async def main(url):

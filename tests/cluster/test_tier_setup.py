@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvhandoff.worker.bus import Bus, Inbound
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.natsserver import NatsCluster
 from kvhandoff.worker.tier.membership import Tier, TierSettings
 from kvhandoff.worker.tier.owner import Decided

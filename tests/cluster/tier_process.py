@@ -30,8 +30,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvhandoff.worker.bus import Bus, Inbound
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.bus.streams import wait_jetstream
 from kvhandoff.worker.tier.membership import Tier, TierSettings
 from kvhandoff.worker.tier.owner import Decided
 from kvhandoff.worker.tier.ownership import CaughtUp
@@ -48,7 +50,7 @@ async def serve(url: str, name: str) -> Tier:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     bus = await Bus.connect(NatsSettings(url=url), f"tier-{name}")
     try:
-        await bus.wait_jetstream(30)
+        await wait_jetstream(bus, 30)
 
         async def publish_acted(inputs: Sequence[int]) -> None:
             for seq in inputs:

@@ -44,7 +44,7 @@ from kvhandoff.events.messages import (
 )
 from kvhandoff.events.reports import EnginesReport, EngineStatus
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Message
+from kvhandoff.worker.bus.connection import Bus, Message
 
 SLOW_S = 0.05
 TIMING = HandoffTransferTiming(KvTransferTimingMode.FULL_PROMPT, 100, 131_072, 25.0)

@@ -13,8 +13,8 @@ import pytest
 
 from kvhandoff.client import Connection
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
 from kvhandoff.worker.harness.child import WorkerChild
 from kvhandoff.worker.harness.natsserver import EmbeddedNats

@@ -27,7 +27,7 @@ from kvhandoff.events.messages import (
     SubmitPrefill,
 )
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Message
+from kvhandoff.worker.bus.connection import Bus, Message
 from kvhandoff.worker.engines import EngineModel, EnginesReport, MockEngine, Roster, request_reports
 
 SOURCE = "vllm-prefill-0"

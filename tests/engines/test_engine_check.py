@@ -16,8 +16,8 @@ import pytest
 
 from kvhandoff.events.messages import Role
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.conformance import engine_check as kit
 from kvhandoff.worker.conformance.engine_check import EngineCheck, role_of
 from kvhandoff.worker.harness.natsserver import EmbeddedNats

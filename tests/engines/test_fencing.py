@@ -19,8 +19,8 @@ from kvhandoff.events.messages import (
     SubmitPrefill,
 )
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EngineModel, EnginesConfig, MockEngines
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.proxy import CuttableProxy

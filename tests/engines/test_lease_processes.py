@@ -30,7 +30,7 @@ from kvhandoff.events.messages import (
 )
 from kvhandoff.events.records import InputRecord
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.reader import open_log
 from kvhandoff.worker.log.schema import HandoffState

@@ -27,8 +27,8 @@ from kvhandoff.events.messages import (
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.commands._demo import print_external
-from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import Faults, Roster
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.loadgen.generator import (

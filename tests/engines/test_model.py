@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvhandoff.events.codec import decode_input, encode
 from kvhandoff.events.messages import EngineType, StartHandoff
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EngineModel, Roster, prompt_tokens
 from kvhandoff.worker.errors import ConfigError
 from kvhandoff.worker.loadgen.generator import LoadConfig, latency_summary, plan_handoffs

@@ -31,8 +31,7 @@ from nats.aio.msg import Msg
 
 from kvhandoff.events import codec
 from kvhandoff.events.messages import Complete, Rejection
-from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.config import DEFAULT_DONE_STREAM, DEFAULT_STREAM
+from kvhandoff.events.subjects import DEFAULT_DONE_STREAM, DEFAULT_STREAM, Subjects
 from tests.eventually import until
 from tests.worker.conftest import WorkerProcess
 

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvhandoff.worker.bus import Inbound
+from kvhandoff.worker.bus.pull import Inbound
 from kvhandoff.worker.cli import main
 from kvhandoff.worker.tier.partition import Partition
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import kvhandoff.worker.commands.run as run_command
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.cli import build_parser, main
-from kvhandoff.worker.config import NatsSettings, TierConfig, WorkerConfig, worker_config
+from kvhandoff.worker.config import TierConfig, WorkerConfig, worker_config
 from kvhandoff.worker.errors import ConfigError
 from kvhandoff.worker.tier.membership import TierSettings
 from kvhandoff.worker.tier.service import tier_settings

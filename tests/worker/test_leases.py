@@ -26,7 +26,7 @@ from kvhandoff.events.messages import (
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.log.rows import HandoffRow
 from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.tier.leases import EngineLeases, LeaseState

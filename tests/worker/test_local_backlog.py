@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.worker.bus import Bus, Inbound
-from kvhandoff.worker.config import NatsSettings, TierConfig, WorkerConfig
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.config import TierConfig, WorkerConfig
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log import store
 from kvhandoff.worker.log.rows import Batch

@@ -26,8 +26,8 @@ import msgspec
 import nats
 import pytest
 
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.errors import BusError, NewerLogVersion
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.rows import HandoffRow, Tombstone
@@ -50,6 +50,7 @@ from kvhandoff.worker.tier.entries import (
 )
 from kvhandoff.worker.tier.membership import TierSettings
 from kvhandoff.worker.tier.ownership import PartitionLog, read_entries
+from kvhandoff.worker.tier.streams import open_partition_log
 from tests.worker.conftest import WorkerProcess
 
 GOLDEN = Path(__file__).parent / "golden" / "entries-v1.json"
@@ -259,7 +260,7 @@ async def test_a_claim_of_a_newer_log_appends_nothing(nats_server: EmbeddedNats)
     bus = await Bus.connect(NatsSettings(url=nats_server.url), "test-log-entries")
     nc = await nats.connect(nats_server.url)
     try:
-        await bus.open_partition_log(settings.log_stream, settings.prefix)
+        await open_partition_log(bus, settings.log_stream, settings.prefix)
         js = nc.jetstream()
         subject = f"{settings.prefix}.log.0"
         await js.publish(subject, newer("claimed", lambda entry: entry.update(version=2)))
@@ -282,7 +283,7 @@ async def test_a_worker_that_meets_a_newer_log_stops_with_exit_2(
     bus = await Bus.connect(NatsSettings(url=nats_server.url), "test-log-entries")
     nc = await nats.connect(nats_server.url)
     try:
-        await bus.open_partition_log(settings.log_stream, settings.prefix)
+        await open_partition_log(bus, settings.log_stream, settings.prefix)
         js = nc.jetstream()
         await js.publish(
             f"{settings.prefix}.log.0", newer("appended", lambda e: e.update(version=3))

@@ -1,4 +1,4 @@
-"""The lean JetStream pull (`worker.bus.Pull`) against a real nats-server: every status it
+"""The lean JetStream pull (`worker.bus.pull.Pull`) against a real nats-server: every status it
 reads (100, 404, 408, 409, 423), stream order across many requests, settling (ack, nak),
 settling while NATS is down, and a real worker that NATS leaves while it acknowledges.
 
@@ -28,8 +28,10 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, ConsumerInfo
 
 from kvhandoff.events.replay import find_divergence
-from kvhandoff.worker.bus import Bus, Inbound, Message, Pull
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus, Message
+from kvhandoff.worker.bus.pull import Inbound, Pull
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.bus.streams import ack_floor, unpin
 from kvhandoff.worker.errors import BusError, ConfigError, PinMismatch
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.eventually import until
@@ -139,7 +141,7 @@ async def until_consumer(
 
 
 class Logged(logging.Handler):
-    """Sets `seen` once `worker.bus` logs a record containing `text`."""
+    """Sets `seen` once `worker.bus` (its pull) logs a record containing `text`."""
 
     def __init__(self, text: str) -> None:
         super().__init__(logging.WARNING)
@@ -525,9 +527,9 @@ async def test_a_refusal_of_the_jetstream_api_reads_alike_through_either_path(
     """The bus asks the JetStream API through nats-py (`ack_floor`) or raw (`unpin`, for what
     nats-py cannot ask): a stream that does not exist is refused in the same words by both."""
     with pytest.raises(BusError) as through_nats_py:
-        await bus.ack_floor("ABSENT", CONSUMER)
+        await ack_floor(bus, "ABSENT", CONSUMER)
     with pytest.raises(BusError) as raw:
-        await bus.unpin("ABSENT", CONSUMER)
+        await unpin(bus, "ABSENT", CONSUMER, "owner")
     refusal = "code=404 err_code=10059 description='stream not found'"
     assert str(through_nats_py.value).endswith(refusal), through_nats_py.value
     assert str(raw.value).endswith(refusal), raw.value

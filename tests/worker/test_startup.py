@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.events.messages import EngineType, StartHandoff
-from kvhandoff.worker.bus import _refusal
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import _refusal
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.child import Child
 from kvhandoff.worker.harness.health import answers_ok, worker_healthz
 from kvhandoff.worker.harness.natsserver import EmbeddedNats, free_port

@@ -17,8 +17,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.errors import BusError
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.worker.test_pull import until_connected

@@ -1,6 +1,6 @@
 """Two tiers on one NATS account (issue 33): a second tier started with only its own
 `--subject-prefix` and `--stream` gets completion and log streams named after its input stream
-(`worker.config.tier_stream`), and both tiers complete handoffs; a worker whose streams exist as
+(`events.subjects.tier_stream`), and both tiers complete handoffs; a worker whose streams exist as
 another tier's (other subjects), or whose subjects another stream captures, exits 2 naming the
 stream, what it captures and the flag to set, instead of serving appends that no stream takes."""
 

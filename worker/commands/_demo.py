@@ -19,8 +19,8 @@ from pathlib import Path
 from rich.console import Console
 
 from kvhandoff.client import Connection
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.commands.load import run_with_progress
-from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.engines import Roster, request_reports
 from kvhandoff.worker.errors import ChildError
 from kvhandoff.worker.harness.child import Child

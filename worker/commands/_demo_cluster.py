@@ -3,12 +3,12 @@ killed midway.
 
 Theory of operation. It starts three nats-servers clustered on loopback with JetStream
 (worker.harness.natsserver.NatsCluster), three workers of one tier (`kvhandoff run --partitions 16
---data-dir DIR`, each with a data directory of its own and every node's URL), and the mock
-engines and the load as the single demo does (worker.commands._demo). The load begins once the
-three workers have announced themselves (worker.bus: Membership), so that each takes its share
-of the partitions. When half the handoffs have ended, it SIGKILLs the first worker, then the
-node that leads the input stream (as the nodes' monitoring endpoints say), and waits for another
-node to lead it while the load goes on.
+--data-dir DIR`, each with a data directory of its own and every node's URL), and the mock engines
+and the load as the single demo does (worker.commands._demo). The load begins once the three workers
+have announced themselves (worker.tier.members: Membership), so that each takes its share of the
+partitions. When half the handoffs have ended, it SIGKILLs the first worker, then the node that
+leads the input stream (as the nodes' monitoring endpoints say), and waits for another node to lead
+it while the load goes on.
 
 The node is not restarted: the second half of the load runs on the two nodes left, a bare
 quorum of every three-replica stream and bucket, which is what such a failure leaves until an
@@ -57,11 +57,11 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.commands import _demo
 from kvhandoff.worker.commands.load import print_summary
 from kvhandoff.worker.commands.verify import verify_log
-from kvhandoff.worker.config import NatsSettings
 from kvhandoff.worker.errors import BusError, ChildError
 from kvhandoff.worker.harness.child import WorkerChild
 from kvhandoff.worker.harness.natsserver import EmbeddedNats, NatsCluster
@@ -69,6 +69,7 @@ from kvhandoff.worker.loadgen.generator import LoadConfig, LoadProgress, LoadRep
 from kvhandoff.worker.log.reader import PARTITION_FILE, open_log
 from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.tier.entries import Claimed
+from kvhandoff.worker.tier.members import members
 from kvhandoff.worker.tier.membership import TierSettings
 from kvhandoff.worker.tier.ownership import read_claims
 
@@ -187,8 +188,8 @@ async def _members(url: str, workers: dict[str, WorkerChild]) -> dict[str, str]:
         deadline = time.monotonic() + _WITHIN_S
         while True:
             with contextlib.suppress(BusError):  # a cluster that still elects answers late
-                members = await bus.members(SETTINGS.stream)
-                names = {m.instance: by_pid[m.pid] for m in members if m.pid in by_pid}
+                live = await members(bus, SETTINGS.stream)
+                names = {m.instance: by_pid[m.pid] for m in live if m.pid in by_pid}
                 if set(names.values()) == set(workers):
                     return names
             for name, worker in workers.items():

@@ -9,8 +9,9 @@ import sys
 
 from kvhandoff.events.messages import Role
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus
-from kvhandoff.worker.config import NatsSettings, add_nats_arguments, nats_settings
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.config import add_nats_arguments, nats_settings
 from kvhandoff.worker.conformance.engine_check import (
     DEFAULT_QUIET_S,
     DEFAULT_WAIT_S,

@@ -20,7 +20,8 @@ from rich.table import Table
 from kvhandoff.client import BusUnavailable, Connection, Refused
 from kvhandoff.client.lease import DEFAULT_LEASE_TTL_S
 from kvhandoff.events.messages import EngineType, KvTransferTimingMode
-from kvhandoff.worker.config import NatsSettings, add_nats_arguments, nats_settings
+from kvhandoff.worker.bus.settings import NatsSettings
+from kvhandoff.worker.config import add_nats_arguments, nats_settings
 from kvhandoff.worker.engines import (
     DEFAULT_DESTINATIONS,
     DEFAULT_ENGINE_TYPES,

@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.config import WorkerConfig, add_worker_arguments, worker_config
 from kvhandoff.worker.errors import (
     BusError,

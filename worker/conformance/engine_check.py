@@ -54,7 +54,8 @@ from kvhandoff.events.messages import (
 )
 from kvhandoff.events.reports import EnginesReport
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Message, Subscription
+from kvhandoff.worker.bus.connection import Bus, Message, Subscription
+from kvhandoff.worker.bus.streams import capture_unless_captured, delete_stream
 
 # The rules, in the order they run (docs/contract.md, "Check an engine").
 RULES = (
@@ -279,7 +280,7 @@ class EngineCheck:
         stream_subjects = self.subjects.inputs
         # One per prefix (a stream name has no dots), gone at the end or after five minutes.
         stream = f"KVHANDOFF_ENGINE_CHECK_{self.subjects.prefix.replace('.', '_')}"
-        created = await self.bus.capture_unless_captured(stream, stream_subjects, max_age_s=300.0)
+        created = await capture_unless_captured(self.bus, stream, stream_subjects, max_age_s=300.0)
         subscription: Subscription = await self.bus.subscribe(stream_subjects, self.inbox.deliver)
         await self.bus.flush()
         try:
@@ -292,7 +293,7 @@ class EngineCheck:
         finally:
             await subscription.unsubscribe()
             if created:
-                await self.bus.delete_stream(stream)
+                await delete_stream(self.bus, stream)
 
     async def _verdict(self, rule: str, scenario: Callable[[_Script], Awaitable[str]]) -> Verdict:
         script = _Script(self)

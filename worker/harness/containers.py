@@ -31,8 +31,8 @@ Example, a test module of a downstream project (a frontend) that starts one hand
     from kvhandoff.events.codec import decode_action, encode
     from kvhandoff.events.messages import Action, EngineType, StartHandoff
     from kvhandoff.events.subjects import Subjects
-    from kvhandoff.worker.bus import Bus, Message
-    from kvhandoff.worker.config import NatsSettings
+    from kvhandoff.worker.bus.connection import Bus, Message
+    from kvhandoff.worker.bus.settings import NatsSettings
     from kvhandoff.worker.harness.containers import (
         KvhandoffWorkerContainer,
         MockEnginesContainer,

@@ -76,7 +76,7 @@ from kvhandoff.events.messages import (
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.config import NatsSettings
+from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EnginesReport, Leak, Roster, request_reports, settled
 from kvhandoff.worker.errors import ConfigError
 

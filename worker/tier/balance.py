@@ -1,9 +1,9 @@
 """Which worker should own which partition: the balance rule of the tier, pure (no IO, no clock).
 
-Partitions. The input stream is split into P partitions (see "Partitions" in worker.bus): the
-stream's transform `{{partition(P,1)}}` puts a handoff in partition FNV-1a-32(its id) mod P,
-the id hashed as the text token of its subject. `partition_of` is that same function, so that a
-worker can check the partition an input arrived in, and a test can aim inputs at a partition.
+Partitions. The input stream is split into P partitions (see "Partitions" in worker.tier.streams):
+the stream's transform `{{partition(P,1)}}` puts a handoff in partition FNV-1a-32(its id) mod P, the
+id hashed as the text token of its subject. `partition_of` is that same function, so that a worker
+can check the partition an input arrived in, and a test can aim inputs at a partition.
 
 The share. Every worker that the membership bucket lists (and the worker itself, which always
 counts itself live: its own key may have lapsed while NATS was out of reach) computes the same

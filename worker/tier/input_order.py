@@ -32,7 +32,7 @@ from typing import Generic, Protocol, TypeVar
 
 
 class Delivery(Protocol):
-    """What the order reads of a delivered input (`worker.bus.Inbound` is one)."""
+    """What the order reads of a delivered input (`worker.bus.pull.Inbound` is one)."""
 
     @property
     def stream_seq(self) -> int: ...

@@ -59,7 +59,8 @@ from kvhandoff.events.messages import (
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Subscription
+from kvhandoff.worker.bus.connection import Bus, Subscription
+from kvhandoff.worker.bus.kv import open_expiring_bucket, watch_bucket
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.errors import BusError
 from kvhandoff.worker.stoppable import cancel_until_done, unless_stopped
@@ -133,8 +134,8 @@ class EngineLeases:
                     await stop.wait()
 
     async def _watch(self) -> Subscription:
-        await self._bus.open_lease_bucket(self._bucket, MARKER_TTL_S)
-        return await self._bus.watch_leases(self._bucket, self._on_entry)
+        await open_expiring_bucket(self._bus, self._bucket, MARKER_TTL_S)
+        return await watch_bucket(self._bus, self._bucket, self._on_entry)
 
     async def stop(self) -> None:
         """Stop watching, and give up the answers still being published (the next owner's

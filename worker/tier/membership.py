@@ -1,13 +1,12 @@
 """One worker's part in the tier: it announces itself, and owns the partitions of its share.
 
-Theory of operation. A `Tier` announces its worker in the membership bucket (see "Membership"
-in worker.bus) and keeps the announcement alive. Every `rebalance_s` it lists the live workers
-and applies the balance rule (`worker.tier.balance.rebalance`): for each partition of its share
-that it does not run it starts a `worker.tier.owner.PartitionOwner`, and each one it runs
-outside its share it stops, which hands the partition over (finish the batch, nak what is in
-hand, unpin). An owner that was fenced ends by itself; the tier forgets it, and takes the
-partition up again at the next round if it is still in its share (its pull then waits while
-another worker holds the pin).
+Theory of operation. A `Tier` announces its worker in the membership bucket (see "Membership" in
+worker.tier.members) and keeps the announcement alive. Every `rebalance_s` it lists the live workers
+and applies the balance rule (`worker.tier.balance.rebalance`): for each partition of its share that
+it does not run it starts a `worker.tier.owner.PartitionOwner`, and each one it runs outside its
+share it stops, which hands the partition over (finish the batch, nak what is in hand, unpin). An
+owner that was fenced ends by itself; the tier forgets it, and takes the partition up again at the
+next round if it is still in its share (its pull then waits while another worker holds the pin).
 
 An owner that fails is started again at the next round, unless it failed with `LogDiverges`
 (this build's coordinator does not re-derive an open handoff of the partition's log) or
@@ -53,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Member, Membership
+from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.config import TierConfig
 from kvhandoff.worker.errors import (
     BusError,
@@ -64,9 +63,16 @@ from kvhandoff.worker.errors import (
 )
 from kvhandoff.worker.stoppable import cancel_until_done, unless_stopped
 from kvhandoff.worker.tier.balance import rebalance
+from kvhandoff.worker.tier.members import Member, Membership, announce, members
 from kvhandoff.worker.tier.metrics import TierMetrics
 from kvhandoff.worker.tier.owner import PartitionOwner, SnapshotPolicy, Steps, max_ack_pending
 from kvhandoff.worker.tier.ownership import PartitionLog
+from kvhandoff.worker.tier.streams import (
+    open_completions,
+    open_partition_consumer,
+    open_partition_log,
+    open_partitions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -186,18 +192,21 @@ class Tier:
         settings = self._settings
         # The input stream first: it names the tier, so a worker started on another tier's
         # streams is told about that one (`StreamMismatch`), not about a stream named after it.
-        await self._bus.open_partitions(settings.stream, settings.prefix, settings.partitions)
-        await self._bus.open_completions(
-            settings.done_stream, Subjects(settings.prefix).completions, settings.completion_ttl_s
+        await open_partitions(self._bus, settings.stream, settings.prefix, settings.partitions)
+        await open_completions(
+            self._bus,
+            settings.done_stream,
+            Subjects(settings.prefix).completions,
+            settings.completion_ttl_s,
         )
-        await self._bus.open_partition_log(settings.log_stream, settings.prefix)
+        await open_partition_log(self._bus, settings.log_stream, settings.prefix)
         for partition in range(settings.partitions):
-            self._consumers[partition] = await self._bus.open_partition_consumer(
-                settings.stream, settings.prefix, settings.consumer, partition,
+            self._consumers[partition] = await open_partition_consumer(
+                self._bus, settings.stream, settings.prefix, settings.consumer, partition,
                 ack_wait_s=settings.ack_wait_s, max_pending=settings.max_pending,
                 priority_timeout_s=settings.priority_timeout_s, partitions=settings.partitions,
             )  # fmt: skip
-        return await self._bus.announce(self.member, self._settings.stream)
+        return await announce(self._bus, self.member, self._settings.stream)
 
     async def _round(self) -> None:
         for partition, (_, task, _) in list(self._running.items()):
@@ -211,7 +220,7 @@ class Tier:
                     raise failure
                 if failure is not None:
                     logger.error("partition %d: its owner failed: %s", partition, failure)
-        live = [member.instance for member in await self._bus.members(self._settings.stream)]
+        live = [member.instance for member in await members(self._bus, self._settings.stream)]
         moves = rebalance(self._settings.partitions, live, self.member.instance, self.owned)
         if moves.take or moves.hand_over:
             logger.info(

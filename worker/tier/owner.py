@@ -1,9 +1,9 @@
 """Owning one partition: pull its inputs while pinned, apply each once, append before acting.
 
 Theory of operation. A `PartitionOwner` pulls the partition's consumer in the priority group
-`worker.bus.PRIORITY_GROUP`. The server delivers to one pinned client at a time (see "Pins" in
-worker.bus); a pull refused with 423 means another worker holds the pin, and this one keeps
-asking, which is how it takes the partition over once the holder stops pulling for the
+`worker.tier.streams.PRIORITY_GROUP`. The server delivers to one pinned client at a time (see "Pins"
+in worker.tier.streams); a pull refused with 423 means another worker holds the pin, and this one
+keeps asking, which is how it takes the partition over once the holder stops pulling for the
 consumer's `priority_timeout`. The first batch under a pin id it has not claimed under makes it
 claim the partition's log (`worker.tier.ownership.PartitionLog.claim`): catch up, append `Claimed`.
 Then, batch by batch:
@@ -126,12 +126,15 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, Protocol
 
-from kvhandoff.worker.bus import PRIORITY_GROUP, Bus, Inbound, Pull
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound, Pull
+from kvhandoff.worker.bus.streams import ack_floor, pinned, unacknowledged, unpin
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch, StoreError
 from kvhandoff.worker.tier.input_order import InputOrder
 from kvhandoff.worker.tier.metrics import TierMetrics
 from kvhandoff.worker.tier.ownership import CaughtUp, PartitionLog
 from kvhandoff.worker.tier.phase import Event, PartitionPhase, Phase
+from kvhandoff.worker.tier.streams import PRIORITY_GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +295,7 @@ class PartitionOwner:
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
         # Where this owner is (worker.tier.phase): what it may do next, and how it ended.
         self.phase = PartitionPhase(log.partition)
-        # The server's token for the pin the claim holds for (see "Pins" in worker.bus): a
+        # The server's token for the pin the claim holds for (see "Pins" in worker.tier.streams): a
         # batch under another one is claimed for anew. Not a generation: the log's epoch is.
         self._pin_id: str | None = None
         self._in_flight: _InFlight | None = None  # the batch whose append is on its way
@@ -449,7 +452,7 @@ class PartitionOwner:
                 if self._since_snapshot:
                     await self._snapshot_handing_over()
                 await self.log.hand_over()  # before the unpin: before the next claim
-            await self._bus.unpin(self._stream, self._consumer)
+            await unpin(self._bus, self._stream, self._consumer, PRIORITY_GROUP)
         except BusError as exc:
             logger.warning(
                 "partition %d: hand-over incomplete (%s); the next owner waits for the "
@@ -495,7 +498,7 @@ class PartitionOwner:
             return
         self._forgot_at = now
         try:
-            floor = await self._bus.ack_floor(self._stream, self._consumer)
+            floor = await ack_floor(self._bus, self._stream, self._consumer)
         except BusError as exc:
             logger.info("partition %d: %s; forgetting later", self.log.partition, exc)
             return
@@ -546,7 +549,7 @@ class PartitionOwner:
         if self._claim_vacant_after_s is None or now - self._vacancy_checked < _VACANCY_POLL_S:
             return
         self._vacancy_checked = now
-        if await self._bus.pinned(self._stream, self._consumer):
+        if await pinned(self._bus, self._stream, self._consumer, PRIORITY_GROUP):
             self._vacant_since = None
             return
         if self._vacant_since is None:
@@ -575,7 +578,7 @@ class PartitionOwner:
         self._pin_id = pin_id
         self._since_snapshot, self._snapshot_due = 0, True
         # Only now, with the old owner fenced, is what it left for good.
-        left = await self._bus.unacknowledged(self._stream, self._consumer, held)
+        left = await unacknowledged(self._bus, self._stream, self._consumer, held)
         orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
         self._order = InputOrder(orphans) if orphans else None
         self.orphans += len(orphans)

@@ -1,7 +1,7 @@
 """Ownership of one partition, fenced by the partition's replicated log.
 
 Theory of operation. Each partition has one subject in the replicated log stream
-(`worker.bus.partition_log_subject`), written only by compare-and-set
+(`events.subjects.partition_log_subject`), written only by compare-and-set
 (`Bus.append_expecting`): every append names the sequence of the subject's last entry as its
 writer last saw it, and JetStream refuses it if anyone appended since. The log's entries (their
 types, tags and versions, and how each is decoded, are in worker.tier.entries):
@@ -62,7 +62,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvhandoff.worker.bus import MAX_BATCH_MESSAGES, Bus, partition_log_subject
+from kvhandoff.events.subjects import partition_log_subject
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.publish import MAX_BATCH_MESSAGES
+from kvhandoff.worker.bus.streams import read_subject
 from kvhandoff.worker.errors import BusError, Fenced
 from kvhandoff.worker.tier.entries import (
     LOG_VERSION,
@@ -190,7 +193,7 @@ class PartitionLog:
                 f"partition {self.partition}: {self.owner} claims it once per PartitionLog "
                 f"(epoch {self.epoch}, fenced {self.fenced})"
             )
-        entries = await self._bus.read_subject(self._stream, self.subject)
+        entries = await read_subject(self._bus, self._stream, self.subject)
         caught = CaughtUp(epoch=1, previous_owner=None, entries=len(entries))
         for entry in read_entries(self.partition, self.subject, entries):
             caught.take(entry)
@@ -305,6 +308,6 @@ async def read_claims(bus: Bus, stream: str, prefix: str, partition: int) -> lis
     entry, `NewerLogVersion` if it holds a newer build's."""
     subject = partition_log_subject(prefix, partition)
     caught = CaughtUp(epoch=1, previous_owner=None)
-    for entry in read_entries(partition, subject, await bus.read_subject(stream, subject)):
+    for entry in read_entries(partition, subject, await read_subject(bus, stream, subject)):
         caught.take(entry)
     return caught.claims

@@ -104,7 +104,8 @@ from kvhandoff.events.codec import encode
 from kvhandoff.events.errors import ReplayDivergence
 from kvhandoff.events.messages import Action, Complete
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus, Inbound
+from kvhandoff.worker.bus.connection import Bus
+from kvhandoff.worker.bus.pull import Inbound
 from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
@@ -567,7 +568,7 @@ class Partition:
 
     async def _send(self, actions: list[tuple[HandoffRow, int, Action]]) -> asyncio.Future[None]:
         """Publish the actions; the barrier that confirms them, whatever the other partitions
-        publish and flush meanwhile on the same bus (see "The barrier" in worker.bus)."""
+        publish and flush meanwhile on the same bus (see "The barrier" in worker.bus.publish)."""
         connection = self._bus.connection
         stored = []
         for row, _, action in actions:

@@ -82,7 +82,7 @@ LOGGED_PAYLOAD_LIMIT = 64 * 1024
 
 
 class Delivery(Protocol):
-    """What the planner reads of a fetched input (`worker.bus.Inbound` is one)."""
+    """What the planner reads of a fetched input (`worker.bus.pull.Inbound` is one)."""
 
     @property
     def data(self) -> bytes: ...

@@ -30,7 +30,7 @@ import asyncio
 from dataclasses import asdict
 
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.log.store import EventLog
 from kvhandoff.worker.tier.lease_view import view_path

@@ -46,7 +46,7 @@ from kvhandoff.events.codec import encode
 from kvhandoff.events.coordinator import Mode
 from kvhandoff.events.messages import Action, Complete, TimedOut
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.bus import Bus
+from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.errors import BusError
 from kvhandoff.worker.log.rows import HandoffRow
 from kvhandoff.worker.tier.metrics import Metrics
