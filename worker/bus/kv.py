@@ -52,7 +52,7 @@ async def _until_answered(give_up_after_s: float, attempt: Callable[[], Awaitabl
         try:
             return await attempt()
         except (*RETRYABLE, nats.js.errors.ServiceUnavailableError):
-            if clock() > give_up:
+            if clock() >= give_up:
                 raise
         await asyncio.sleep(_ANSWER_POLL_S)
 

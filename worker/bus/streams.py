@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,8 +41,6 @@ from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.failures import api_error, why
 from kvhandoff.worker.bus.pull import Pull
 from kvhandoff.worker.errors import BusError
-
-logger = logging.getLogger(__name__)
 
 _JS_INFO = "$JS.API.INFO"
 _JS_API_TIMEOUT_S = 5.0
