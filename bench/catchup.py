@@ -124,8 +124,9 @@ class Feeder(ClosedLoop):
         await self._nc.flush()
 
 
-async def make_history(url: str, worker: WorkerChild, args: argparse.Namespace,
-                       handoffs: int) -> None:  # fmt: skip
+async def make_history(
+    url: str, worker: WorkerChild, args: argparse.Namespace, handoffs: int
+) -> None:
     nc = await nats.connect(url)
     try:
         feeder = Feeder(nc)
@@ -181,8 +182,15 @@ def claim(url: str, db: Path, log: Path, extra: Sequence[str], expected_open: in
     if recovered != expected_open:
         raise SystemExit(f"recovered {recovered} open handoffs, not {expected_open}")
     lines = [line for line in text.splitlines() if _CLAIMED.search(line) or _CAUGHT.search(line)]
-    return Claim(seconds, float(caught.group(5)), int(claimed.group(1)),
-                 claimed.group(2) is not None, recovered, rss, "\n".join(lines))  # fmt: skip
+    return Claim(
+        seconds,
+        float(caught.group(5)),
+        int(claimed.group(1)),
+        claimed.group(2) is not None,
+        recovered,
+        rss,
+        "\n".join(lines),
+    )
 
 
 def run_case(args: argparse.Namespace, handoffs: int, extra: Sequence[str]) -> Case:
@@ -195,8 +203,15 @@ def run_case(args: argparse.Namespace, handoffs: int, extra: Sequence[str]) -> C
         server.start()
         try:
             db = scratch / "worker.sqlite3"
-            worker = WorkerChild(server.url, db, "--batch-size", str(args.batch_size), *extra,
-                                 log_path=scratch / "history.log", cwd=ROOT)  # fmt: skip
+            worker = WorkerChild(
+                server.url,
+                db,
+                "--batch-size",
+                str(args.batch_size),
+                *extra,
+                log_path=scratch / "history.log",
+                cwd=ROOT,
+            )
             worker.start()
             began = time.perf_counter()
             try:
@@ -220,12 +235,22 @@ def run_case(args: argparse.Namespace, handoffs: int, extra: Sequence[str]) -> C
             server.start()
             empty = scratch / "fresh"
             empty.mkdir()
-            fresh = claim(server.url, empty / "worker.sqlite3", scratch / "fresh.log", extra,
-                          args.open)  # fmt: skip
+            fresh = claim(
+                server.url, empty / "worker.sqlite3", scratch / "fresh.log", extra, args.open
+            )
         finally:
             server.close()
-    return Case(loaded_rss, history_s, log_bytes, log_messages, store_bytes, snapshots,
-                taken[-1] if taken else "", restart, fresh)  # fmt: skip
+    return Case(
+        loaded_rss,
+        history_s,
+        log_bytes,
+        log_messages,
+        store_bytes,
+        snapshots,
+        taken[-1] if taken else "",
+        restart,
+        fresh,
+    )
 
 
 def _median(cases: Sequence[Case], value: str) -> float:
@@ -259,8 +284,9 @@ _MB = {"log_bytes", "store_bytes"}
 _MODES = ("snapshots", "no snapshots")
 
 
-def report(results: dict[tuple[int, str], list[Case]], histories: Sequence[int],
-           console: Console) -> None:  # fmt: skip
+def report(
+    results: dict[tuple[int, str], list[Case]], histories: Sequence[int], console: Console
+) -> None:
     for handoffs in histories:
         runs = len(results[handoffs, "snapshots"])
         table = Table(title=f"{handoffs:,} handoffs of history, medians of {runs} run(s)")
@@ -279,8 +305,7 @@ def report(results: dict[tuple[int, str], list[Case]], histories: Sequence[int],
             f"{sum(c.restart.snapshot for c in results[handoffs, mode])}"
             for mode in _MODES
         }
-        table.add_row("claims that read a snapshot first (fresh/restart)",
-                      *snapshot_first.values())  # fmt: skip
+        table.add_row("claims that read a snapshot first (fresh/restart)", *snapshot_first.values())
         console.print(table)
     if len(histories) < 2:
         return
@@ -297,10 +322,13 @@ def report(results: dict[tuple[int, str], list[Case]], histories: Sequence[int],
         ("restart: catch-up itself", "restart.catch_up_s"),
         ("restart: RSS", "restart.rss_mb"),
     ):
-        table.add_row(name, *(
-            f"{_median(results[large, m], value) / _median(results[small, m], value):.2f}x"
-            for m in _MODES
-        ))  # fmt: skip
+        table.add_row(
+            name,
+            *(
+                f"{_median(results[large, m], value) / _median(results[small, m], value):.2f}x"
+                for m in _MODES
+            ),
+        )
     console.print(table)
 
 
@@ -319,8 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=1, help="runs of each case (median)")
     parser.add_argument("--window", type=int, default=256, help="handoffs open in the traffic")
-    parser.add_argument("--ahead", type=int, default=20_000,
-                        help="handoffs the feeder may be ahead of the worker")  # fmt: skip
+    parser.add_argument(
+        "--ahead", type=int, default=20_000, help="handoffs the feeder may be ahead of the worker"
+    )
     parser.add_argument("--seed", type=int, default=1, help="interleaving of the traffic")
     parser.add_argument("--batch-size", type=int, default=512, help="the worker's batch size")
     parser.add_argument(
@@ -343,9 +372,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     console = Console()
     began = time.monotonic()
-    console.print(f"load average at start {load_average()}; histories"
-                  f" {', '.join(f'{h:,}' for h in histories)}, {args.open:,} left open,"
-                  f" {args.runs} run(s)")  # fmt: skip
+    console.print(
+        f"load average at start {load_average()}; histories"
+        f" {', '.join(f'{h:,}' for h in histories)}, {args.open:,} left open,"
+        f" {args.runs} run(s)"
+    )
     modes: dict[str, tuple[str, ...]] = {"snapshots": (), "no snapshots": ("--snapshot-every", "0")}
     if args.snapshot_interval is not None:
         modes["snapshots"] = ("--snapshot-interval", str(args.snapshot_interval))
@@ -371,8 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f" load {load_average()}"
                 )
                 if case.last_snapshot:
-                    console.print(f"  last snapshot: {case.last_snapshot}", style="dim",
-                                  highlight=False)  # fmt: skip
+                    console.print(
+                        f"  last snapshot: {case.last_snapshot}", style="dim", highlight=False
+                    )
                 for who, c in (("restart", case.restart), ("fresh", case.fresh)):
                     console.print(f"  {who}: {c.lines}", style="dim", highlight=False)
     report(results, histories, console)

@@ -143,9 +143,13 @@ class _CountingPartition(Partition):
 
     def __init__(self, counting: CountingWorker, number: int) -> None:
         super().__init__(
-            number, counting._config, counting._bus, counting._metrics, counting.leases,
+            number,
+            counting._config,
+            counting._bus,
+            counting._metrics,
+            counting.leases,
             count_in_memory=counting._count_in_memory,
-        )  # fmt: skip
+        )
         self._counting = counting
 
     async def decide(self, batch: Sequence[Inbound]) -> Decided:
@@ -257,18 +261,35 @@ class Bench:
         js = self._nc.jetstream()
         async with self._streams(config):
             # A plain input stream and consumer, as the issue's floor has them.
-            await js.add_stream(StreamConfig(name=config.tier.stream, subjects=[SUBJECTS.inputs],
-                                             retention=RetentionPolicy.WORK_QUEUE,
-                                             duplicate_window=120.0))  # fmt: skip
+            await js.add_stream(
+                StreamConfig(
+                    name=config.tier.stream,
+                    subjects=[SUBJECTS.inputs],
+                    retention=RetentionPolicy.WORK_QUEUE,
+                    duplicate_window=120.0,
+                )
+            )
             tier = config.tier
-            await js.add_consumer(tier.stream, ConsumerConfig(
-                durable_name=tier.consumer, filter_subject=SUBJECTS.inputs,
-                ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-                ack_wait=tier.ack_wait_s, max_ack_pending=max_ack_pending(tier.batch_size),
-                max_deliver=-1))  # fmt: skip
-            await js.add_stream(StreamConfig(name=config.tier.done_stream,
-                                             subjects=[SUBJECTS.completions],
-                                             max_msgs_per_subject=1, max_age=60.0))  # fmt: skip
+            await js.add_consumer(
+                tier.stream,
+                ConsumerConfig(
+                    durable_name=tier.consumer,
+                    filter_subject=SUBJECTS.inputs,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    deliver_policy=DeliverPolicy.ALL,
+                    ack_wait=tier.ack_wait_s,
+                    max_ack_pending=max_ack_pending(tier.batch_size),
+                    max_deliver=-1,
+                ),
+            )
+            await js.add_stream(
+                StreamConfig(
+                    name=config.tier.done_stream,
+                    subjects=[SUBJECTS.completions],
+                    max_msgs_per_subject=1,
+                    max_age=60.0,
+                )
+            )
             await self._preload(config.tier.stream)
             nc = await nats.connect(self.url)
             bare = BarePipeline(nc, config.db_path, self._by_payload)
@@ -278,8 +299,9 @@ class Bench:
                 )
                 gc.collect()
                 cpu = time.process_time()
-                seconds, fetch_s = await bare.drain(subscription, config.tier.batch_size,
-                                                    len(self.traffic.steps))  # fmt: skip
+                seconds, fetch_s = await bare.drain(
+                    subscription, config.tier.batch_size, len(self.traffic.steps)
+                )
                 cpu_s = time.process_time() - cpu
             finally:
                 await nc.close()
@@ -308,8 +330,12 @@ class BarePipeline:
     def close(self) -> None:
         self._log.close()
 
-    async def drain(self, subscription: nats.js.JetStreamContext.PullSubscription,
-                    batch_size: int, expected: int) -> tuple[float, float]:  # fmt: skip
+    async def drain(
+        self,
+        subscription: nats.js.JetStreamContext.PullSubscription,
+        batch_size: int,
+        expected: int,
+    ) -> tuple[float, float]:
         """Fetch, commit, publish and ack until `expected` inputs are handled; the seconds
         that took (from the first batch in hand, as the worker's clock runs, to the final
         flush) and the seconds spent waiting in fetch since."""
@@ -360,8 +386,9 @@ class Throughput:
         return [b.cpu_s / w.cpu_s for w, b in zip(self.worker, self.bare, strict=True)]
 
 
-async def measure(url: str, traffic: Traffic, batch_size: int, runs: int,
-                  warmup: Traffic) -> Throughput:  # fmt: skip
+async def measure(
+    url: str, traffic: Traffic, batch_size: int, runs: int, warmup: Traffic
+) -> Throughput:
     result = Throughput()
     with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as scratch:
         async with Bench(url, Path(scratch), warmup, batch_size) as bench:
@@ -411,8 +438,11 @@ def _print_entries(rows: list[_Entry], inputs: int, out: IO[str]) -> None:
     print(f"{'own µs/in':>9} {'cum µs/in':>9} {'calls/in':>8}  function", file=out)
     for (path, line, name), (_, calls, tt, ct, _) in rows:
         where = f"{Path(path).name}:{line}" if line else path
-        print(f"{tt / inputs * 1e6:>9.2f} {ct / inputs * 1e6:>9.2f} {calls / inputs:>8.2f}"
-              f"  {name} ({where})", file=out)  # fmt: skip
+        print(
+            f"{tt / inputs * 1e6:>9.2f} {ct / inputs * 1e6:>9.2f} {calls / inputs:>8.2f}"
+            f"  {name} ({where})",
+            file=out,
+        )
 
 
 def _median_or_dash(values: list[float | None]) -> str:
@@ -458,8 +488,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=512, help="inputs per fetch")
     parser.add_argument("--window", type=int, default=256, help="handoffs open in the traffic")
     parser.add_argument("--seed", type=int, default=1, help="interleaving of the traffic")
-    parser.add_argument("--profile", action="store_true",
-                        help="also print a cProfile of one worker run")  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true", help="also print a cProfile of one worker run"
+    )
     args = parser.parse_args(argv)
     if min(args.runs, args.handoffs, args.batch_size, args.window) < 1:
         parser.error("--runs, --handoffs, --batch-size and --window must be at least 1")
@@ -481,8 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(result, traffic, args.batch_size, out)
         if args.profile:
             asyncio.run(profile_worker(server.url, traffic, args.batch_size, out))
-    print(f"\nload average at end {load_average()}, {time.monotonic() - began:.0f}s in all",
-          file=out)  # fmt: skip
+    print(
+        f"\nload average at end {load_average()}, {time.monotonic() - began:.0f}s in all", file=out
+    )
     return 0
 
 

@@ -182,8 +182,9 @@ class TimedEngines(_TimedClient):
         on a cluster just made). One input in nine is sent this way."""
         assert self._nc is not None
         self.sent_at[start.handoff_id] = time.perf_counter()
-        await self._nc.jetstream().publish(SUBJECTS.input(start.handoff_id), encode(start),
-                                           timeout=5.0)  # fmt: skip
+        await self._nc.jetstream().publish(
+            SUBJECTS.input(start.handoff_id), encode(start), timeout=5.0
+        )
 
     async def _on_action(self, msg: Msg) -> None:
         # Stamped before any answer is sent, so no reply to this action can move the
@@ -264,9 +265,12 @@ class _Spawner:
 
 
 async def closed_loop(
-    ended: asyncio.Queue[float], begin: Callable[[int], Awaitable[None]], level: int, total: int,
+    ended: asyncio.Queue[float],
+    begin: Callable[[int], Awaitable[None]],
+    level: int,
+    total: int,
     check: Callable[[], None],
-) -> list[float]:  # fmt: skip
+) -> list[float]:
     """Keep `level` units in flight until `total` have ended; the arrival time of each end.
     `check` raises if the stream refused a publish."""
     spawner = _Spawner()
@@ -377,9 +381,17 @@ class EchoChild(Child):
         or "append"."""
         self.marker = scratch / f"{prefix}.ready"
         command = [
-            sys.executable, str(Path(__file__).resolve()), "--echo-prefix", prefix,
-            "--nats-url", url, "--batch-size", str(batch), "--ready-file", str(self.marker),
-        ]  # fmt: skip
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--echo-prefix",
+            prefix,
+            "--nats-url",
+            url,
+            "--batch-size",
+            str(batch),
+            "--ready-file",
+            str(self.marker),
+        ]
         if durable == "commit":
             command += ["--echo-db", str(scratch / f"{prefix}.sqlite3")]
         elif durable == "append":
@@ -391,8 +403,9 @@ class EchoChild(Child):
         return self.marker.exists()
 
 
-async def serve_echo(url: str, prefix: str, batch_size: int, ready_file: Path, *,
-                     db: Path | None, append: bool) -> None:  # fmt: skip
+async def serve_echo(
+    url: str, prefix: str, batch_size: int, ready_file: Path, *, db: Path | None, append: bool
+) -> None:
     """The responder: the worker's bus loop with no coordinator; SIGTERM stops it. With `db`
     it commits each batch there first; with `append`, it appends each batch to its log stream
     by compare-and-set first."""
@@ -404,13 +417,20 @@ async def serve_echo(url: str, prefix: str, batch_size: int, ready_file: Path, *
     nc = await nats.connect(url)
     try:
         await nc.jetstream().add_stream(
-            StreamConfig(name=stream, subjects=[f"{prefix}.in.>"],
-                         retention=RetentionPolicy.WORK_QUEUE)
-        )  # fmt: skip
-        await nc.jetstream().add_consumer(stream, ConsumerConfig(
-            durable_name=prefix, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-            max_ack_pending=max_ack_pending(batch_size), max_deliver=-1,
-        ))  # fmt: skip
+            StreamConfig(
+                name=stream, subjects=[f"{prefix}.in.>"], retention=RetentionPolicy.WORK_QUEUE
+            )
+        )
+        await nc.jetstream().add_consumer(
+            stream,
+            ConsumerConfig(
+                durable_name=prefix,
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=30.0,
+                max_ack_pending=max_ack_pending(batch_size),
+                max_deliver=-1,
+            ),
+        )
     finally:
         await nc.close()
     log_subject, last_seq = partition_log_subject(prefix, 0), 0
@@ -459,8 +479,9 @@ class Latency:
     duplicates: float = 0.0
 
 
-def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
-                    batch_size: int) -> Latency:  # fmt: skip
+def measure_latency(
+    url: str, levels: list[int], handoffs: int, echo_hops: int, batch_size: int
+) -> Latency:
     result = Latency(levels, handoffs, echo_hops)
     with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as scratch_dir:
         scratch = Path(scratch_dir)
@@ -474,8 +495,11 @@ def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
             children.append(commit)
             append = EchoChild(url, scratch, "benchechoappend", "append", batch_size)
             children.append(append)
-            asyncio.run(_latency_levels(url, worker, result, bus_child=bus, commit_child=commit,
-                                        append_child=append))  # fmt: skip
+            asyncio.run(
+                _latency_levels(
+                    url, worker, result, bus_child=bus, commit_child=commit, append_child=append
+                )
+            )
             result.republished = worker.counter("kvhandoff_actions_republished_total")
             result.duplicates = worker.counter("kvhandoff_duplicate_inputs_total")
         finally:
@@ -485,9 +509,14 @@ def measure_latency(url: str, levels: list[int], handoffs: int, echo_hops: int,
 
 
 async def _latency_levels(
-    url: str, worker: WorkerChild, result: Latency, *, bus_child: EchoChild,
-    commit_child: EchoChild, append_child: EchoChild,
-) -> None:  # fmt: skip
+    url: str,
+    worker: WorkerChild,
+    result: Latency,
+    *,
+    bus_child: EchoChild,
+    commit_child: EchoChild,
+    append_child: EchoChild,
+) -> None:
     engines = TimedEngines(url)
     bus = EchoSender(url, "benchecho", bus_child.pid)
     commit = EchoSender(url, "benchechodb", commit_child.pid)
@@ -502,8 +531,11 @@ async def _latency_levels(
         for level in result.levels:
             gc.collect()
             result.worker.append(await worker_level(engines, worker, level, result.handoffs))
-            for echo, levels in ((bus, result.bus), (commit, result.bus_commit),
-                                 (append, result.bus_append)):  # fmt: skip
+            for echo, levels in (
+                (bus, result.bus),
+                (commit, result.bus_commit),
+                (append, result.bus_append),
+            ):
                 gc.collect()
                 levels.append(await echo.level(level, result.echo_hops))
     finally:
@@ -527,9 +559,11 @@ def report_latency(lat: Latency, out: IO[str]) -> None:
     print("-" * len(header), file=out)
     for i, level in enumerate(lat.levels):
         rows = (
-            ("worker", lat.worker[i]), ("bus", lat.bus[i]), ("bus+commit", lat.bus_commit[i]),
+            ("worker", lat.worker[i]),
+            ("bus", lat.bus[i]),
+            ("bus+commit", lat.bus_commit[i]),
             ("bus+append", lat.bus_append[i]),
-        )  # fmt: skip
+        )
         for name, r in rows:
             worker = name == "worker"
             per_s = f"{r.per_s:,.0f}" if worker else "-"
@@ -567,12 +601,15 @@ def _levels(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=512, help="inputs per fetch and commit")
-    parser.add_argument("--levels", type=_levels, default=[16, 64, 256],
-                        help="handoffs in flight, comma-separated")  # fmt: skip
-    parser.add_argument("--latency-handoffs", type=int, default=1_500,
-                        help="handoffs per latency level")  # fmt: skip
-    parser.add_argument("--echo-hops", type=int, default=4_000,
-                        help="messages per bare round-trip level")  # fmt: skip
+    parser.add_argument(
+        "--levels", type=_levels, default=[16, 64, 256], help="handoffs in flight, comma-separated"
+    )
+    parser.add_argument(
+        "--latency-handoffs", type=int, default=1_500, help="handoffs per latency level"
+    )
+    parser.add_argument(
+        "--echo-hops", type=int, default=4_000, help="messages per bare round-trip level"
+    )
     # The echo responder mode, used by the bench itself.
     parser.add_argument("--echo-prefix", help=argparse.SUPPRESS)
     parser.add_argument("--echo-db", type=Path, help=argparse.SUPPRESS)
@@ -581,8 +618,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.echo_prefix is not None:
-        asyncio.run(serve_echo(args.nats_url, args.echo_prefix, args.batch_size, args.ready_file,
-                               db=args.echo_db, append=args.echo_append))  # fmt: skip
+        asyncio.run(
+            serve_echo(
+                args.nats_url,
+                args.echo_prefix,
+                args.batch_size,
+                args.ready_file,
+                db=args.echo_db,
+                append=args.echo_append,
+            )
+        )
         return 0
     if min(args.latency_handoffs, args.echo_hops) < 20:
         parser.error("--latency-handoffs and --echo-hops must be at least 20")
@@ -596,11 +641,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=out,
     )
     with EmbeddedNats() as server:
-        latency = measure_latency(server.url, args.levels, args.latency_handoffs,
-                                  args.echo_hops, args.batch_size)  # fmt: skip
+        latency = measure_latency(
+            server.url, args.levels, args.latency_handoffs, args.echo_hops, args.batch_size
+        )
         report_latency(latency, out)
-    print(f"\nload average at end {load_average()}, {time.monotonic() - began:.0f}s in all",
-          file=out)  # fmt: skip
+    print(
+        f"\nload average at end {load_average()}, {time.monotonic() - began:.0f}s in all", file=out
+    )
     return 0
 
 

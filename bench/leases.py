@@ -69,14 +69,22 @@ def one_run(url: str, ttl_s: float, handoffs: int, run: int) -> list[float]:
     left_out = [arg for i in ids_ if i != "vllm-prefill-0" for arg in ("--leave-out", i)]
     kept = subprocess.Popen(
         [*KVHANDOFF, "engines", *bus, *left_out],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     others = [i for i in [*ids_, "vllm-decode-0"] if i != doomed_id]
     doomed = subprocess.Popen(
-        [*KVHANDOFF, "engines", *bus, *(a for i in others for a in ("--leave-out", i)),
-         "--prefill-tokens-per-s", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            *KVHANDOFF,
+            "engines",
+            *bus,
+            *(a for i in others for a in ("--leave-out", i)),
+            "--prefill-tokens-per-s",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         return asyncio.run(_measure(settings, doomed, doomed_id, handoffs))
     finally:
@@ -193,9 +201,14 @@ def sample(port: int, pid: int, stream: str) -> Sample:
     assert all(isinstance(count, int) for count in counts)
     in_msgs, in_bytes, out_msgs, out_bytes = (int(str(count)) for count in counts)
     return Sample(
-        time.monotonic(), _stream_last_seq(port, stream),
-        in_msgs, in_bytes, out_msgs, out_bytes, _cpu_s(pid),
-    )  # fmt: skip
+        time.monotonic(),
+        _stream_last_seq(port, stream),
+        in_msgs,
+        in_bytes,
+        out_msgs,
+        out_bytes,
+        _cpu_s(pid),
+    )
 
 
 async def _renewing(

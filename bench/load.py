@@ -43,8 +43,10 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(level) for level in args.levels.split(",")]
     reports = asyncio.run(bench(args.handoffs, levels, args.speedup, args.cancel_share))
-    print(f"{'concurrency':>11} {'handoffs/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
-          f"{'completed':>9} {'canceled':>8} {'leaks':>5}")  # fmt: skip
+    print(
+        f"{'concurrency':>11} {'handoffs/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+        f"{'completed':>9} {'canceled':>8} {'leaks':>5}"
+    )
     for level, report in zip(levels, reports, strict=True):
         latency = report.latency_ms
         print(
@@ -59,10 +61,19 @@ async def bench(
 ) -> list[LoadReport]:
     with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as tmp, EmbeddedNats() as server:
         worker = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvhandoff.worker.cli", "run", "--nats-url", server.url,
-            "--db", str(Path(tmp) / "kvhandoff.db"), "--metrics-port", "0",
-            "--log-level", "WARNING",
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "kvhandoff.worker.cli",
+            "run",
+            "--nats-url",
+            server.url,
+            "--db",
+            str(Path(tmp) / "kvhandoff.db"),
+            "--metrics-port",
+            "0",
+            "--log-level",
+            "WARNING",
+        )
         settings = NatsSettings(url=server.url)
         connection = await Connection.open(settings, "bench-engines")
         engines = MockEngines(connection, EnginesConfig(model=EngineModel(speedup=speedup)))

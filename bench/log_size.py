@@ -90,9 +90,13 @@ class Delivery:
 def _handoff(i: int) -> list[Input]:
     """The i-th handoff's inputs, first issued first answered: engine types alternate."""
     engine_type = EngineType.VLLM if i % 2 == 0 else EngineType.SGLANG
-    start = StartHandoff(uuid.UUID(int=random.Random(i).getrandbits(128), version=4),
-                         engine_type, f"{engine_type}-prefill-{i % 4}",
-                         f"{engine_type}-decode-{i % 4}", _DEADLINE_MS)  # fmt: skip
+    start = StartHandoff(
+        uuid.UUID(int=random.Random(i).getrandbits(128), version=4),
+        engine_type,
+        f"{engine_type}-prefill-{i % 4}",
+        f"{engine_type}-decode-{i % 4}",
+        _DEADLINE_MS,
+    )
     coordinator = HandoffCoordinator.for_start(start)
     pending: deque[Input] = deque([start])
     inputs: list[Input] = []

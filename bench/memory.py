@@ -131,8 +131,9 @@ class Feeder(ClosedLoop):
             if rss is None:
                 raise SystemExit("cannot read the worker's resident size (Linux only)")
             cpu = cpu_seconds(self._worker.pid) or 0.0
-            sample = Sample(self.completed, time.perf_counter() - self._began, rss, cpu,
-                            load_average())  # fmt: skip
+            sample = Sample(
+                self.completed, time.perf_counter() - self._began, rss, cpu, load_average()
+            )
             self._print(sample)
             self.samples.append(sample)
 
@@ -141,8 +142,11 @@ class Feeder(ClosedLoop):
         wall = s.seconds - last.seconds
         rate = (s.handoffs - last.handoffs) / wall
         cores = (s.worker_cpu_s - last.worker_cpu_s) / wall
-        print(f"{s.handoffs:>10,} {s.seconds:>8.0f} {s.rss_mb:>7.1f} {rate:>10,.0f} {cores:>11.2f}"
-              f"  {s.load}", flush=True)  # fmt: skip
+        print(
+            f"{s.handoffs:>10,} {s.seconds:>8.0f} {s.rss_mb:>7.1f} {rate:>10,.0f} {cores:>11.2f}"
+            f"  {s.load}",
+            flush=True,
+        )
 
 
 def slope(samples: Sequence[Sample]) -> float:
@@ -169,8 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--handoffs", type=int, default=1_000_000, help="handoffs to drain")
     parser.add_argument("--every", type=int, default=50_000, help="handoffs between samples")
     parser.add_argument("--window", type=int, default=256, help="handoffs open in the traffic")
-    parser.add_argument("--ahead", type=int, default=20_000,
-                        help="handoffs the feeder may be ahead of the worker")  # fmt: skip
+    parser.add_argument(
+        "--ahead", type=int, default=20_000, help="handoffs the feeder may be ahead of the worker"
+    )
     parser.add_argument("--seed", type=int, default=1, help="interleaving of the traffic")
     parser.add_argument("--batch-size", type=int, default=512, help="the worker's batch size")
     args = parser.parse_args(argv)
@@ -179,10 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
 
     began = time.monotonic()
-    print(f"load average at start {load_average()}; {args.handoffs:,} handoffs, a sample every"
-          f" {args.every:,}")  # fmt: skip
-    print(f"{'handoffs':>10} {'seconds':>8} {'rss MB':>7} {'handoffs/s':>10} {'worker cpu':>11}"
-          "  load average")  # fmt: skip
+    print(
+        f"load average at start {load_average()}; {args.handoffs:,} handoffs, a sample every"
+        f" {args.every:,}"
+    )
+    print(
+        f"{'handoffs':>10} {'seconds':>8} {'rss MB':>7} {'handoffs/s':>10} {'worker cpu':>11}"
+        "  load average"
+    )
     with (
         tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as scratch,
         EmbeddedNats() as server,
@@ -204,8 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     half = samples[len(samples) // 2 :]
     for name, part in (("all samples", samples), ("second half", half)):
         mb = slope(part)
-        print(f"slope, {name}: {mb * 1e5:+.2f} MB per 100,000 handoffs"
-              f" ({mb * 2**20:+.1f} bytes per handoff)")  # fmt: skip
+        print(
+            f"slope, {name}: {mb * 1e5:+.2f} MB per 100,000 handoffs"
+            f" ({mb * 2**20:+.1f} bytes per handoff)"
+        )
     print(
         f"{args.handoffs / feeder.last_s:,.0f} handoffs/s overall; {republished:.0f} actions"
         f" republished; event log {log_bytes / 2**20:,.0f} MB on disk,"

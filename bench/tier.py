@@ -86,9 +86,11 @@ _FALLBACK_ENTRY_BYTES = 2048  # the append payload when no tier ran (never, with
 # What a configuration leaves on the cluster: `kvhandoff run`'s streams and buckets.
 _DEFAULT_TIER = TierSettings(partitions=2)
 _LEFT_BEHIND = (
-    _DEFAULT_TIER.stream, _DEFAULT_TIER.done_stream, _DEFAULT_TIER.log_stream,
+    _DEFAULT_TIER.stream,
+    _DEFAULT_TIER.done_stream,
+    _DEFAULT_TIER.log_stream,
     f"KV_{MEMBERS_BUCKET}",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +253,12 @@ async def run_config(
         count, inputs = (a - b for a, b in zip(after, before, strict=True))
         cpu = None if cpu_before is None or cpu_after is None else (cpu_after - cpu_before) / wall
         return Result(
-            level.per_s, level.p50_ms, inputs / max(count, 1), cpu,
+            level.per_s,
+            level.p50_ms,
+            inputs / max(count, 1),
+            cpu,
             await cluster.entry_bytes() if config.workers else None,
-        )  # fmt: skip
+        )
     finally:
         await engines.close()
         for child in children:
@@ -340,8 +345,10 @@ async def bench(args: argparse.Namespace) -> None:
                     for config in configs:
                         result = await run_config(cluster, config, round_, args)
                         results[config.name].append(result)
-                        print(f"  round {round_ + 1} {config.name}: {result.per_s:,.0f} handoffs/s",
-                              file=sys.stderr)  # fmt: skip
+                        print(
+                            f"  round {round_ + 1} {config.name}: {result.per_s:,.0f} handoffs/s",
+                            file=sys.stderr,
+                        )
                     entry = results["tier x1"][-1].entry_bytes or _FALLBACK_ENTRY_BYTES
                     payload = b"x" * round(entry)
                     costs.append(await appends(cluster, payload, args.appends, round_))
@@ -415,9 +422,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="rounds of every configuration")
     parser.add_argument("--partitions", type=int, default=16, help="the tier's partitions")
     parser.add_argument("--appends", type=int, default=300, help="calls per kind and round")
-    parser.add_argument("--one-node", action="store_true",
-                        help="one nats-server (every stream R1, as `kvhandoff demo` runs it), "
-                             "not a 3-node cluster")  # fmt: skip
+    parser.add_argument(
+        "--one-node",
+        action="store_true",
+        help="one nats-server (every stream R1, as `kvhandoff demo` runs it), not a 3-node cluster",
+    )
     args = parser.parse_args(argv)
     if args.handoffs < 20 or args.in_flight < 1 or args.runs < 1 or args.appends < 1:
         parser.error("--handoffs must be at least 20; --in-flight, --runs, --appends positive")

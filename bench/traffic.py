@@ -81,8 +81,9 @@ class Traffic:
 def new_start(i: int) -> StartHandoff:
     """The i-th handoff: engine types alternate, four engines of each role."""
     engine_type = EngineType.VLLM if i % 2 == 0 else EngineType.SGLANG
-    return StartHandoff(uuid.uuid4(), engine_type, f"prefill-{i % 4}", f"decode-{i % 4}",
-                        DEADLINE_MS)  # fmt: skip
+    return StartHandoff(
+        uuid.uuid4(), engine_type, f"prefill-{i % 4}", f"decode-{i % 4}", DEADLINE_MS
+    )
 
 
 def route(start: StartHandoff, action: Action) -> str:
@@ -107,9 +108,14 @@ def scripted_handoff(start: StartHandoff) -> list[Step]:
         message = pending.popleft()
         actions = coordinator.handle(message)
         steps.append(
-            Step(SUBJECTS.input(start.handoff_id), encode(message), hid, len(steps),
-                 tuple((route(start, a), encode(a)) for a in actions))
-        )  # fmt: skip
+            Step(
+                SUBJECTS.input(start.handoff_id),
+                encode(message),
+                hid,
+                len(steps),
+                tuple((route(start, a), encode(a)) for a in actions),
+            )
+        )
         for action in actions:
             pending.extend(success_script(action))
     if coordinator.completion is not HandoffCompletion.SUCCESS:

@@ -91,8 +91,16 @@ logger = logging.getLogger(__name__)
 
 _CANCEL_AGAIN_S = 0.05  # how long `stop` waits before it cancels a task again
 
-A = TypeVar("A", SubmitPrefill, StartTransfer, ReleaseSource, CancelSource, ReserveDestination,
-            ActivateDestination, CancelDestination)  # fmt: skip
+A = TypeVar(
+    "A",
+    SubmitPrefill,
+    StartTransfer,
+    ReleaseSource,
+    CancelSource,
+    ReserveDestination,
+    ActivateDestination,
+    CancelDestination,
+)
 
 DEFAULT_REMEMBER = 100_000
 # How long an outcome is retried while NATS or the input stream does not answer. A lost outcome
@@ -215,8 +223,10 @@ class Engine:
                 self._remembered(handoff_id).outcomes[action_id] = outcome
             logger.info(
                 "%s: %d handoffs' outcomes loaded from %s",
-                self.engine_id, len(self._memory), self._outcomes_path,
-            )  # fmt: skip
+                self.engine_id,
+                len(self._memory),
+                self._outcomes_path,
+            )
         if self.lease is not None:
             await self.lease.acquire()
             self.spawn(self.lease.run())
@@ -281,9 +291,11 @@ class Engine:
         if self._is_fenced(message.handoff_id) and not _fenced_may_say(message):
             self.stats.withheld += 1
             logger.warning(
-                "handoff %s: %s is fenced: %s withheld", message.handoff_id, self.engine_id,
+                "handoff %s: %s is fenced: %s withheld",
+                message.handoff_id,
+                self.engine_id,
                 _tag(message),
-            )  # fmt: skip
+            )
             return
         payload = encode(message)
         copies = 1 if self._interference is None else self._interference.copies(payload)
@@ -336,8 +348,11 @@ class Engine:
                     logger.exception(
                         "handoff %s: %s: the handler of %s#%s raised; no outcome, the worker's "
                         "retry runs it again",
-                        handoff_id, self.engine_id, _tag(action), action.action_id,
-                    )  # fmt: skip
+                        handoff_id,
+                        self.engine_id,
+                        _tag(action),
+                        action.action_id,
+                    )
                     return
                 memory.outcomes[action.action_id] = outcome
                 self.stats.executed += 1
@@ -345,8 +360,12 @@ class Engine:
                     self._record(handoff_id, action.action_id, outcome)
                 logger.debug(
                     "handoff %s: %s executed %s#%s -> %s",
-                    handoff_id, self.engine_id, _tag(action), action.action_id, _tag(outcome),
-                )  # fmt: skip
+                    handoff_id,
+                    self.engine_id,
+                    _tag(action),
+                    action.action_id,
+                    _tag(outcome),
+                )
             else:
                 self.stats.repeated += 1
             try:

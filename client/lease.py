@@ -123,8 +123,9 @@ class Lease:
     def _fence(self) -> None:
         logger.error(
             "%s: lease (incarnation %s) not renewed in time: fencing the engine",
-            self.engine_id, self.incarnation,
-        )  # fmt: skip
+            self.engine_id,
+            self.incarnation,
+        )
         self.incarnation = None
         self.fences += 1
         self._on_fence()

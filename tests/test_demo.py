@@ -20,10 +20,23 @@ def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
     # The demo keeps its logs in a fresh temporary folder; keep that inside tmp_path.
     environment = {**os.environ, "TMPDIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--quiet",
-         "--json", str(report_path), "--db", str(db)],
-        capture_output=True, text=True, timeout=600, check=False, env=environment,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvhandoff.worker.cli",
+            "demo",
+            "--quiet",
+            "--json",
+            str(report_path),
+            "--db",
+            str(db),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=environment,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
     report = msgspec.json.decode(report_path.read_bytes(), type=LoadReport)
@@ -44,8 +57,11 @@ def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
     assert command[:3] == ["kvhandoff", "replay", str(db)]
     shown = subprocess.run(
         [sys.executable, "-m", "kvhandoff.worker.cli", *command[1:]],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert shown.returncode == 0, shown.stderr
     assert "canceled" in shown.stdout
 
@@ -58,10 +74,26 @@ def test_the_cluster_demo_survives_a_killed_worker_and_node_with_every_handoff_e
     report_path = tmp_path / "report.json"
     environment = {**os.environ, "TMPDIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--cluster", "--quiet",
-         "--handoffs", "200", "--concurrency", "32", "--json", str(report_path)],
-        capture_output=True, text=True, timeout=600, check=False, env=environment,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvhandoff.worker.cli",
+            "demo",
+            "--cluster",
+            "--quiet",
+            "--handoffs",
+            "200",
+            "--concurrency",
+            "32",
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=environment,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
     report = msgspec.json.decode(report_path.read_bytes(), type=ClusterReport)
@@ -95,10 +127,25 @@ def test_the_demo_with_an_engine_killed_midway_still_ends_every_handoff(tmp_path
     report_path = tmp_path / "report.json"
     environment = {**os.environ, "TMPDIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--quiet", "--handoffs", "600",
-         "--kill-engine", "vllm-prefill-0", "--json", str(report_path)],
-        capture_output=True, text=True, timeout=600, check=False, env=environment,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvhandoff.worker.cli",
+            "demo",
+            "--quiet",
+            "--handoffs",
+            "600",
+            "--kill-engine",
+            "vllm-prefill-0",
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=environment,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
     report = msgspec.json.decode(report_path.read_bytes(), type=LoadReport)

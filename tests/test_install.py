@@ -44,8 +44,12 @@ print("ok", EngineType.VLLM.value, Frontend.__name__, NatsContainer.__name__)
 def _run(*command: str | Path, cwd: Path) -> str:
     done = subprocess.run(
         [str(part) for part in command],
-        cwd=cwd, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -71,8 +75,9 @@ def test_a_project_with_its_own_worker_and_events_installs_and_uses_kvhandoff(
     _run(python, "-m", "pip", "install", "-q", "--no-deps", wheel, cwd=project)
     # The dependencies (msgspec, nats-py, testcontainers, ...) from this environment, after
     # the venv's own site-packages, which hold kvhandoff.
-    their_site = Path(_run(python, "-c", "import site; print(site.getsitepackages()[0])",
-                           cwd=project).strip())  # fmt: skip
+    their_site = Path(
+        _run(python, "-c", "import site; print(site.getsitepackages()[0])", cwd=project).strip()
+    )
     (their_site / "borrowed.pth").write_text("\n".join(site.getsitepackages()) + "\n")
 
     (project / "test_it.py").write_text(_THEIR_TEST)

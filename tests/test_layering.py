@@ -195,9 +195,17 @@ def test_the_core_imports_only_the_standard_library_and_msgspec() -> None:
 # database, the event loop, and the ways to a process or a socket. Its inputs (and any file's
 # contents) reach it from the shell (worker.conformance.vectors reads the conformance vectors).
 CORE_MAY_NOT_IMPORT = {
-    "asyncio", "gzip", "io", "os", "pathlib", "shutil", "socket", "sqlite3", "subprocess",
+    "asyncio",
+    "gzip",
+    "io",
+    "os",
+    "pathlib",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "subprocess",
     "tempfile",
-}  # fmt: skip
+}
 
 
 def test_the_core_does_no_io() -> None:
@@ -385,13 +393,20 @@ def test_importing_an_engine_loads_the_transport_alone() -> None:
     # none of the tier's rules, the worker's log (nor its aiosqlite) or the worker's config.
     # (sqlite3 itself is the engine's own outcome log's, client.outcomes.)
     unwanted = [
-        "kvhandoff.worker.tier", "kvhandoff.worker.log", "kvhandoff.worker.config", "aiosqlite",
-    ]  # fmt: skip
+        "kvhandoff.worker.tier",
+        "kvhandoff.worker.log",
+        "kvhandoff.worker.config",
+        "aiosqlite",
+    ]
     client = ["kvhandoff.client", *modules_of("client")]
     probe = subprocess.run(
         [sys.executable, "-c", _MODULES_PROBE, json.dumps(client), json.dumps(unwanted)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if probe.returncode != 0:
         pytest.fail(f"importing the client failed:\n{probe.stderr}")
     loaded: list[str] = json.loads(probe.stdout)

@@ -291,8 +291,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "1h",
         "how long the completion stream keeps a completion",
     )
-    group.add_argument("--batch-size", type=int, default=tier_defaults.batch_size,
-                       help="most inputs per group commit (default %(default)s)")  # fmt: skip
+    group.add_argument(
+        "--batch-size",
+        type=int,
+        default=tier_defaults.batch_size,
+        help="most inputs per group commit (default %(default)s)",
+    )
     _add_duration_option(
         group,
         "--retry-interval",
@@ -335,8 +339,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=env.get("KVHANDOFF_METRICS_PORT", str(defaults.metrics_port)),
         help="Prometheus /metrics and /healthz; 0 disables (env KVHANDOFF_METRICS_PORT)",
     )
-    group.add_argument("--log-format", choices=["text", "json"],
-                       default=env.get("KVHANDOFF_LOG_FORMAT", "text"))  # fmt: skip
+    group.add_argument(
+        "--log-format", choices=["text", "json"], default=env.get("KVHANDOFF_LOG_FORMAT", "text")
+    )
     group.add_argument("--log-level", default=env.get("KVHANDOFF_LOG_LEVEL", "INFO"))
     tier = parser.add_argument_group(
         "tier", "Every worker is one of a tier; by default the only one, of one partition."

@@ -26,13 +26,28 @@ async def test_the_example_engine_serves_the_id_the_demo_leaves_to_it(
 ) -> None:
     report_path, db = tmp_path / "report.json", tmp_path / "demo.db"
     demo = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--quiet",
-        "--nats-url", nats_server.url,
-        "--external-engine", EXTERNAL, "--handoffs", "300", "--concurrency", "32",
-        "--json", str(report_path), "--db", str(db),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "TMPDIR": str(tmp_path)}, start_new_session=True,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvhandoff.worker.cli",
+        "demo",
+        "--quiet",
+        "--nats-url",
+        nats_server.url,
+        "--external-engine",
+        EXTERNAL,
+        "--handoffs",
+        "300",
+        "--concurrency",
+        "32",
+        "--json",
+        str(report_path),
+        "--db",
+        str(db),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        start_new_session=True,
+    )
     assert demo.stdout is not None
     printed: list[str] = []
     async with asyncio.timeout(120):  # the demo starts the worker and the mock engines first
@@ -42,13 +57,21 @@ async def test_the_example_engine_serves_the_id_the_demo_leaves_to_it(
             printed.append(line)
     command = printed[-1].split("run:", 1)[1].split()
     assert command == [
-        "python", "examples/engine.py", "--nats-url", nats_server.url, "source", EXTERNAL
-    ]  # fmt: skip
+        "python",
+        "examples/engine.py",
+        "--nats-url",
+        nats_server.url,
+        "source",
+        EXTERNAL,
+    ]
 
     example = await asyncio.create_subprocess_exec(
-        sys.executable, *command[1:], cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        sys.executable,
+        *command[1:],
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     try:
         rest, _ = await asyncio.wait_for(demo.communicate(), timeout=600)
         output = "".join(printed) + rest.decode(errors="replace")

@@ -74,10 +74,18 @@ async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answe
     tier_answers = [i for i in inputs if isinstance(i, ActionOutcome) and i.by_tier]
     assert [type(i.outcome).__name__ for i in tier_answers] == ["Noop"]  # its CancelSource
     replay = subprocess.run(  # noqa: ASYNC221  # the worker is another process: nothing waits
-        [sys.executable, "-m", "kvhandoff.worker.cli", "replay", str(tmp_path / "kvhandoff.db"),
-         str(handoff_id)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvhandoff.worker.cli",
+            "replay",
+            str(tmp_path / "kvhandoff.db"),
+            str(handoff_id),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert f"failed reason={LEASE_EXPIRED}" in replay.stdout, replay.stdout
     assert "noop by the tier (engine lease gone)" in replay.stdout, replay.stdout
 
@@ -99,9 +107,13 @@ async def until_stuck_shows(db: Path, text: str) -> None:
 
     async def shows() -> bool:
         stuck = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvhandoff.worker.cli", "stuck", str(db),
+            sys.executable,
+            "-m",
+            "kvhandoff.worker.cli",
+            "stuck",
+            str(db),
             stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+        )
         out, _ = await stuck.communicate()
         shown[0] = out.decode()
         return text in shown[0]

@@ -92,12 +92,23 @@ async def test_every_message_of_a_demo_run_validates_against_the_published_schem
         await bus.subscribe("kvhandoff.>", capture)
         await bus.flush()
         demo = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvhandoff.worker.cli", "demo", "--quiet",
-            "--nats-url", nats_server.url, "--handoffs", str(HANDOFFS), "--concurrency", "32",
-            "--db", str(tmp_path / "demo.db"),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            sys.executable,
+            "-m",
+            "kvhandoff.worker.cli",
+            "demo",
+            "--quiet",
+            "--nats-url",
+            nats_server.url,
+            "--handoffs",
+            str(HANDOFFS),
+            "--concurrency",
+            "32",
+            "--db",
+            str(tmp_path / "demo.db"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, "TMPDIR": str(tmp_path)},
-        )  # fmt: skip
+        )
         output, _ = await asyncio.wait_for(demo.communicate(), timeout=600)
         assert demo.returncode == 0, output.decode(errors="replace")
         await bus.flush()  # everything published before the demo ended has reached us
@@ -123,13 +134,24 @@ async def test_every_message_of_a_demo_run_validates_against_the_published_schem
     )
     # The run exercised the whole vocabulary that engines and frontends send and receive.
     inputs = {
-        "start_handoff", "source_held", "destination_reserved", "transfer_completed", "failed",
-        "canceled", "action_outcome",
-    }  # fmt: skip
+        "start_handoff",
+        "source_held",
+        "destination_reserved",
+        "transfer_completed",
+        "failed",
+        "canceled",
+        "action_outcome",
+    }
     actions = {
-        "submit_prefill", "reserve_destination", "start_transfer", "activate_destination",
-        "release_source", "cancel_source", "cancel_destination", "complete",
-    }  # fmt: skip
+        "submit_prefill",
+        "reserve_destination",
+        "start_transfer",
+        "activate_destination",
+        "release_source",
+        "cancel_source",
+        "cancel_destination",
+        "complete",
+    }
     assert inputs <= {tag for kind, tag in tags if kind == "Input"}, tags
     assert actions <= {tag for kind, tag in tags if kind == "Action"}, tags
     # (By id: a publish retried after a lost acknowledgement reaches core subscribers twice.)
@@ -157,8 +179,9 @@ async def test_the_engines_report_validates_against_the_published_schema(
     # What a foreign engine that keeps no accounting sends is enough.
     engine = "sglang-decode-9"
     minimal = {
-        "type": "engines_report", "process": "rust-7",
+        "type": "engines_report",
+        "process": "rust-7",
         "engines": [{"engine_id": engine, "engine_type": "sglang", "role": "destination"}],
         "leaks": [{"engine_id": engine, "handoff_id": str(uuid.uuid4()), "state": "held"}],
-    }  # fmt: skip
+    }
     assert [error.message for error in check.iter_errors(minimal)] == []

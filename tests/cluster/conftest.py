@@ -133,15 +133,26 @@ class TierWorker(WorkerChild):
     directory (`tmp / name`, or `data_dir`), and any further arguments of `run`."""
 
     def __init__(
-        self, url: str, name: str, tmp: Path, *extra: str, partitions: int = PARTITIONS,
+        self,
+        url: str,
+        name: str,
+        tmp: Path,
+        *extra: str,
+        partitions: int = PARTITIONS,
         data_dir: Path | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.data_dir = tmp / name if data_dir is None else data_dir
         self.data_dir.mkdir()
         super().__init__(
-            url, tmp / f"{name}.db", "--partitions", str(partitions),
-            "--data-dir", str(self.data_dir), *extra, log_path=tmp / f"{name}.log",
-        )  # fmt: skip
+            url,
+            tmp / f"{name}.db",
+            "--partitions",
+            str(partitions),
+            "--data-dir",
+            str(self.data_dir),
+            *extra,
+            log_path=tmp / f"{name}.log",
+        )
         self.name = name
 
     def took_a_share(self) -> bool:
@@ -186,8 +197,10 @@ class StatusChild:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", module, *args, str(self.status_path)],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
-            )  # fmt: skip
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+            )
 
     def status(self) -> dict[str, object]:
         loaded: dict[str, object] = json.loads(self.status_path.read_text())

@@ -71,10 +71,16 @@ async def own(url: str, name: str, partition: int, metrics: TierMetrics) -> Part
         await open_partitions(bus, STREAM, PREFIX, PARTITIONS)
         await open_partition_log(bus, LOG_STREAM, PREFIX)
         consumer = await open_partition_consumer(
-            bus, STREAM, PREFIX, CONSUMER, partition,
-            ack_wait_s=ACK_WAIT_S, max_pending=1024, priority_timeout_s=PRIORITY_TIMEOUT_S,
+            bus,
+            STREAM,
+            PREFIX,
+            CONSUMER,
+            partition,
+            ack_wait_s=ACK_WAIT_S,
+            max_pending=1024,
+            priority_timeout_s=PRIORITY_TIMEOUT_S,
             partitions=PARTITIONS,
-        )  # fmt: skip
+        )
         member = Member.this_process()
         log = PartitionLog(bus, LOG_STREAM, PREFIX, partition, f"{name}/{member.instance}")
 
@@ -103,9 +109,15 @@ async def own(url: str, name: str, partition: int, metrics: TierMetrics) -> Part
                 await asyncio.Event().wait()  # until SIGKILL: the batch is never acknowledged
 
         owner = PartitionOwner(
-            bus, STREAM, consumer, log, StandIn(decide, act, on_claim),
-            expires_s=EXPIRES_S, heartbeat_s=0.25, metrics=metrics,
-        )  # fmt: skip
+            bus,
+            STREAM,
+            consumer,
+            log,
+            StandIn(decide, act, on_claim),
+            expires_s=EXPIRES_S,
+            heartbeat_s=0.25,
+            metrics=metrics,
+        )
         print(f"owner {name} pulling partition {partition}", flush=True)
         await owner.run(stop)
         return owner

@@ -103,9 +103,12 @@ async def test_killing_the_stream_leader_loses_nothing_acknowledged_and_it_rejoi
             return all(p.current for p in (info.cluster.replicas or []))
 
         await until(
-            replicas_current, "every replica current", within=WITHIN_S, every=0.1,
+            replicas_current,
+            "every replica current",
+            within=WITHIN_S,
+            every=0.1,
             context=lambda: info.cluster,
-        )  # fmt: skip
+        )
         assert info.cluster is not None
         assert len(info.cluster.replicas or []) == CLUSTER_SIZE - 1
     finally:

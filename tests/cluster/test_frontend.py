@@ -49,9 +49,11 @@ async def test_a_wait_reads_the_completion_stream_again_until_it_answers(
         # Started elsewhere: the wait reads the stream, which has no leader now.
         waiting = asyncio.create_task(frontend.wait(handoff_id, timeout_s=4 * WITHIN_S))
         await eventually.until(
-            lambda: "reading it again" in caplog.text, "the frontend reads the stream again",
-            within=2 * WITHIN_S, guard=eventually.still_running(waiting),
-        )  # fmt: skip
+            lambda: "reading it again" in caplog.text,
+            "the frontend reads the stream again",
+            within=2 * WITHIN_S,
+            guard=eventually.still_running(waiting),
+        )
         for node in down:
             await asyncio.to_thread(nats_cluster.restart, node, WITHIN_S)
         assert await waiting == complete

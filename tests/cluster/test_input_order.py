@@ -83,8 +83,10 @@ def test_a_newer_input_waits_for_its_handoffs_orphan_and_others_do_not() -> None
     assert order.admit([Delivered(5, "h")]) == []  # 3 comes first
     assert order.held == 2 and order.orphans == 2
     assert order.admit([Delivered(3, "h"), Delivered(9, "h")]) == [
-        Delivered(3, "h"), Delivered(5, "h"), Delivered(9, "h"),
-    ]  # fmt: skip
+        Delivered(3, "h"),
+        Delivered(5, "h"),
+        Delivered(9, "h"),
+    ]
     assert order.done
     assert order.admit([Delivered(5, "h")]) == []  # a late redelivery of what was admitted
 
@@ -94,8 +96,9 @@ def test_an_input_given_back_is_admitted_again_and_holds_nothing_back() -> None:
     admitted again, and the handoff's newer inputs do not wait for it."""
     order: InputOrder[Delivered] = InputOrder([(3, "h")])
     assert order.admit([Delivered(3, "h"), Delivered(4, "g")]) == [
-        Delivered(3, "h"), Delivered(4, "g"),
-    ]  # fmt: skip
+        Delivered(3, "h"),
+        Delivered(4, "g"),
+    ]
     order.give_back([3])
     assert order.admit([Delivered(7, "h")]) == [Delivered(7, "h")]
     assert order.admit([Delivered(3, "h"), Delivered(4, "g")]) == [Delivered(3, "h")]

@@ -41,9 +41,16 @@ async def _owner_of(
     await open_partitions(bus, STREAM, PREFIX, PARTITIONS)
     await open_partition_log(bus, LOG_STREAM, PREFIX)
     consumer = await open_partition_consumer(
-        bus, STREAM, PREFIX, "c", 0,
-        ack_wait_s=1.0, max_pending=1024, priority_timeout_s=3.0, partitions=PARTITIONS,
-    )  # fmt: skip
+        bus,
+        STREAM,
+        PREFIX,
+        "c",
+        0,
+        ack_wait_s=1.0,
+        max_pending=1024,
+        priority_timeout_s=3.0,
+        partitions=PARTITIONS,
+    )
     log = PartitionLog(bus, LOG_STREAM, PREFIX, 0, "test/owner")
 
     async def decide(batch: Sequence[Inbound]) -> Decided:
@@ -75,9 +82,10 @@ async def test_an_owner_forgets_the_inputs_below_the_ack_floor(
     async with _owner_of(bus, applied) as (owner, running):
         await until(
             lambda: len(applied) >= INPUTS and not owner.remembered,
-            "every input applied, and forgotten", within=2 * WITHIN_S,
+            "every input applied, and forgotten",
+            within=2 * WITHIN_S,
             guard=still_running(running),
-        )  # fmt: skip
+        )
     assert owner.applied == INPUTS and len(set(applied)) == INPUTS
 
 
@@ -105,8 +113,9 @@ async def test_an_owner_keeps_what_a_new_consumer_leader_may_deliver_again(
         # until the owner remembers nothing: it would read no floor any more.
         await until(
             lambda: len(applied) >= INPUTS and (not owner.remembered or len(reads) >= 3),
-            "every input applied, and the successor's floor read twice", within=2 * WITHIN_S,
+            "every input applied, and the successor's floor read twice",
+            within=2 * WITHIN_S,
             guard=still_running(running),
-        )  # fmt: skip
+        )
     assert owner.applied == INPUTS
     assert owner.remembered == INPUTS - INPUTS // 2

@@ -21,9 +21,11 @@ async def test_an_idle_owner_stops_at_once_though_its_fetch_would_wait_an_hour(
     applied: list[int] = []
     async with _owner_of(bus, applied) as (owner, running):
         await until(
-            lambda: len(applied) >= INPUTS, "every input applied", within=2 * WITHIN_S,
+            lambda: len(applied) >= INPUTS,
+            "every input applied",
+            within=2 * WITHIN_S,
             guard=still_running(running),
-        )  # fmt: skip
+        )
     # Every input applied, its fetch waiting for more: leaving `_owner_of` sets the stop and
     # waits WITHIN_S for the owner, then cancels it.
     assert not running.cancelled() and running.exception() is None

@@ -65,8 +65,10 @@ class Steps:
 async def steps(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Steps]:
     """A worker of a one-partition tier that has claimed its partition, run step by step."""
     config = WorkerConfig(
-        NatsSettings(url=nats_server.url), tmp_path / "unused.db", data_dir=tmp_path,
-    )  # fmt: skip
+        NatsSettings(url=nats_server.url),
+        tmp_path / "unused.db",
+        data_dir=tmp_path,
+    )
     bus = await Bus.connect(config.nats, "test-partition-steps")
     await open_completions(
         bus, config.tier.done_stream, Subjects(PREFIX).completions, config.tier.completion_ttl_s

@@ -85,14 +85,24 @@ SUCCESS_EVENTS = 15  # a success handoff's log: 9 inputs and the 6 actions they 
 
 
 def whole_history_worker(
-    url: str, name: str, tmp: Path, *extra: str, partitions: int = PARTITIONS,
+    url: str,
+    name: str,
+    tmp: Path,
+    *extra: str,
+    partitions: int = PARTITIONS,
     data_dir: Path | None = None,
-) -> TierWorker:  # fmt: skip
+) -> TierWorker:
     """A `TierWorker` that keeps the replicated log's whole history: it takes no snapshots."""
     return TierWorker(
-        url, name, tmp, "--snapshot-every", "0", *extra, partitions=partitions,
+        url,
+        name,
+        tmp,
+        "--snapshot-every",
+        "0",
+        *extra,
+        partitions=partitions,
         data_dir=data_dir,
-    )  # fmt: skip
+    )
 
 
 def start(n: int) -> StartHandoff:
@@ -110,9 +120,12 @@ def twice_applied(log: dict[int, list[Entry]]) -> str:
     """The entries of every partition's log that apply an input applied more than once, with
     their place in the log (an empty string if there are none): what a failure shows."""
     counts = Counter(
-        seq for entries in log.values() for e in entries if isinstance(e, Appended)
+        seq
+        for entries in log.values()
+        for e in entries
+        if isinstance(e, Appended)
         for seq in e.inputs
-    )  # fmt: skip
+    )
     twice = {seq for seq, n in counts.items() if n > 1}
     lines = []
     for partition, entries in log.items():
@@ -198,8 +211,11 @@ def partition_files(tmp: Path) -> list[Path]:
 def verify(path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvhandoff.worker.cli", "verify", str(path)],
-        capture_output=True, text=True, timeout=2 * WITHIN_S, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=2 * WITHIN_S,
+        check=False,
+    )
     assert done.returncode == 0, f"verify {path}: {done.stdout}{done.stderr}"
 
 
@@ -257,10 +273,25 @@ async def test_two_workers_share_the_load_and_a_killed_ones_handoffs_all_complet
     # A data directory is one worker's: a second worker on it is refused before it connects.
     second = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "kvhandoff.worker.cli", "run", "--nats-url", url,
-         "--partitions", str(PARTITIONS), "--data-dir", str(w2.data_dir), "--metrics-port", "0"],
-        capture_output=True, text=True, timeout=2 * WITHIN_S, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvhandoff.worker.cli",
+            "run",
+            "--nats-url",
+            url,
+            "--partitions",
+            str(PARTITIONS),
+            "--data-dir",
+            str(w2.data_dir),
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=2 * WITHIN_S,
+        check=False,
+    )
     assert second.returncode == 2 and "in use by another worker" in second.stderr, second
 
     engines = ScriptedEngines(url.split(",")[0])
@@ -383,10 +414,13 @@ async def test_a_log_stream_of_the_previous_version_is_updated_for_snapshots(
     subject's entries, and a start whose deadline is longer than the retention completes."""
     await js.add_stream(
         StreamConfig(
-            name=LOG_STREAM, subjects=[f"{SETTINGS.prefix}.log.*"], max_age=2 * 3600,
-            duplicate_window=120.0, num_replicas=3,
+            name=LOG_STREAM,
+            subjects=[f"{SETTINGS.prefix}.log.*"],
+            max_age=2 * 3600,
+            duplicate_window=120.0,
+            num_replicas=3,
         )
-    )  # fmt: skip
+    )
     url = nats_cluster.url
     w1 = whole_history_worker(url, "w1", tmp_path, "--retention", "2h")
     workers.append(w1)
@@ -467,8 +501,9 @@ async def lead_both_streams(cluster: NatsCluster) -> EmbeddedNats:
                 with contextlib.suppress(nats.errors.TimeoutError):
                     await nc.request(
                         f"$JS.API.STREAM.LEADER.STEPDOWN.{LOG_STREAM}",
-                        json.dumps(request).encode(), timeout=5,
-                    )  # fmt: skip
+                        json.dumps(request).encode(),
+                        timeout=5,
+                    )
             await asyncio.sleep(0.2)  # a bounded poll of the election
     finally:
         await nc.close()
@@ -810,9 +845,10 @@ async def test_a_worker_that_joins_mid_load_takes_its_share_by_clean_hand_overs(
         assert FENCED_LINE.search(w.whole_log()) is None, w.name
     labels = owners_by_label(w1, w2)
     claimed_by_w2 = {
-        partition for partition, entries in log.items()
+        partition
+        for partition, entries in log.items()
         if any(isinstance(e, Claimed) and labels[e.owner.split("/")[0]] is w2 for e in entries)
-    }  # fmt: skip
+    }
     # w1's round gave w2 its share, and each of those partitions was handed over (finish the
     # batch, give back, unpin) before w2 claimed it.
     given = re.findall(r"handing over \[([\d, ]+)\]", running)

@@ -192,10 +192,12 @@ async def test_a_handed_over_partitions_retries_move_to_its_new_owner(
             assert w2.running(), w2.logs()
 
         await eventually.until(
-            lambda: handed <= claimed_by_w2(), "w2 claimed the partitions handed to it",
-            within=2 * WITHIN_S, guard=w1_stopped_retrying,
+            lambda: handed <= claimed_by_w2(),
+            "w2 claimed the partitions handed to it",
+            within=2 * WITHIN_S,
+            guard=w1_stopped_retrying,
             context=lambda: f"w2 claimed {claimed_by_w2()} of {handed}",
-        )  # fmt: skip
+        )
         await until(
             lambda: all(engines.deliveries[key] >= seen[key] + 3 for key in kept),
             "w1 goes on retrying the actions of the partitions it kept",

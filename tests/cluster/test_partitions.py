@@ -115,9 +115,10 @@ async def test_alone_the_stream_is_r1_and_a_single_worker_stream_of_old_is_refus
                 assert info.config.num_replicas == 1
                 # Streams that earlier versions made for their single worker: marked, and from
                 # before the mark existed. Its history is in its file, in no replicated log.
-                for name, metadata in [("SINGLE", {PARTITIONS_METADATA: "1",
-                                                   CONSUMER_METADATA: "single"}),
-                                       ("OLD", None)]:  # fmt: skip
+                for name, metadata in [
+                    ("SINGLE", {PARTITIONS_METADATA: "1", CONSUMER_METADATA: "single"}),
+                    ("OLD", None),
+                ]:
                     config = StreamConfig(name=name, subjects=[f"{name.lower()}.in.>"])
                     config.metadata = metadata
                     await nc.jetstream().add_stream(config)
@@ -191,12 +192,19 @@ async def test_the_only_partitions_consumer_is_unfiltered_and_an_earlier_filtere
     earlier = {  # the config an earlier version made it with: filtered by the partition
         "stream_name": STREAM,
         "config": {
-            "name": name, "durable_name": name, "filter_subject": partition_subject(PREFIX, 0),
-            "ack_policy": "explicit", "deliver_policy": "all", "ack_wait": 1_000_000_000,
-            "max_ack_pending": 64, "max_deliver": -1, "priority_groups": [PRIORITY_GROUP],
-            "priority_policy": "pinned_client", "priority_timeout": 5_000_000_000,
+            "name": name,
+            "durable_name": name,
+            "filter_subject": partition_subject(PREFIX, 0),
+            "ack_policy": "explicit",
+            "deliver_policy": "all",
+            "ack_wait": 1_000_000_000,
+            "max_ack_pending": 64,
+            "max_deliver": -1,
+            "priority_groups": [PRIORITY_GROUP],
+            "priority_policy": "pinned_client",
+            "priority_timeout": 5_000_000_000,
         },
-    }  # fmt: skip
+    }
     nc = await nats.connect(nats_cluster.url.split(","))
     try:
         reply = await nc.request(
@@ -208,9 +216,16 @@ async def test_the_only_partitions_consumer_is_unfiltered_and_an_earlier_filtere
     assert (await js.consumer_info(STREAM, name)).config.filter_subject
 
     made = await open_partition_consumer(
-        bus, STREAM, PREFIX, "kvhandoff-worker", 0,
-        ack_wait_s=1.0, max_pending=64, priority_timeout_s=5.0, partitions=1,
-    )  # fmt: skip
+        bus,
+        STREAM,
+        PREFIX,
+        "kvhandoff-worker",
+        0,
+        ack_wait_s=1.0,
+        max_pending=64,
+        priority_timeout_s=5.0,
+        partitions=1,
+    )
     assert made == name
     assert not (await js.consumer_info(STREAM, name)).config.filter_subject
     sent = [await publish(js, f"{PREFIX}.in.{uuid.uuid4()}", b"%d" % n) for n in range(3)]
@@ -253,9 +268,16 @@ async def test_what_a_new_owner_holds_of_the_unacknowledged_messages_is_not_read
     the walk goes on counts too; only the rest is read."""
     await open_partitions(bus, STREAM, PREFIX, 1)
     name = await open_partition_consumer(
-        bus, STREAM, PREFIX, "kvhandoff-worker", 0,
-        ack_wait_s=30.0, max_pending=64, priority_timeout_s=5.0, partitions=1,
-    )  # fmt: skip
+        bus,
+        STREAM,
+        PREFIX,
+        "kvhandoff-worker",
+        0,
+        ack_wait_s=30.0,
+        max_pending=64,
+        priority_timeout_s=5.0,
+        partitions=1,
+    )
     sent = [await publish(js, f"{PREFIX}.in.{uuid.uuid4()}", b"%d" % n) for n in range(5)]
     watcher = await Bus.connect(NatsSettings(url=nats_cluster.url), "test-gets-watcher")
     gets = Gets()

@@ -55,10 +55,16 @@ async def partition_with_inputs(
     assert subject is not None
     partition = int(subject.split(".")[2])
     return await open_partition_consumer(
-        bus, STREAM, PREFIX, "kvhandoff-worker", partition,
-        ack_wait_s=ACK_WAIT_S, max_pending=64, priority_timeout_s=priority_timeout_s,
+        bus,
+        STREAM,
+        PREFIX,
+        "kvhandoff-worker",
+        partition,
+        ack_wait_s=ACK_WAIT_S,
+        max_pending=64,
+        priority_timeout_s=priority_timeout_s,
         partitions=PARTITIONS,
-    )  # fmt: skip
+    )
 
 
 async def first_fetch(pull: Pull) -> list[Inbound]:
@@ -74,9 +80,15 @@ async def first_fetch(pull: Pull) -> list[Inbound]:
 
 def pull(bus: Bus, consumer: str, pin_id: str | None = None) -> Pull:
     return Pull(
-        bus, STREAM, consumer, max_ahead=1, expires_s=2.0, heartbeat_s=0.5,
-        group=PRIORITY_GROUP, pin_id=pin_id,
-    )  # fmt: skip
+        bus,
+        STREAM,
+        consumer,
+        max_ahead=1,
+        expires_s=2.0,
+        heartbeat_s=0.5,
+        group=PRIORITY_GROUP,
+        pin_id=pin_id,
+    )
 
 
 async def test_the_first_puller_is_pinned_and_the_others_are_refused_or_kept_waiting(

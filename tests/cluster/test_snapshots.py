@@ -160,8 +160,11 @@ async def test_a_writer_killed_in_the_middle_of_a_snapshots_batch_leaves_the_las
     nats_cluster: NatsCluster, bus: Bus, other: Bus, js: JetStreamContext
 ) -> None:
     script = _KILLED_MID_BATCH % {
-        "stream": LOG_STREAM, "prefix": PREFIX, "partition": PARTITION, "big": BIG,
-    }  # fmt: skip
+        "stream": LOG_STREAM,
+        "prefix": PREFIX,
+        "partition": PARTITION,
+        "big": BIG,
+    }
     await run_until_killed(script, nats_cluster.url)
 
     caught = await log_of(other, "next").claim()
@@ -203,8 +206,10 @@ async def test_a_writer_killed_as_it_sends_a_one_message_snapshot_leaves_one_or_
     nats_cluster: NatsCluster, bus: Bus, other: Bus
 ) -> None:
     script = _KILLED_AFTER_SENDING % {
-        "stream": LOG_STREAM, "prefix": PREFIX, "partition": PARTITION,
-    }  # fmt: skip
+        "stream": LOG_STREAM,
+        "prefix": PREFIX,
+        "partition": PARTITION,
+    }
     await run_until_killed(script, nats_cluster.url)
 
     caught = await log_of(other, "next").claim()

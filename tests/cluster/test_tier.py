@@ -161,9 +161,12 @@ async def test_a_killed_workers_partitions_are_taken_over_with_every_input_appli
         missing = set(load.published).difference(*acted.by.values())
         # Applied but never acted on (in the log), or never applied: two different faults.
         logged = {
-            seq for entries in (await the_log(js)).values() for entry in entries
-            if isinstance(entry, Appended) for seq in entry.inputs
-        }  # fmt: skip
+            seq
+            for entries in (await the_log(js)).values()
+            for entry in entries
+            if isinstance(entry, Appended)
+            for seq in entry.inputs
+        }
         raise AssertionError(
             f"not acted on: {sorted(missing)}, of which in the log: {sorted(missing & logged)}; "
             f"w2: {w2.status()}"

@@ -48,10 +48,23 @@ def claims(worker: TierWorker, after: str | None = None) -> int:
 def load(url: str, tmp: Path, name: str) -> Child:
     """`kvhandoff load` of HANDOFFS handoffs, once every engine of its roster listens."""
     child = Child(
-        [*CLI, "load", "--nats-url", url, "--handoffs", str(HANDOFFS), "--concurrency", "8",
-         "--wait-for-engines", "60s", "--quiet", "--json", str(tmp / f"{name}.json")],
+        [
+            *CLI,
+            "load",
+            "--nats-url",
+            url,
+            "--handoffs",
+            str(HANDOFFS),
+            "--concurrency",
+            "8",
+            "--wait-for-engines",
+            "60s",
+            "--quiet",
+            "--json",
+            str(tmp / f"{name}.json"),
+        ],
         tmp / f"{name}.log",
-    )  # fmt: skip
+    )
     child.launch()
     return child
 

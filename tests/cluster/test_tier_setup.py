@@ -45,16 +45,20 @@ async def test_a_worker_started_without_a_quorum_sets_up_once_the_cluster_has_on
     running = asyncio.create_task(tier.run(stop))
     try:
         await until(
-            lambda: "cannot set up yet" in caplog.text, "the tier waits to set up",
-            within=2 * WITHIN_S, guard=still_running(running),
-        )  # fmt: skip
+            lambda: "cannot set up yet" in caplog.text,
+            "the tier waits to set up",
+            within=2 * WITHIN_S,
+            guard=still_running(running),
+        )
         assert tier.owned == set()
         for node in down:
             await asyncio.to_thread(nats_cluster.restart, node, WITHIN_S)
         await until(
-            lambda: tier.owned == {0, 1}, "the tier owns both partitions",
-            within=2 * WITHIN_S, guard=still_running(running),
-        )  # fmt: skip
+            lambda: tier.owned == {0, 1},
+            "the tier owns both partitions",
+            within=2 * WITHIN_S,
+            guard=still_running(running),
+        )
     finally:
         stop.set()
         with contextlib.suppress(Exception):

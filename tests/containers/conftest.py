@@ -253,8 +253,9 @@ def recovered_open_handoffs(worker: KvhandoffWorkerContainer) -> int:
     A worker started beside a dead one's membership is healthy before it claims (its share is
     empty until that membership expires), so its claim is waited for."""
     pattern = re.compile(r"recovered (\d+) open handoffs")
-    wait_until(lambda: pattern.search(worker.logs()) is not None, "the worker's claim",
-               context=worker.logs)  # fmt: skip
+    wait_until(
+        lambda: pattern.search(worker.logs()) is not None, "the worker's claim", context=worker.logs
+    )
     found = pattern.search(worker.logs())
     assert found is not None
     return int(found.group(1))

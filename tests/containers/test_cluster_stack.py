@@ -66,9 +66,13 @@ class ComposeProject:
 
     def run(self, *args: str, timeout_s: float) -> None:
         done = subprocess.run(
-            [*self._command, *args], env=self.env, capture_output=True, text=True,
-            timeout=timeout_s, check=False,
-        )  # fmt: skip
+            [*self._command, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
         assert done.returncode == 0, f"compose {args}: {done.stdout}{done.stderr}\n{self.logs()}"
 
     def container(self, service: str) -> Any:

@@ -326,8 +326,9 @@ def test_parts_that_cannot_make_a_record_are_log_corrupt(
 
 
 @settings(deadline=None, max_examples=300)
-@given(st.sampled_from([VERBATIM, *TYPE_CODES.values()]), st.integers(-(2**63), 2**63 - 1),
-       st.binary())  # fmt: skip
+@given(
+    st.sampled_from([VERBATIM, *TYPE_CODES.values()]), st.integers(-(2**63), 2**63 - 1), st.binary()
+)
 def test_any_parts_are_a_record_or_log_corrupt(code: int, at_ms: int, fields: bytes) -> None:
     try:
         record = codec.decode_record(codec.join_record(H.bytes, code, at_ms, fields))

@@ -79,12 +79,22 @@ def worker(nats_server: EmbeddedNats, subjects: Subjects, tmp_path: Path) -> Ite
     prefix = subjects.prefix
     log = tmp_path / "worker.log"
     child = WorkerChild(
-        nats_server.url, tmp_path / "kvhandoff.db",
-        "--subject-prefix", prefix, "--stream", f"IN_{prefix}", "--consumer", f"W_{prefix}",
-        "--done-stream", f"DONE_{prefix}", "--log-stream", f"LOG_{prefix}",
-        "--retry-interval", "0.25s",
+        nats_server.url,
+        tmp_path / "kvhandoff.db",
+        "--subject-prefix",
+        prefix,
+        "--stream",
+        f"IN_{prefix}",
+        "--consumer",
+        f"W_{prefix}",
+        "--done-stream",
+        f"DONE_{prefix}",
+        "--log-stream",
+        f"LOG_{prefix}",
+        "--retry-interval",
+        "0.25s",
         log_path=log,
-    )  # fmt: skip
+    )
     child.start()
     yield log
     assert child.terminate() == 0, log.read_text()

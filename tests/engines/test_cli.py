@@ -36,10 +36,22 @@ def test_load_reports_json_and_exits_0_and_the_engines_exit_0_without_leaks(
     try:
         report_path = tmp_path / "report.json"
         command = [
-            *KVHANDOFF, "load", *bus, "--sources", "1", "--destinations", "1",
-            "--handoffs", "20", "--concurrency", "4", "--cancel-share", "0.2",
-            "--json", str(report_path),
-        ]  # fmt: skip
+            *KVHANDOFF,
+            "load",
+            *bus,
+            "--sources",
+            "1",
+            "--destinations",
+            "1",
+            "--handoffs",
+            "20",
+            "--concurrency",
+            "4",
+            "--cancel-share",
+            "0.2",
+            "--json",
+            str(report_path),
+        ]
         load = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         assert load.returncode == 0, load.stdout + load.stderr
         assert "completed" in load.stdout  # the summary table
@@ -69,10 +81,16 @@ async def test_engines_exit_1_and_name_the_leak_when_stopped_holding_a_completed
     nats_server: EmbeddedNats, subjects: Subjects, worker_side: WorkerSide
 ) -> None:
     engines = await asyncio.create_subprocess_exec(
-        *KVHANDOFF, "engines", *bus_options(nats_server, subjects), *FAST_ENGINES,
-        "--engine-types", "vllm", "--prompt-tokens", "100:100",
+        *KVHANDOFF,
+        "engines",
+        *bus_options(nats_server, subjects),
+        *FAST_ENGINES,
+        "--engine-types",
+        "vllm",
+        "--prompt-tokens",
+        "100:100",
         stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    )
     h = uuid.uuid4()
     # The engines may not listen yet: send the action again until it is answered.
     while True:
@@ -103,10 +121,22 @@ def test_credentials_that_nats_refuses_exit_2_at_once_naming_the_setting(
     config = "authorization { user: worker, password: secret }"
     with EmbeddedNats(tmp_path, config=config) as server:
         result = subprocess.run(
-            [*KVHANDOFF, command[0], "--nats-url", server.url,
-             "--nats-user", "worker", "--nats-password", "wrong", *command[1:]],
-            capture_output=True, text=True, timeout=30, check=False,
-        )  # fmt: skip
+            [
+                *KVHANDOFF,
+                command[0],
+                "--nats-url",
+                server.url,
+                "--nats-user",
+                "worker",
+                "--nats-password",
+                "wrong",
+                *command[1:],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     assert result.returncode == 2, result.stderr
     assert f"NATS at {server.url} refused the connection" in result.stderr
     assert "check --nats-user/--nats-password" in result.stderr

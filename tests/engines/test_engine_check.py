@@ -49,9 +49,13 @@ async def serving(command: list[str], listening: str) -> asyncio.subprocess.Proc
 
 async def engine_check(engine_id: str, *options: str) -> tuple[int, list[str]]:
     checked = await asyncio.create_subprocess_exec(
-        *KVHANDOFF, "engine-check", engine_id, *options,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        *KVHANDOFF,
+        "engine-check",
+        engine_id,
+        *options,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await asyncio.wait_for(checked.communicate(), timeout=120)
     assert checked.returncode is not None
     return checked.returncode, out.decode().splitlines()
@@ -72,10 +76,21 @@ async def test_the_mock_engines_pass_every_rule(
 ) -> None:
     bus = ["--nats-url", nats_server.url, "--subject-prefix", subjects.prefix]
     engines = await serving(
-        [*KVHANDOFF, "engines", *bus, "--engine-types", "sglang", "--sources", "1",
-         "--destinations", "1", "--speedup", "100"],
+        [
+            *KVHANDOFF,
+            "engines",
+            *bus,
+            "--engine-types",
+            "sglang",
+            "--sources",
+            "1",
+            "--destinations",
+            "1",
+            "--speedup",
+            "100",
+        ],
         "mock engines listening",
-    )  # fmt: skip
+    )
     try:
         for engine_id in ("sglang-prefill-0", "sglang-decode-0"):
             code, lines = await engine_check(engine_id, *bus, "--quiet", "0.5")

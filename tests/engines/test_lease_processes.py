@@ -91,22 +91,44 @@ def handoffs_of(db: Path, engine_id: str) -> int:
 
 
 def test_an_engine_sigkilled_mid_load_strands_no_handoff(
-    nats_server: EmbeddedNats, subjects: Subjects, worker: Path, tmp_path: Path,
+    nats_server: EmbeddedNats,
+    subjects: Subjects,
+    worker: Path,
+    tmp_path: Path,
     spawn: list[Engines],
-) -> None:  # fmt: skip
+) -> None:
     bus = bus_options(nats_server, subjects)
     db = worker.parent / "kvhandoff.db"
     kept = Engines(bus, "--leave-out", DOOMED, "--lease-ttl", "1", "--speedup", "20")
-    doomed = Engines(bus, "--leave-out", KEPT, "--leave-out", DECODE, "--lease-ttl", "1",
-                     "--speedup", "20")  # fmt: skip
+    doomed = Engines(
+        bus, "--leave-out", KEPT, "--leave-out", DECODE, "--lease-ttl", "1", "--speedup", "20"
+    )
     spawn += [kept, doomed]
     report_path = tmp_path / "report.json"
     load = subprocess.Popen(
-        [*KVHANDOFF, "load", *bus, *ROSTER, "--handoffs", "300", "--concurrency", "30",
-         "--deadline-ms", str(LONG_DEADLINE_MS), "--wait-timeout", "60s",
-         "--wait-for-engines", "30s", "--json", str(report_path), "--quiet"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            *KVHANDOFF,
+            "load",
+            *bus,
+            *ROSTER,
+            "--handoffs",
+            "300",
+            "--concurrency",
+            "30",
+            "--deadline-ms",
+            str(LONG_DEADLINE_MS),
+            "--wait-timeout",
+            "60s",
+            "--wait-for-engines",
+            "30s",
+            "--json",
+            str(report_path),
+            "--quiet",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_until(lambda: handoffs_of(db, DOOMED) >= 20, "the doomed engine has handoffs")
 
     doomed.process.send_signal(signal.SIGKILL)
@@ -147,8 +169,9 @@ def test_an_engine_paused_past_its_lease_fences_itself_and_comes_back_as_a_new_i
     # Back: a new incarnation (the tier admits starts naming it again) that serves them.
     asyncio.run(_served_again(nats_server, subjects))
     with open_log(db) as log:
-        inputs = [e.record.input for e in log.load(handoff_id).events
-                  if isinstance(e.record, InputRecord)]  # fmt: skip
+        inputs = [
+            e.record.input for e in log.load(handoff_id).events if isinstance(e.record, InputRecord)
+        ]
     assert Failed(handoff_id, LEASE_EXPIRED) in inputs
     assert not any(isinstance(i, SourceHeld) for i in inputs)  # no late success
     code, out = paused.stop()
@@ -183,8 +206,17 @@ def test_an_engine_without_a_lease_keeps_the_deadline_behaviour(
     bus = bus_options(nats_server, subjects)
     db = worker.parent / "kvhandoff.db"
     spawn.append(Engines(bus, "--leave-out", DOOMED))
-    unleased = Engines(bus, "--leave-out", KEPT, "--leave-out", DECODE, "--lease-ttl", "0",
-                       "--prefill-tokens-per-s", "10")  # fmt: skip
+    unleased = Engines(
+        bus,
+        "--leave-out",
+        KEPT,
+        "--leave-out",
+        DECODE,
+        "--lease-ttl",
+        "0",
+        "--prefill-tokens-per-s",
+        "10",
+    )
     spawn.append(unleased)
     handoff_id = asyncio.run(_start(nats_server, subjects, deadline_ms=3000))
     wait_until(lambda: handoffs_of(db, DOOMED) == 1, "the handoff started")
@@ -195,8 +227,9 @@ def test_an_engine_without_a_lease_keeps_the_deadline_behaviour(
     wait_until(lambda: _timed_out(db, handoff_id), "the deadline passed")
     with open_log(db) as log:
         row = log.load(handoff_id).handoff
-        inputs = [e.record.input for e in log.load(handoff_id).events
-                  if isinstance(e.record, InputRecord)]  # fmt: skip
+        inputs = [
+            e.record.input for e in log.load(handoff_id).events if isinstance(e.record, InputRecord)
+        ]
     assert row.state is HandoffState.OPEN
     assert not any(isinstance(i, Failed) for i in inputs)
     # `stuck` lists it, waiting on an engine of which the tier knew no lease.
@@ -234,9 +267,11 @@ async def _start(
 
 
 async def _ended(
-    nats_server: EmbeddedNats, subjects: Subjects, handoff_id: uuid.UUID,
+    nats_server: EmbeddedNats,
+    subjects: Subjects,
+    handoff_id: uuid.UUID,
     completion: HandoffCompletion,
-) -> None:  # fmt: skip
+) -> None:
     settings = NatsSettings(url=nats_server.url, subject_prefix=subjects.prefix)
     async with await Connection.open(settings, "test") as connection:
         frontend = await Frontend.open(connection)

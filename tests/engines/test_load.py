@@ -148,9 +148,15 @@ async def test_a_handoff_the_frontend_canceled_ends_at_its_canceled_completion(
 
     await nc.subscribe(subjects.inputs, cb=scripted_worker)
     config = load_config(
-        nats_server, subjects, handoffs=6, concurrency=6, cancel_share=1.0,
-        cancel_within_ms=0.0, wait_timeout_s=5.0, settle_timeout_s=0.1,
-    )  # fmt: skip
+        nats_server,
+        subjects,
+        handoffs=6,
+        concurrency=6,
+        cancel_share=1.0,
+        cancel_within_ms=0.0,
+        wait_timeout_s=5.0,
+        settle_timeout_s=0.1,
+    )
     report = await run_load(config)
 
     assert sorted(fates.values()) == sorted(CANCEL_FATES * 2)
@@ -253,14 +259,20 @@ async def test_a_load_told_to_wait_for_the_engines_starts_its_handoffs_once_they
     await nc.flush()
     # No worker: the handoff is only stored, and times out at once in the report.
     config = load_config(
-        nats_server, subjects, handoffs=1, engines_wait_s=60.0, wait_timeout_s=0.1,
-        settle_timeout_s=0.1, roster=ONE_PAIR,
-    )  # fmt: skip
+        nats_server,
+        subjects,
+        handoffs=1,
+        engines_wait_s=60.0,
+        wait_timeout_s=0.1,
+        settle_timeout_s=0.1,
+        roster=ONE_PAIR,
+    )
     load = asyncio.create_task(run_load(config))
     await until(
-        lambda: bool(probes), "the load asked whether the engines listen",
+        lambda: bool(probes),
+        "the load asked whether the engines listen",
         guard=still_running(load),
-    )  # fmt: skip
+    )
     stored_before = (await js.stream_info(stream)).state.messages
     await start_engines(roster=ONE_PAIR)
     report = await asyncio.wait_for(load, 60)

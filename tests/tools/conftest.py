@@ -115,8 +115,10 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> GoldenDataDir:
     for partition in range(PARTITIONS):
         mine = [s for s in SCENARIOS if GoldenDataDir.partition(s.name) == partition]
         assert mine, f"partition {partition} of the golden data directory is empty"
-        write_log(written.directory / f"partition-{partition}.db",
-                  [(s.start_ms, s.script(s.handoff_id)) for s in mine])  # fmt: skip
+        write_log(
+            written.directory / f"partition-{partition}.db",
+            [(s.start_ms, s.script(s.handoff_id)) for s in mine],
+        )
     shutil.copytree(written.directory, written.tampered)
     for partition in {GoldenDataDir.partition(t.scenario) for t in TAMPERED}:
         tampers = [t for t in TAMPERED if GoldenDataDir.partition(t.scenario) == partition]

@@ -154,11 +154,17 @@ def append_inputs(path: Path, handoff_id: str, records: list[InputRecord]) -> No
             "INSERT INTO events (handoff_id, seq, kind, type, at_ms, digest, record)"
             " VALUES (?, ?, 'input', ?, ?, ?, ?)",
             [
-                (handoff_id, last + 1 + i, r.input.__struct_config__.tag, r.at_ms,
-                 input_digest(r.input), encode_record(r))
+                (
+                    handoff_id,
+                    last + 1 + i,
+                    r.input.__struct_config__.tag,
+                    r.at_ms,
+                    input_digest(r.input),
+                    encode_record(r),
+                )
                 for i, r in enumerate(records)
             ],
-        )  # fmt: skip
+        )
         db.execute(
             "UPDATE handoffs SET last_seq = ? WHERE handoff_id = ?",
             (last + len(records), handoff_id),

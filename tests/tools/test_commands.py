@@ -65,41 +65,67 @@ def test_list_reports_every_handoff_with_order_age_and_completion(kvhandoff: Run
     by_id = {str(h.handoff.handoff_id): h for h in listed.handoffs}
     cancel = by_id[IDS["frontend-cancel"]]
     assert (cancel.handoff.state, cancel.handoff.engine_type, cancel.order) == (
-        "canceled", "trtllm", "source_first"
-    )  # fmt: skip
+        "canceled",
+        "trtllm",
+        "source_first",
+    )
     assert (cancel.handoff.source, cancel.handoff.destination) == (
-        "trtllm-prefill-0", "trtllm-decode-0"
-    )  # fmt: skip
+        "trtllm-prefill-0",
+        "trtllm-decode-0",
+    )
     assert (cancel.events, cancel.age_ms, cancel.duration_ms) == (11, 58 * 60_000, 706)
     stuck = by_id[IDS["stuck-on-transfer"]]
     assert (stuck.handoff.state, stuck.order, stuck.duration_ms) == (
-        "open", "destination_first", None
-    )  # fmt: skip
+        "open",
+        "destination_first",
+        None,
+    )
 
 
 @pytest.mark.parametrize(
     ("filters", "expected"),
     [
-        (["--state", "canceled"],
-         ids("frontend-cancel", "failed-outcome", "deadline-timed-out", "reopened-after-success")),
-        (["--state", "open", "--state", "succeeded"],
-         ids("source-first-success", "destination-first-success", "stuck-on-reserve",
-             "stuck-on-transfer", "just-started")),
-        (["--engine-type", "sglang"],
-         ids("destination-first-success", "failed-outcome", "stuck-on-transfer")),
+        (
+            ["--state", "canceled"],
+            ids(
+                "frontend-cancel", "failed-outcome", "deadline-timed-out", "reopened-after-success"
+            ),
+        ),
+        (
+            ["--state", "open", "--state", "succeeded"],
+            ids(
+                "source-first-success",
+                "destination-first-success",
+                "stuck-on-reserve",
+                "stuck-on-transfer",
+                "just-started",
+            ),
+        ),
+        (
+            ["--engine-type", "sglang"],
+            ids("destination-first-success", "failed-outcome", "stuck-on-transfer"),
+        ),
         (["--engine", "trtllm-prefill-0"], ids("frontend-cancel")),
-        (["--engine", "vllm-decode-0", "--state", "canceled"],
-         ids("deadline-timed-out", "reopened-after-success")),
-        (["--since", "2025-01-01T00:05:00Z", "--until", "1735690200000"],
-         ids("reopened-after-success", "stuck-on-reserve", "stuck-on-transfer")),
-        (["--since", "10m", "--now", "2025-01-01T00:16:00Z"],
-         ids("stuck-on-reserve", "stuck-on-transfer", "just-started")),
-        (["--sort", "duration", "--reverse", "--limit", "2"],
-         ids("deadline-timed-out", "reopened-after-success")),
+        (
+            ["--engine", "vllm-decode-0", "--state", "canceled"],
+            ids("deadline-timed-out", "reopened-after-success"),
+        ),
+        (
+            ["--since", "2025-01-01T00:05:00Z", "--until", "1735690200000"],
+            ids("reopened-after-success", "stuck-on-reserve", "stuck-on-transfer"),
+        ),
+        (
+            ["--since", "10m", "--now", "2025-01-01T00:16:00Z"],
+            ids("stuck-on-reserve", "stuck-on-transfer", "just-started"),
+        ),
+        (
+            ["--sort", "duration", "--reverse", "--limit", "2"],
+            ids("deadline-timed-out", "reopened-after-success"),
+        ),
         (["--sort", "events", "--limit", "2"], ids("just-started", "stuck-on-reserve")),
         (["--state", "open", "--engine-type", "trtllm"], []),
     ],
-)  # fmt: skip
+)
 def test_list_filters_and_sorts(kvhandoff: Run, filters: list[str], expected: list[str]) -> None:
     result = kvhandoff("list", LOG, "--json", *filters)
     assert result.code == 0
@@ -110,13 +136,30 @@ def test_list_prints_aligned_columns_when_not_a_terminal(kvhandoff: Run) -> None
     result = kvhandoff("list", LOG, "--state", "canceled", "--now", "2025-01-01T01:00:00Z")
     lines = result.out.splitlines()
     assert lines[0].split() == [
-        "HANDOFF", "STATE", "ENGINE", "ORDER", "SOURCE", "DESTINATION", "STARTED", "AGE",
-        "COMPLETED", "EVENTS",
-    ]  # fmt: skip
+        "HANDOFF",
+        "STATE",
+        "ENGINE",
+        "ORDER",
+        "SOURCE",
+        "DESTINATION",
+        "STARTED",
+        "AGE",
+        "COMPLETED",
+        "EVENTS",
+    ]
     assert lines[1].split() == [
-        IDS["frontend-cancel"], "canceled", "trtllm", "source_first", "trtllm-prefill-0",
-        "trtllm-decode-0", "2025-01-01T00:02:00.000Z", "58m00s", "after", "706ms", "11",
-    ]  # fmt: skip
+        IDS["frontend-cancel"],
+        "canceled",
+        "trtllm",
+        "source_first",
+        "trtllm-prefill-0",
+        "trtllm-decode-0",
+        "2025-01-01T00:02:00.000Z",
+        "58m00s",
+        "after",
+        "706ms",
+        "11",
+    ]
     assert len({line.index("STATE") for line in lines[:1]} | {lines[1].index("canceled")}) == 1
     assert lines[-1] == "4 handoffs"
 
@@ -165,23 +208,28 @@ def test_stuck_names_what_each_idle_handoff_waits_for_and_since_when(kvhandoff: 
     assert (waits.role, waits.engine, waits.fact) == ("destination", "vllm-decode-0", None)
     assert waits.action is not None
     assert (waits.action.__struct_config__.tag, waits.action.action_id) == (
-        "reserve_destination", 1
-    )  # fmt: skip
+        "reserve_destination",
+        1,
+    )
     assert waits.since_ms == START["stuck-on-reserve"] + 170  # when the action was logged
     assert waits.waited_ms == now - waits.since_ms
     assert reserve.outstanding == [1]
     assert reserve.last_input is not None
     assert (reserve.last_input.seq, reserve.last_input.input.__struct_config__.tag) == (
-        3, "source_held"
-    )  # fmt: skip
+        3,
+        "source_held",
+    )
     assert reserve.overdue and reserve.idle_ms == now - (START["stuck-on-reserve"] + 170)
     assert reserve.state.startswith("active") and "reserve_destination#1" in reserve.state
 
     assert str(transfer.handoff.handoff_id) == IDS["stuck-on-transfer"]
     (waits,) = transfer.waiting
     assert (waits.role, waits.engine, waits.fact, waits.action) == (
-        "source", "sglang-prefill-0", "transfer_completed", None
-    )  # fmt: skip
+        "source",
+        "sglang-prefill-0",
+        "transfer_completed",
+        None,
+    )
     assert transfer.last_input is not None
     assert waits.since_ms == transfer.last_input.at_ms == START["stuck-on-transfer"] + 162
     assert transfer.outstanding == []
@@ -224,12 +272,30 @@ def test_stuck_prints_one_line_per_wait(kvhandoff: Run) -> None:
     result = kvhandoff("stuck", LOG, "--older-than", "30s", "--now", "2025-01-01T00:15:20Z")
     lines = result.out.splitlines()
     assert lines[0].split() == [
-        "HANDOFF", "IDLE", "WAITING", "FOR", "FROM", "SINCE", "LAST", "INPUT", "OUTSTANDING"
-    ]  # fmt: skip
+        "HANDOFF",
+        "IDLE",
+        "WAITING",
+        "FOR",
+        "FROM",
+        "SINCE",
+        "LAST",
+        "INPUT",
+        "OUTSTANDING",
+    ]
     assert lines[1].split() == [
-        IDS["stuck-on-reserve"], "9m19s", "overdue", "outcome", "of", "reserve_destination(1)",
-        "destination", "vllm-decode-0", "2025-01-01T00:06:00.170Z", "3:", "source_held", "1",
-    ]  # fmt: skip
+        IDS["stuck-on-reserve"],
+        "9m19s",
+        "overdue",
+        "outcome",
+        "of",
+        "reserve_destination(1)",
+        "destination",
+        "vllm-decode-0",
+        "2025-01-01T00:06:00.170Z",
+        "3:",
+        "source_held",
+        "1",
+    ]
     assert "fact transfer_completed" in lines[2] and "source sglang-prefill-0" in lines[2]
     assert lines[-1] == (
         "2 of 3 open handoffs idle for at least 30.0s (now 2025-01-01T00:15:20.000Z)"
@@ -248,13 +314,18 @@ def test_replay_json_is_the_timeline_from_either_form_of_the_log(kvhandoff: Run)
     assert replay.at is None
     assert [s.step for s in replay.timeline.steps] == [0, 2, 3, 5, 8, 9]
     assert [s.input.__struct_config__.tag for s in replay.timeline.steps] == [
-        "start_handoff", "action_outcome", "source_held", "canceled", "action_outcome",
+        "start_handoff",
         "action_outcome",
-    ]  # fmt: skip
+        "source_held",
+        "canceled",
+        "action_outcome",
+        "action_outcome",
+    ]
     canceled = replay.timeline.steps[3]
     assert [a.__struct_config__.tag for a in canceled.actions] == [
-        "cancel_source", "cancel_destination"
-    ]  # fmt: skip
+        "cancel_source",
+        "cancel_destination",
+    ]
     assert canceled.actions == canceled.logged
     assert ("mode", "active", "cleaning_up") in [
         (c.field, c.before, c.after) for c in canceled.changes
@@ -276,12 +347,18 @@ def test_replay_at_a_step_stops_there_and_prints_the_full_state(kvhandoff: Run) 
     assert fields["mode"] == ["active"] and "held=true" in fields["source"]
     # Each of the coordinator's four records on one line, its fields as name=value.
     assert fields["journal"] == [
-        "started=true", "next_id=2", "issued=[submit_prefill(0),", "reserve_destination(1)]",
+        "started=true",
+        "next_id=2",
+        "issued=[submit_prefill(0),",
+        "reserve_destination(1)]",
         "outcomes=[0:submitted]",
-    ]  # fmt: skip
+    ]
     assert fields["transfer"] == [
-        "issued=false", "scheduled=false", "completed=false", "delay_ms=none"
-    ]  # fmt: skip
+        "issued=false",
+        "scheduled=false",
+        "completed=false",
+        "delay_ms=none",
+    ]
     assert fields["outstanding"] == ["1"]
     assert len(fields) == len(msgspec.structs.fields(replay.timeline.state)) + 2
 
@@ -290,9 +367,15 @@ def test_replay_table_shows_input_changes_actions_and_state_per_step(kvhandoff: 
     result = kvhandoff("replay", EXPORT)
     lines = result.out.splitlines()
     assert lines[0].split() == [
-        "handoff", IDS["frontend-cancel"], "trtllm", "(source_first)", "trtllm-prefill-0", "->",
-        "trtllm-decode-0", "canceled",
-    ]  # fmt: skip
+        "handoff",
+        IDS["frontend-cancel"],
+        "trtllm",
+        "(source_first)",
+        "trtllm-prefill-0",
+        "->",
+        "trtllm-decode-0",
+        "canceled",
+    ]
     step = lines.index("step 5  +700ms  canceled")
     # The changed fields grouped by the record they belong to.
     assert lines[step + 1] == (
@@ -392,8 +475,9 @@ def test_verify_passes_a_clean_log(kvhandoff: Run) -> None:
     assert (result.code, result.out) == (0, "verified 9 handoffs, 93 events: all match\n")
     result = kvhandoff("verify", EXPORT)
     assert (result.code, result.out) == (
-        0, "verified 1 handoff, 11 events (no input digests in an export): all match\n"
-    )  # fmt: skip
+        0,
+        "verified 1 handoff, 11 events (no input digests in an export): all match\n",
+    )
 
 
 def test_verify_names_each_diverging_handoff_step_input_and_actions(kvhandoff: Run) -> None:
@@ -413,11 +497,13 @@ def test_verify_names_each_diverging_handoff_step_input_and_actions(kvhandoff: R
     kind = by_id[IDS["frontend-cancel"]]
     assert kind.step == 5 and kind.input.__struct_config__.tag == "canceled"
     assert [(a.__struct_config__.tag, a.action_id) for a in kind.logged] == [
-        ("cancel_source", 2), ("cancel_source", 3)
-    ]  # fmt: skip
+        ("cancel_source", 2),
+        ("cancel_source", 3),
+    ]
     assert [(a.__struct_config__.tag, a.action_id) for a in kind.rederived] == [
-        ("cancel_source", 2), ("cancel_destination", 3)
-    ]  # fmt: skip
+        ("cancel_source", 2),
+        ("cancel_destination", 3),
+    ]
     assert (
         kind.detail == "action 2 of the step: logged cancel_source, re-derived cancel_destination"
     )

@@ -67,8 +67,10 @@ def test_verify_finds_an_input_edited_after_it_was_logged(
         verified = report(VerifyReport, result.out)
         (finding,) = verified.findings
         assert (str(finding.handoff_id), finding.kind, finding.seq) == (
-            cancel, "digest_mismatch", 3
-        )  # fmt: skip
+            cancel,
+            "digest_mismatch",
+            3,
+        )
         assert verified.diverged == [] and verified.digests_checked
 
     text = kvhandoff("verify", writable_log).out.splitlines()
@@ -145,8 +147,9 @@ def test_verify_reports_every_bad_handoff_not_just_the_first(kvhandoff: Run, dam
     assert details[FindingKind.CORRUPT_RECORD].startswith("undecodable log record")
     assert "'frozen' is not one this build knows" in details[FindingKind.UNKNOWN_STATE]
     assert {str(d.handoff_id) for d in verified.diverged} == {
-        IDS["frontend-cancel"], IDS["source-first-success"]
-    }  # fmt: skip
+        IDS["frontend-cancel"],
+        IDS["source-first-success"],
+    }
 
     named = kvhandoff("verify", damaged, *(IDS[name] for name, _, _ in EVERY_FINDING), "--json")
     assert named.code == 1
@@ -313,13 +316,15 @@ def test_list_filters_on_the_quarantined_state_and_gives_the_reason(
     assert result.code == 0 and result.err == ""
     listed = report(ListReport, result.out).handoffs
     assert [str(h.handoff.handoff_id) for h in listed] == [
-        IDS["stuck-on-reserve"], IDS["stuck-on-transfer"]
-    ]  # fmt: skip
+        IDS["stuck-on-reserve"],
+        IDS["stuck-on-transfer"],
+    ]
     assert listed[1].handoff.state == "quarantined"
     assert listed[1].handoff.quarantine is not None
     assert (listed[1].handoff.quarantine.at_ms, listed[1].handoff.quarantine.reason) == (
-        QUARANTINED_AT, REASON
-    )  # fmt: skip
+        QUARANTINED_AT,
+        REASON,
+    )
     text = kvhandoff("list", quarantined, "--state", "quarantined").out.splitlines()
     assert [line.split()[1] for line in text[1:-1]] == ["quarantined", "quarantined"]
 
@@ -440,8 +445,9 @@ def test_events_filed_under_no_handoff_belong_to_none(
     )
     verified = kvhandoff("verify", writable_log_v2)
     assert (verified.code, verified.out) == (
-        0, "verified 9 handoffs, 93 events (no input digests in a layout-2 log): all match\n"
-    )  # fmt: skip
+        0,
+        "verified 9 handoffs, 93 events (no input digests in a layout-2 log): all match\n",
+    )
     listed = report(ListReport, kvhandoff("list", writable_log_v2, "--json").out)
     assert len(listed.handoffs) == 9
 

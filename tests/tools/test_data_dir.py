@@ -82,8 +82,9 @@ def test_stuck_looks_at_the_open_handoffs_of_every_partition(
     stuck = report(StuckReport, over_dir.out)
     assert stuck.open == 3
     assert [str(h.handoff.handoff_id) for h in stuck.handoffs] == [
-        IDS["stuck-on-reserve"], IDS["stuck-on-transfer"]
-    ]  # fmt: skip
+        IDS["stuck-on-reserve"],
+        IDS["stuck-on-transfer"],
+    ]
     assert {_partition(n) for n in ("stuck-on-reserve", "stuck-on-transfer")} == {1, 2}
 
 
@@ -107,10 +108,11 @@ def test_a_prefix_that_two_files_match_is_ambiguous(
         for length in range(1, 8)
         for a in IDS.values()
         for b in IDS.values()
-        if a < b and a[:length] == b[:length]
+        if a < b
+        and a[:length] == b[:length]
         and len({_partition_of(h) for h in IDS.values() if h.startswith(a[:length])})
         == sum(h.startswith(a[:length]) for h in IDS.values())
-    )  # fmt: skip
+    )
     for command in ("replay", "export", "verify"):
         result = kvhandoff(command, data_dir.directory, prefix)
         assert (result.code, result.out) == (2, "")
@@ -127,9 +129,11 @@ def test_a_prefix_that_two_files_match_is_ambiguous(
 
 def test_verify_checks_every_partition_file(kvhandoff: Run, data_dir: GoldenDataDir) -> None:
     clean = kvhandoff("verify", data_dir.directory)
-    assert (clean.code, clean.out) == (0,
+    assert (clean.code, clean.out) == (
+        0,
         "verified 9 handoffs, 93 events (no input digests in a data directory of 3 layout-2"
-        " logs): all match\n")  # fmt: skip
+        " logs): all match\n",
+    )
 
 
 def test_verify_names_each_bad_handoff_in_whichever_file_it_is(

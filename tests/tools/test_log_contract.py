@@ -77,8 +77,9 @@ def _handoff(batch: Batch, index: int, case: Case) -> HandoffLog:
     """Drive one handoff through the real coordinator with a healthy engine's answers, append
     it to `batch` as the worker would, and return what its log must read back as."""
     at = 1_000 * (index + 1)
-    start = StartHandoff(uuid.uuid4(), case.engine_type, f"prefill-{index}", f"decode-{index}",
-                         60_000)  # fmt: skip
+    start = StartHandoff(
+        uuid.uuid4(), case.engine_type, f"prefill-{index}", f"decode-{index}", 60_000
+    )
     coordinator = HandoffCoordinator.for_start(start)
     pending: deque[Input] = deque([start])
     events: list[LoggedEvent] = []
@@ -99,9 +100,18 @@ def _handoff(batch: Batch, index: int, case: Case) -> HandoffLog:
     if done:
         success = coordinator.completion is HandoffCompletion.SUCCESS
         state = HandoffState.SUCCEEDED if success else HandoffState.CANCELED
-    row = HandoffRow(start.handoff_id, case.engine_type.value, start.source, start.destination,
-                     1_000 * (index + 1), 1_000 * (index + 1) + 60_000, state,
-                     at if done else None, len(events) - 1, at)  # fmt: skip
+    row = HandoffRow(
+        start.handoff_id,
+        case.engine_type.value,
+        start.source,
+        start.destination,
+        1_000 * (index + 1),
+        1_000 * (index + 1) + 60_000,
+        state,
+        at if done else None,
+        len(events) - 1,
+        at,
+    )
     batch.upsert_handoff(row)
     published = [e.seq for e in events if isinstance(e.record, ActionRecord)][: case.published]
     if published:

@@ -138,8 +138,10 @@ def test_handoffs_filter_by_state_in_start_order() -> None:
         open_ = log.handoffs([HandoffState.OPEN])
     assert [h.started_at_ms for h in everything] == sorted(h.started_at_ms for h in everything)
     assert {str(h.handoff_id) for h in open_} == {
-        IDS["stuck-on-reserve"], IDS["stuck-on-transfer"], IDS["just-started"]
-    }  # fmt: skip
+        IDS["stuck-on-reserve"],
+        IDS["stuck-on-transfer"],
+        IDS["just-started"],
+    }
     assert len(everything) == len(IDS)
 
 

@@ -283,9 +283,17 @@ def _log_with_siblings(tmp_path: Path) -> Path:
         lambda log, tmp: _linked(tmp / "wal-link.jsonl", Path(f"{log}-wal"), symbolic=True),
         lambda log, tmp: _linked(tmp / "hard.jsonl", log, symbolic=False),
     ],
-    ids=["itself", "another spelling", "wal", "shm", "journal", "symlink", "symlink to wal",
-         "hard link"],
-)  # fmt: skip
+    ids=[
+        "itself",
+        "another spelling",
+        "wal",
+        "shm",
+        "journal",
+        "symlink",
+        "symlink to wal",
+        "hard link",
+    ],
+)
 def test_export_never_writes_over_the_log_it_reads(
     kvhandoff: Run, tmp_path: Path, spell: Callable[[Path, Path], Path]
 ) -> None:

@@ -141,24 +141,52 @@ def _success(a: Action) -> Action:
 # the last outcome (seq 9) issues Complete(4) at 10.
 # source-first-success: DestinationReserved at seq 6 issues StartTransfer(2) at 7.
 TAMPERS = [
-    pytest.param("source-first-success", lambda r: _with_action(r, 7, _slower), 6, "delay_ms",
-                 id="delay"),
-    pytest.param("frontend-cancel", lambda r: _with_action(r, 7, _cancel_source), 5,
-                 "cancel_source", id="kind"),
-    pytest.param("frontend-cancel", lambda r: _with_action(r, 6, _next_id), 5, "action_id",
-                 id="action id"),
-    pytest.param("frontend-cancel", lambda r: _with_action(r, 6, _other_handoff), 5,
-                 "handoff_id", id="handoff id"),
-    pytest.param("frontend-cancel", lambda r: _with_action(r, 10, _success), 9, "completion",
-                 id="field"),
-    pytest.param("frontend-cancel", lambda r: _renumbered([*r[:6], r[7], r[6], *r[8:]]), 5,
-                 "action 1 of the step", id="order"),
-    pytest.param("frontend-cancel", lambda r: _renumbered([*r[:7], *r[8:]]), 5,
-                 "logged nothing", id="missing"),
-    pytest.param("frontend-cancel", lambda r: _renumbered([*r[:8], r[7], *r[8:]]), 5,
-                 "re-derived nothing", id="extra"),
+    pytest.param(
+        "source-first-success", lambda r: _with_action(r, 7, _slower), 6, "delay_ms", id="delay"
+    ),
+    pytest.param(
+        "frontend-cancel",
+        lambda r: _with_action(r, 7, _cancel_source),
+        5,
+        "cancel_source",
+        id="kind",
+    ),
+    pytest.param(
+        "frontend-cancel", lambda r: _with_action(r, 6, _next_id), 5, "action_id", id="action id"
+    ),
+    pytest.param(
+        "frontend-cancel",
+        lambda r: _with_action(r, 6, _other_handoff),
+        5,
+        "handoff_id",
+        id="handoff id",
+    ),
+    pytest.param(
+        "frontend-cancel", lambda r: _with_action(r, 10, _success), 9, "completion", id="field"
+    ),
+    pytest.param(
+        "frontend-cancel",
+        lambda r: _renumbered([*r[:6], r[7], r[6], *r[8:]]),
+        5,
+        "action 1 of the step",
+        id="order",
+    ),
+    pytest.param(
+        "frontend-cancel",
+        lambda r: _renumbered([*r[:7], *r[8:]]),
+        5,
+        "logged nothing",
+        id="missing",
+    ),
+    pytest.param(
+        "frontend-cancel",
+        lambda r: _renumbered([*r[:8], r[7], *r[8:]]),
+        5,
+        "re-derived nothing",
+        id="extra",
+    ),
     pytest.param("frontend-cancel", lambda r: r[:10], 9, "logged nothing", id="lost tail"),
-]  # fmt: skip
+]
 
 
 def stored(records: list[LoggedRecord]) -> list[StoredRecord]:
@@ -272,8 +300,9 @@ def test_repeated_facts_are_steps_without_actions() -> None:
     records = golden("stuck-on-reserve")
     held = records[3][1]
     assert isinstance(held, InputRecord) and isinstance(held.input, SourceHeld)
-    again = msgspec.structs.replace(held.input, timing=msgspec.structs.replace(
-        held.input.timing, bandwidth_gb_s=10.0))  # fmt: skip
+    again = msgspec.structs.replace(
+        held.input, timing=msgspec.structs.replace(held.input.timing, bandwidth_gb_s=10.0)
+    )
     records.append((len(records), InputRecord(held.at_ms + 1, again)))
     assert find_divergence(records) is None
     last = timeline(records).steps[-1]

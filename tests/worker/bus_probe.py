@@ -172,9 +172,11 @@ class BusProbe:
         # One per partition.
         consumers = await js.consumers_info(DEFAULT_STREAM)
         stream = await js.stream_info(DEFAULT_STREAM)
-        return Settlement(sum(c.num_pending or 0 for c in consumers),
-                          sum(c.num_ack_pending or 0 for c in consumers),
-                          stream.state.messages)  # fmt: skip
+        return Settlement(
+            sum(c.num_pending or 0 for c in consumers),
+            sum(c.num_ack_pending or 0 for c in consumers),
+            stream.state.messages,
+        )
 
     async def wait_settled(self, worker: WorkerProcess, within: float = 60.0) -> None:
         """Every input published so far was acknowledged by the worker."""
@@ -185,9 +187,13 @@ class BusProbe:
             return last[0].settled
 
         await until(
-            settled, "inputs settled", within=within, every=0.1, guard=running(worker),
+            settled,
+            "inputs settled",
+            within=within,
+            every=0.1,
+            guard=running(worker),
             context=lambda: last,
-        )  # fmt: skip
+        )
 
     async def wait_rejections(
         self,

@@ -31,15 +31,21 @@ from tests.worker.test_planner import Delivery, success_inputs
 
 AT_MS = 1_796_600_000_000  # 2026-12-06
 DONE = StartHandoff(
-    UUID("00000000-0000-4000-8000-00000000d011"), EngineType.VLLM, "prefill-0", "decode-0",
+    UUID("00000000-0000-4000-8000-00000000d011"),
+    EngineType.VLLM,
+    "prefill-0",
+    "decode-0",
     60_000,
-)  # fmt: skip
+)
 # The longest deadline there is (about 24.8 days): open while the test is young, timed out
 # by the new owner once the file is older than that; it ends either way.
 OPEN = StartHandoff(
-    UUID("00000000-0000-4000-8000-0000000000e2"), EngineType.VLLM, "prefill-0", "decode-0",
+    UUID("00000000-0000-4000-8000-0000000000e2"),
+    EngineType.VLLM,
+    "prefill-0",
+    "decode-0",
     2**31 - 1,
-)  # fmt: skip
+)
 
 
 def entries() -> list[bytes]:

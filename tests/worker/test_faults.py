@@ -126,9 +126,12 @@ async def wait_closed(db: Path, count: int, within: float = 180.0) -> None:
         return closed[0] == count
 
     await until(
-        all_closed, f"{count} handoffs closed", within=within, every=0.1,
+        all_closed,
+        f"{count} handoffs closed",
+        within=within,
+        every=0.1,
         context=lambda: f"{closed[0]} closed",
-    )  # fmt: skip
+    )
 
 
 async def test_actions_committed_but_never_published_are_published_on_start(
@@ -146,9 +149,19 @@ async def test_actions_committed_but_never_published_are_published_on_start(
         for seq, action in enumerate(actions, start=1):
             batch.append_action(seq, ActionRecord(1, action))
         batch.upsert_handoff(
-            HandoffRow(start.handoff_id, start.engine_type.value, start.source, start.destination,
-                       1, 600_001, HandoffState.OPEN, None, len(actions), 1)
-        )  # fmt: skip
+            HandoffRow(
+                start.handoff_id,
+                start.engine_type.value,
+                start.source,
+                start.destination,
+                1,
+                600_001,
+                HandoffState.OPEN,
+                None,
+                len(actions),
+                1,
+            )
+        )
     await log.commit(batch)
     await log.close()
 
@@ -214,9 +227,19 @@ async def test_an_open_handoff_whose_log_this_build_rederives_differently_stops_
     # What an older coordinator might have issued first; this one submits the prefill.
     batch.append_action(1, ActionRecord(1, ReserveDestination(start.handoff_id, 0)))
     batch.upsert_handoff(
-        HandoffRow(start.handoff_id, start.engine_type.value, start.source, start.destination,
-                   1, 600_001, HandoffState.OPEN, None, 1, 1)
-    )  # fmt: skip
+        HandoffRow(
+            start.handoff_id,
+            start.engine_type.value,
+            start.source,
+            start.destination,
+            1,
+            600_001,
+            HandoffState.OPEN,
+            None,
+            1,
+            1,
+        )
+    )
     await log.commit(batch)
     await log.close()
 

@@ -58,8 +58,10 @@ class Run:
 
     def __str__(self) -> str:
         p90 = statistics.quantiles(self.latencies_s, n=10)[-1]
-        return (f"{len(self.latencies_s)} handoffs in {self.elapsed_s:.2f}s, median"
-                f" {self.median_s * 1000:.0f}ms, p90 {p90 * 1000:.0f}ms")  # fmt: skip
+        return (
+            f"{len(self.latencies_s)} handoffs in {self.elapsed_s:.2f}s, median"
+            f" {self.median_s * 1000:.0f}ms, p90 {p90 * 1000:.0f}ms"
+        )
 
 
 async def run_load(
@@ -69,10 +71,11 @@ async def run_load(
     command's publication to the frontend's receipt of its Complete. `started` is set once
     `FLOOD_AFTER` handoffs have completed."""
     starts = [
-        StartHandoff(uuid.uuid4(), ENGINE_TYPES[i % 3], f"prefill-{i % 2}", f"decode-{i % 2}",
-                     DEADLINE_MS)
+        StartHandoff(
+            uuid.uuid4(), ENGINE_TYPES[i % 3], f"prefill-{i % 2}", f"decode-{i % 2}", DEADLINE_MS
+        )
         for i in range(count)
-    ]  # fmt: skip
+    ]
     pending = iter(starts)
     latencies: list[float] = []
 
@@ -102,9 +105,15 @@ class Flooder:
     @classmethod
     async def ready(cls, url: str, ids_file: Path) -> Flooder:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.worker.flooder", url, str(ids_file),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=REPO,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "tests.worker.flooder",
+            url,
+            str(ids_file),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            cwd=REPO,
+        )
         flooder = cls(process)
         assert await flooder._line() == "ready"
         return flooder
@@ -179,8 +188,9 @@ async def test_a_flood_of_facts_for_unknown_handoffs_does_not_starve_valid_ones(
         # In the log too: a tier worker's file may trail what it settled by its last commits.
         await until(
             partial(all_rejected, worker.db, set(ghosts)),
-            "every fact of the flood rejected in the log", guard=running(worker),
-        )  # fmt: skip
+            "every fact of the flood rejected in the log",
+            guard=running(worker),
+        )
         assert_alive(worker, pid)
         if flooded.median_s <= 2 * baseline.median_s:
             return

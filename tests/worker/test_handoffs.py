@@ -123,8 +123,10 @@ async def test_failed_outcome_cancels_the_source(
     # The destination refused ownership and the source was never asked, so the coordinator
     # still cancels the destination it asked (ownership is ambiguous until acknowledged).
     assert kinds(engines.actions_of(command.handoff_id)) == [
-        "ReserveDestination", "CancelDestination", "Complete",
-    ]  # fmt: skip
+        "ReserveDestination",
+        "CancelDestination",
+        "Complete",
+    ]
     assert engines.completions[command.handoff_id][0].completion is HandoffCompletion.CANCELED
 
 
@@ -143,8 +145,10 @@ async def test_deadline_appends_timed_out_and_cleans_up(
     await engines.wait_complete({command.handoff_id})
 
     assert kinds(engines.actions_of(command.handoff_id)) == [
-        "SubmitPrefill", "CancelSource", "Complete",
-    ]  # fmt: skip
+        "SubmitPrefill",
+        "CancelSource",
+        "Complete",
+    ]
     # The deadline is an input like any other, so replay sees it (once the file, which commits
     # behind the publishes, holds it).
     await until(
@@ -302,8 +306,10 @@ async def test_invalid_outcome_for_open_handoff_is_rejected_and_changes_nothing(
     await engines.wait_for_action(h, ReserveDestination)
     assert worker.terminate() == 0  # the file committed in full
     assert logged_inputs(worker.db, h) == [
-        command, ActionOutcome(h, 0, SUBMITTED), SourceHeld(h, TIMING),
-    ]  # fmt: skip
+        command,
+        ActionOutcome(h, 0, SUBMITTED),
+        SourceHeld(h, TIMING),
+    ]
 
 
 async def test_reopened_cleanup_after_success(
@@ -317,8 +323,9 @@ async def test_reopened_cleanup_after_success(
     await engines.send(Canceled(h))
     await engines.wait_completions(h, 2)
     assert [c.completion for c in engines.completions[h]] == [
-        HandoffCompletion.SUCCESS, HandoffCompletion.CANCELED,
-    ]  # fmt: skip
+        HandoffCompletion.SUCCESS,
+        HandoffCompletion.CANCELED,
+    ]
     seen = engines.actions_of(h)
     assert isinstance(seen[-2], CancelDestination) and isinstance(seen[-1], Complete)
     assert not any(isinstance(a, CancelSource) for a in seen)

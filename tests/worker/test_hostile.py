@@ -147,9 +147,13 @@ def body(**fields: object) -> bytes:
 
 def start_body(handoff_id: UUID, **overrides: object) -> bytes:
     fields: dict[str, object] = {
-        "type": "start_handoff", "handoff_id": str(handoff_id), "engine_type": "vllm",
-        "source": "prefill-0", "destination": "decode-0", "deadline_ms": DEADLINE_MS,
-    }  # fmt: skip
+        "type": "start_handoff",
+        "handoff_id": str(handoff_id),
+        "engine_type": "vllm",
+        "source": "prefill-0",
+        "destination": "decode-0",
+        "deadline_ms": DEADLINE_MS,
+    }
     return body(**(fields | overrides))
 
 
@@ -180,8 +184,9 @@ def deep(opening: bytes, closing: bytes) -> Callable[[Victims], Poison]:
     def build(v: Victims) -> Poison:
         nested = opening * 1000 + b"1" + closing * 1000
         payload = b'{"type": "canceled", "handoff_id": "%s", "x": %s}' % (
-            str(v.open_id).encode(), nested,
-        )  # fmt: skip
+            str(v.open_id).encode(),
+            nested,
+        )
         return on_open(v, payload)
 
     return build
@@ -191,8 +196,9 @@ def mismatched_subject(v: Victims) -> Poison:
     # A cancel for the open victim, sent to another handoff's subject.
     elsewhere = uuid.uuid4()
     payload = body(type="canceled", handoff_id=str(v.open_id))
-    return Poison(SUBJECTS.input(elsewhere), payload, frozenset({elsewhere, v.open_id, None}),
-                  ("subject",))  # fmt: skip
+    return Poison(
+        SUBJECTS.input(elsewhere), payload, frozenset({elsewhere, v.open_id, None}), ("subject",)
+    )
 
 
 def subject_without_id(token: str) -> Callable[[Victims], Poison]:
@@ -205,8 +211,12 @@ def subject_without_id(token: str) -> Callable[[Victims], Poison]:
 
 
 def action_id_2_64(v: Victims) -> Poison:
-    payload = body(type="action_outcome", handoff_id=str(v.done_id), action_id=2**64,
-                   outcome={"kind": "applied"})  # fmt: skip
+    payload = body(
+        type="action_outcome",
+        handoff_id=str(v.done_id),
+        action_id=2**64,
+        outcome={"kind": "applied"},
+    )
     return Poison(SUBJECTS.input(v.done_id), payload, frozenset({v.done_id, None}), ("action_id",))
 
 
@@ -247,8 +257,12 @@ def invalid_utf8_engine_id(_: Victims) -> Poison:
 
 def megabyte_outcome(v: Victims) -> Poison:
     # Rejected by the coordinator, whose reason quotes the outcome: a 1 MB reason.
-    payload = body(type="action_outcome", handoff_id=str(v.open_id), action_id=99,
-                   outcome={"kind": "failed", "reason": "x" * 1_000_000})  # fmt: skip
+    payload = body(
+        type="action_outcome",
+        handoff_id=str(v.open_id),
+        action_id=99,
+        outcome={"kind": "failed", "reason": "x" * 1_000_000},
+    )
     return on_open(v, payload)
 
 
@@ -499,10 +513,21 @@ refs: st.SearchStrategy[Ref] = targets | st.uuids() | st.text(max_size=40)
 known_refs: st.SearchStrategy[Ref] = targets | targets | st.uuids()
 boundaries = [2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**100, -1, -(2**63), -(2**64)]
 extreme_ints = st.sampled_from(boundaries) | st.integers(-(2**80), 2**80)
-extreme_floats = st.sampled_from(
-    [-0.0, 5e-324, 1e-320, 1.7976931348623157e308, -1.7976931348623157e308,
-     math.inf, -math.inf, math.nan]
-) | st.floats()  # fmt: skip
+extreme_floats = (
+    st.sampled_from(
+        [
+            -0.0,
+            5e-324,
+            1e-320,
+            1.7976931348623157e308,
+            -1.7976931348623157e308,
+            math.inf,
+            -math.inf,
+            math.nan,
+        ]
+    )
+    | st.floats()
+)
 odd_engine_ids = st.sampled_from(
     ["a" * 128, "a" * 129, "", "x\x00y", "\x1b[2J", "\x7f", "é", "\u2028", "a.b", "a*", "a>"]
 ) | st.text(max_size=40)
@@ -521,51 +546,90 @@ class Long:
 
 
 outcomes = st.fixed_dictionaries(
-    {"kind": st.sampled_from(["submitted", "accepted", "scheduled", "applied", "noop", "failed",
-                              "unheard_of"])},
+    {
+        "kind": st.sampled_from(
+            ["submitted", "accepted", "scheduled", "applied", "noop", "failed", "unheard_of"]
+        )
+    },
     optional={"reason": st.text(max_size=50) | st.builds(Long, st.integers(10_000, 900_000))},
-)  # fmt: skip
+)
 timings = st.fixed_dictionaries(
-    {"mode": sometimes("full_prompt", st.sampled_from(["destination_missing", "other"])),
-     "full_prompt_tokens": sometimes(128, extreme_ints)},
-    optional={"kv_bytes_per_token": sometimes(1024, extreme_ints | st.none()),
-              "bandwidth_gb_s": sometimes(10.0, extreme_floats | st.none())},
-)  # fmt: skip
+    {
+        "mode": sometimes("full_prompt", st.sampled_from(["destination_missing", "other"])),
+        "full_prompt_tokens": sometimes(128, extreme_ints),
+    },
+    optional={
+        "kv_bytes_per_token": sometimes(1024, extreme_ints | st.none()),
+        "bandwidth_gb_s": sometimes(10.0, extreme_floats | st.none()),
+    },
+)
 #: Well-formed messages (a real tag, the right fields) with extreme values in some fields.
 extreme_messages = st.one_of(
     st.fixed_dictionaries(
-        {"type": st.just("start_handoff"), "handoff_id": refs,
-         "engine_type": sometimes("vllm", st.sampled_from(["sglang", "trtllm", "other"])),
-         "source": sometimes("prefill-0", odd_engine_ids),
-         "destination": sometimes("decode-0", odd_engine_ids),
-         "deadline_ms": sometimes(60_000, extreme_ints)},
+        {
+            "type": st.just("start_handoff"),
+            "handoff_id": refs,
+            "engine_type": sometimes("vllm", st.sampled_from(["sglang", "trtllm", "other"])),
+            "source": sometimes("prefill-0", odd_engine_ids),
+            "destination": sometimes("decode-0", odd_engine_ids),
+            "deadline_ms": sometimes(60_000, extreme_ints),
+        },
         optional={"fallback_delay_ms": extreme_floats},
     ),
-    st.fixed_dictionaries({"type": st.just("source_held"), "handoff_id": known_refs,
-                           "timing": timings}),
-    st.fixed_dictionaries({"type": st.just("destination_reserved"), "handoff_id": known_refs,
-                           "transferable_prompt_tokens": extreme_ints | extreme_floats}),
-    st.fixed_dictionaries({"type": st.sampled_from(["transfer_completed", "failed", "timed_out",
-                                                    "canceled"]),
-                           "handoff_id": known_refs}),
-    st.fixed_dictionaries({"type": st.just("action_outcome"), "handoff_id": known_refs,
-                           "action_id": sometimes(0, extreme_ints), "outcome": outcomes}),
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {"type": st.just("source_held"), "handoff_id": known_refs, "timing": timings}
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("destination_reserved"),
+            "handoff_id": known_refs,
+            "transferable_prompt_tokens": extreme_ints | extreme_floats,
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["transfer_completed", "failed", "timed_out", "canceled"]),
+            "handoff_id": known_refs,
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("action_outcome"),
+            "handoff_id": known_refs,
+            "action_id": sometimes(0, extreme_ints),
+            "outcome": outcomes,
+        }
+    ),
+)
 json_values = st.recursive(
     st.none() | st.booleans() | extreme_ints | extreme_floats | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner,
-                                                                max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5)
+    ),
     max_leaves=30,
-)  # fmt: skip
+)
 tags = st.sampled_from(
-    ["start_handoff", "source_held", "destination_reserved", "transfer_completed", "failed",
-     "timed_out", "canceled", "action_outcome", "complete", "rejection", "no_such_type"]
-)  # fmt: skip
+    [
+        "start_handoff",
+        "source_held",
+        "destination_reserved",
+        "transfer_completed",
+        "failed",
+        "timed_out",
+        "canceled",
+        "action_outcome",
+        "complete",
+        "rejection",
+        "no_such_type",
+    ]
+)
 #: Arbitrary JSON, some of it shaped like a message (a real tag and an id, then anything).
 arbitrary_json = json_values | st.builds(
     lambda tag, ref, extra: {**extra, "type": tag, "handoff_id": ref},
-    tags, refs, st.dictionaries(st.text(max_size=20), json_values, max_size=4),
-)  # fmt: skip
+    tags,
+    refs,
+    st.dictionaries(st.text(max_size=20), json_values, max_size=4),
+)
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,11 @@ _SLOW_WRITE_S = 0.02  # per batch, in the writer's thread: far slower than decid
 
 
 async def test_a_slow_file_holds_the_worker_back_instead_of_queueing_without_bound(
-    nats_server: EmbeddedNats, engines: ScriptedEngines, tmp_path: Path,
+    nats_server: EmbeddedNats,
+    engines: ScriptedEngines,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     write = store._write_batch
 
     def slow_write(db: sqlite3.Connection, batch: Batch) -> None:

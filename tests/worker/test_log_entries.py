@@ -62,9 +62,17 @@ DONE_ID = UUID("00000000-0000-4000-8000-00000000d011")
 # Every field of each kind but `version` (1, so not on the wire) holds a value other than its
 # default, so that each is on the wire.
 ROW = HandoffRow(
-    OPEN_ID, "vllm", "prefill-0", "decode-0", AT_MS, AT_MS + 60_000, HandoffState.OPEN, None, 1,
+    OPEN_ID,
+    "vllm",
+    "prefill-0",
+    "decode-0",
+    AT_MS,
+    AT_MS + 60_000,
+    HandoffState.OPEN,
+    None,
+    1,
     AT_MS + 5,
-)  # fmt: skip
+)
 TOMBSTONE = Tombstone(DONE_ID, "succeeded", AT_MS + 9, [b"\x01\x02\x03\x04"])
 CLAIMED = Claimed(epoch=3, owner="host-a:1/instance-a", at_ms=AT_MS)
 INSTANCES: dict[str, Any] = {

@@ -95,10 +95,15 @@ async def test_frontends_learn_every_completion_after_nats_and_the_worker_die(
 ) -> None:
     rng = random.Random(20261201)
     starts = [
-        StartHandoff(uuid.UUID(int=rng.getrandbits(128), version=4), rng.choice(ENGINE_TYPES),
-                     f"prefill-{rng.randrange(2)}", f"decode-{rng.randrange(2)}", 600_000)
+        StartHandoff(
+            uuid.UUID(int=rng.getrandbits(128), version=4),
+            rng.choice(ENGINE_TYPES),
+            f"prefill-{rng.randrange(2)}",
+            f"decode-{rng.randrange(2)}",
+            600_000,
+        )
         for _ in range(HANDOFFS)
-    ]  # fmt: skip
+    ]
     ids = [s.handoff_id for s in starts]
 
     async def frontends() -> None:
@@ -133,9 +138,13 @@ async def test_frontends_learn_every_completion_after_nats_and_the_worker_die(
     await asyncio.wait_for(load, 120)
 
     await until(
-        lambda: not open_count(worker.db), "every handoff ended in the log", within=120,
-        every=0.1, guard=running(worker), context=lambda: f"{open_count(worker.db)} still open",
-    )  # fmt: skip
+        lambda: not open_count(worker.db),
+        "every handoff ended in the log",
+        within=120,
+        every=0.1,
+        guard=running(worker),
+        context=lambda: f"{open_count(worker.db)} still open",
+    )
 
     # The outbox told the truth: nothing can have reached NATS while it was down.
     lies = marked_between(worker.db, nats_killed_ms + MARK_SLACK_MS, nats_back_ms)

@@ -579,9 +579,11 @@ async def test_the_worker_lives_through_nats_killed_while_it_acknowledges(
         await engines.until(lambda: len(engines.first) >= 300, "a sixth of the load")
         nats_server.stop(kill=True)
         await until(
-            lambda: "disconnected from NATS" in worker.logs(), "the worker noticed NATS stop",
-            within=WITHIN_S, context=worker.logs,
-        )  # fmt: skip
+            lambda: "disconnected from NATS" in worker.logs(),
+            "the worker noticed NATS stop",
+            within=WITHIN_S,
+            context=worker.logs,
+        )
         nats_server.start()
 
         await wait_closed(worker.db, len(starts))

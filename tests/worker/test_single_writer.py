@@ -88,9 +88,13 @@ async def test_the_offline_tools_and_compact_work_beside_a_live_worker(
 async def run(*argv: object) -> tuple[int, str, str]:
     """`kvhandoff ARGS...` in a child process, without blocking the event loop."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvhandoff.worker.cli", *map(str, argv),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvhandoff.worker.cli",
+        *map(str, argv),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()

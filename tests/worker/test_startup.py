@@ -49,9 +49,18 @@ PROMPTLY_S = 3.0  # well under nats-py's 5 s connect and JetStream request timeo
 
 def worker_command(nats_url: str, db: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "kvhandoff.worker.cli", "run",
-        "--nats-url", nats_url, "--db", str(db), "--metrics-port", "0", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvhandoff.worker.cli",
+        "run",
+        "--nats-url",
+        nats_url,
+        "--db",
+        str(db),
+        "--metrics-port",
+        "0",
+        *extra,
+    ]
 
 
 def run_to_exit(nats_url: str, db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -163,18 +172,44 @@ def certificates(tmp_path: Path) -> Certificates:
 
     new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     for ca in ("ca", "other-ca"):
-        openssl("req", "-x509", *new_key, "-keyout", f"{ca}.key", "-out", f"{ca}.pem",
-                "-days", "1", "-subj", f"/CN=kvhandoff test {ca}")  # fmt: skip
+        openssl(
+            "req",
+            "-x509",
+            *new_key,
+            "-keyout",
+            f"{ca}.key",
+            "-out",
+            f"{ca}.pem",
+            "-days",
+            "1",
+            "-subj",
+            f"/CN=kvhandoff test {ca}",
+        )
     for name, extension in [
         ("server", "subjectAltName=IP:127.0.0.1"),
         ("client", "extendedKeyUsage=clientAuth"),
     ]:
         (folder / f"{name}.ext").write_text(extension + "\n")
-        openssl("req", *new_key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                "-subj", f"/CN={name}")  # fmt: skip
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
-                "-extfile", f"{name}.ext")  # fmt: skip
+        openssl(
+            "req", *new_key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}"
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+        )
     return Certificates(
         ca=folder / "ca.pem",
         other_ca=folder / "other-ca.pem",
@@ -318,8 +353,14 @@ def test_a_server_that_starts_later_is_retried_with_backoff(
     launch: Callable[..., Child], tmp_path: Path
 ) -> None:
     port, metrics_port = free_port(), free_port()
-    worker = launch(f"nats://127.0.0.1:{port}", tmp_path / "kvhandoff.db",
-                    "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port))  # fmt: skip
+    worker = launch(
+        f"nats://127.0.0.1:{port}",
+        tmp_path / "kvhandoff.db",
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-port",
+        str(metrics_port),
+    )
     wait_for_log(worker, "retrying in", times=4)
 
     store = tmp_path / "nats"
@@ -369,8 +410,9 @@ def test_sigterm_while_jetstream_does_not_answer_exits_0_promptly(
         "authorization { users = [ { user: worker, password: secret,"
         ' permissions: { publish: { deny: "$JS.API.>" } } } ] }'
     )
-    worker = launch(server.url, tmp_path / "kvhandoff.db",
-                    "--nats-user", "worker", "--nats-password", "secret")  # fmt: skip
+    worker = launch(
+        server.url, tmp_path / "kvhandoff.db", "--nats-user", "worker", "--nats-password", "secret"
+    )
     wait_for_log(worker, "(?i)permissions violation")
 
     assert terminate_within(worker, PROMPTLY_S) == 0

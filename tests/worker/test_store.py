@@ -413,8 +413,11 @@ async def test_an_unreadable_handoff_is_reported_alone(log: EventLog, db: Path) 
     bad_state, second = started(1_000)
     good, third = started(2_000)
     await log.commit(merged(first, second, third))
-    alter(db, f"UPDATE events SET record = x'c1' WHERE handoff_key = {KEY_OF} AND seq = 1",
-          str(bad_record.id))  # fmt: skip
+    alter(
+        db,
+        f"UPDATE events SET record = x'c1' WHERE handoff_key = {KEY_OF} AND seq = 1",
+        str(bad_record.id),
+    )
     alter(db, "UPDATE handoffs SET state = 'half-open' WHERE handoff_id = ?", str(bad_state.id))
 
     loaded = await log.load([bad_record.id, bad_state.id, good.id])
@@ -833,8 +836,11 @@ async def test_a_migrated_log_marks_published_up_to_the_first_action_that_was_no
 ) -> None:
     # stuck-on-transfer logged actions at seqs 1, 4 and 7: the one at 4 never went out.
     handoff = IDS["stuck-on-transfer"]
-    alter(layout_1, "UPDATE events SET published_at_ms = NULL WHERE handoff_id = ? AND seq = 4",
-          handoff)  # fmt: skip
+    alter(
+        layout_1,
+        "UPDATE events SET published_at_ms = NULL WHERE handoff_id = ? AND seq = 4",
+        handoff,
+    )
     log = await EventLog.open(layout_1, migrate=True)
     try:
         backlog = await log.unpublished_actions()
@@ -850,8 +856,9 @@ async def test_a_record_that_does_not_decode_is_kept_whole_and_its_handoff_quara
 ) -> None:
     handoff = IDS["stuck-on-reserve"]
     damage = b"\xc1 not a record"
-    alter(layout_1, "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = 2",
-          damage, handoff)  # fmt: skip
+    alter(
+        layout_1, "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = 2", damage, handoff
+    )
     log = await EventLog.open(layout_1, migrate=True)
     try:
         loaded = await log.open_handoffs()
@@ -871,8 +878,9 @@ async def test_a_record_of_another_handoff_is_kept_as_written_not_given_a_new_ow
     make it the input of the handoff it is filed under, and its replay would accept it."""
     handoff, other = IDS["stuck-on-reserve"], uuid.UUID(IDS["source-first-success"])
     misfiled = encode_record(InputRecord(1, Canceled(other)))
-    alter(layout_1, "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = 2",
-          misfiled, handoff)  # fmt: skip
+    alter(
+        layout_1, "UPDATE events SET record = ? WHERE handoff_id = ? AND seq = 2", misfiled, handoff
+    )
     log = await EventLog.open(layout_1, migrate=True)
     try:
         events = readable(await log.load([uuid.UUID(handoff)]))[uuid.UUID(handoff)].events

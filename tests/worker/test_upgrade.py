@@ -34,9 +34,11 @@ async def test_a_log_from_before_snapshots_is_taken_over_without_loss(
     try:
         js = nc.jetstream()
         old = StreamConfig(
-            name="KVHANDOFF_LOG", subjects=["kvhandoff.log.*"], max_age=7 * 24 * 3600.0,
+            name="KVHANDOFF_LOG",
+            subjects=["kvhandoff.log.*"],
+            max_age=7 * 24 * 3600.0,
             duplicate_window=120.0,
-        )  # fmt: skip
+        )
         await js.add_stream(old)
         for payload in msgspec.msgpack.decode(GOLDEN.read_bytes(), type=list[bytes]):
             await js.publish(SUBJECT, payload)

@@ -37,6 +37,7 @@ def api_error(error: object) -> nats.js.errors.APIError:
     raises those it reads itself: one text for a refusal, whichever path asked."""
     fields: dict[Any, Any] = error if isinstance(error, dict) else {"description": str(error)}
     return nats.js.errors.APIError(
-        code=fields.get("code"), err_code=fields.get("err_code"),
+        code=fields.get("code"),
+        err_code=fields.get("err_code"),
         description=fields.get("description"),
-    )  # fmt: skip
+    )

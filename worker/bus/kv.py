@@ -108,9 +108,15 @@ class Bucket:
 
 
 async def open_bucket(
-    bus: Bus, name: str, *, description: str, history: int, ttl_s: float, direct: bool,
+    bus: Bus,
+    name: str,
+    *,
+    description: str,
+    history: int,
+    ttl_s: float,
+    direct: bool,
     give_up_after_s: float = 0.0,
-) -> Bucket:  # fmt: skip
+) -> Bucket:
     """The bucket `name`, created with these settings (R3 in a cluster) if absent."""
 
     async def attempt() -> KeyValue:

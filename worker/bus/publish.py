@@ -206,9 +206,13 @@ class Publishing:
             )
 
     async def publish_durable(
-        self, subject: str, payload: bytes, *, give_up_after_s: float = 5.0,
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        give_up_after_s: float = 5.0,
         msg_id: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """JetStream publish: returns once the stream stored the message. Retried with backoff
         (see `_store`); `BusError` after `give_up_after_s`, or at once on an error that no retry
         can fix (the stream refused the message). `msg_id` names the message for the stream's
@@ -219,9 +223,13 @@ class Publishing:
         )
 
     async def _store(
-        self, subject: str, payload: bytes, headers: dict[str, str], give_up_after_s: float,
+        self,
+        subject: str,
+        payload: bytes,
+        headers: dict[str, str],
+        give_up_after_s: float,
         what: str,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """A JetStream publish of `payload`; the stored message's sequence. Every attempt carries
         the one `Nats-Msg-Id` in `headers`, so the stream stores the message once however many
         it takes. Retried with backoff while no stream answers, while the stream has no leader
@@ -299,9 +307,14 @@ class Publishing:
             )
 
     async def append_expecting(
-        self, subject: str, payload: bytes, last_seq: int, *, give_up_after_s: float = 5.0,
+        self,
+        subject: str,
+        payload: bytes,
+        last_seq: int,
+        *,
+        give_up_after_s: float = 5.0,
         rollup: bool = False,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Append `payload` to `subject` only if the subject's last message is still at
         `last_seq` (0: it has none); the new message's sequence. `Fenced` if another writer
         appended first, `BusError` if no stream took it within `give_up_after_s`. Attempts

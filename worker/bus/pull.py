@@ -263,9 +263,13 @@ class Pull:
         await self.close()
 
     async def fetch(
-        self, max_messages: int, timeout_s: float, *, max_bytes: int | None = None,
+        self,
+        max_messages: int,
+        timeout_s: float,
+        *,
+        max_bytes: int | None = None,
         overhead: int = 0,
-    ) -> list[Inbound]:  # fmt: skip
+    ) -> list[Inbound]:
         """Up to `max_messages` messages in stream order: at once those ready, if any; else the
         first to arrive within `timeout_s`, or []. With `max_bytes`, the messages' payloads and
         `overhead` bytes each add up to at most that, but for a first message that alone is

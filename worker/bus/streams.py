@@ -162,9 +162,16 @@ async def update_stream(bus: Bus, spec: StreamSpec) -> None:
 
 
 async def create_pull_consumer(
-    bus: Bus, stream: str, name: str, *, filter_subject: str, ack_wait_s: float,
-    max_pending: int, group: str | None = None, priority_timeout_s: float = 0,
-) -> None:  # fmt: skip
+    bus: Bus,
+    stream: str,
+    name: str,
+    *,
+    filter_subject: str,
+    ack_wait_s: float,
+    max_pending: int,
+    group: str | None = None,
+    priority_timeout_s: float = 0,
+) -> None:
     """Create (or keep, if it exists with this config) the durable pull consumer `name`: every
     message from the start, explicit acks, redelivered without limit after `ack_wait_s`, at
     most `max_pending` unacknowledged, of the stream's replicas. `filter_subject` "" takes
@@ -248,9 +255,10 @@ async def pinned(bus: Bus, stream: str, consumer: str, group: str) -> bool:
     deliver has no pinned client, whoever pulls it."""
     info = await js_api(
         bus,
-        f"$JS.API.CONSUMER.INFO.{stream}.{consumer}", {},
+        f"$JS.API.CONSUMER.INFO.{stream}.{consumer}",
+        {},
         f"cannot read the pin of group {group!r} of {stream} / {consumer}",
-    )  # fmt: skip
+    )
     groups = info.get("priority_groups") or []
     return any(g.get("group") == group and g.get("pinned_client_id") for g in groups)
 

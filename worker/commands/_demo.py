@@ -36,25 +36,50 @@ def faults() -> list[str]:
     thousand handoffs, rare enough that most complete; modelled times sped up 20x. A dropped
     action is one the worker publishes again after its retry interval."""
     return [
-        "--speedup", "20", "--fail-rate", "0.02", "--drop-rate", "0.02",
-        "--duplicate-rate", "0.02", "--delay-ms", "20",
-    ]  # fmt: skip
+        "--speedup",
+        "20",
+        "--fail-rate",
+        "0.02",
+        "--drop-rate",
+        "0.02",
+        "--duplicate-rate",
+        "0.02",
+        "--delay-ms",
+        "20",
+    ]
 
 
 def engines_child(
-    url: str, folder: Path, args: argparse.Namespace, engine_faults: list[str],
-    *, left_out: Sequence[str] = (), name: str = "engines",
-) -> Child:  # fmt: skip
+    url: str,
+    folder: Path,
+    args: argparse.Namespace,
+    engine_faults: list[str],
+    *,
+    left_out: Sequence[str] = (),
+    name: str = "engines",
+) -> Child:
     """`kvhandoff engines` on `url`, leaving out `--external-engine` and `left_out`, logging to
     the folder; in a session of its own, so that Ctrl-C reaches only the demo, which stops its
     children in order."""
     external = [] if args.external_engine is None else [args.external_engine]
     leave_out = [arg for engine in (*external, *left_out) for arg in ("--leave-out", engine)]
     return Child(
-        [sys.executable, "-m", "kvhandoff.worker.cli", "engines", "--nats-url", url,
-         "--seed", str(args.seed), *engine_faults, *leave_out],
-        folder / f"{name}.log", name=f"the {name}", new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvhandoff.worker.cli",
+            "engines",
+            "--nats-url",
+            url,
+            "--seed",
+            str(args.seed),
+            *engine_faults,
+            *leave_out,
+        ],
+        folder / f"{name}.log",
+        name=f"the {name}",
+        new_session=True,
+    )
 
 
 async def engines_ready(url: str, engines: Child, console: Console, external: str | None) -> None:

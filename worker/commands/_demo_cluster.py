@@ -144,11 +144,17 @@ def run(args: argparse.Namespace, console: Console, folder: Path) -> int:
             # In sessions of their own, as in the single demo: Ctrl-C reaches only the demo.
             # The tier keeps its logs in the data directory; it never opens --db.
             worker = WorkerChild(
-                url, folder / f"{name}.db", "--partitions", str(SETTINGS.partitions),
-                "--data-dir", str(folder / name), "--retry-interval", "1s",
+                url,
+                folder / f"{name}.db",
+                "--partitions",
+                str(SETTINGS.partitions),
+                "--data-dir",
+                str(folder / name),
+                "--retry-interval",
+                "1s",
                 log_path=folder / f"{name}.log",
                 new_session=True,
-            )  # fmt: skip
+            )
             worker.name = name
             workers[name] = children.enter_context(worker)
         engines = children.enter_context(_demo.engines_child(url, folder, args, _demo.faults()))
@@ -260,9 +266,10 @@ async def _strike(
     node_name = _node_name(node)
     console.print(
         f"midway: SIGKILL to worker {name} (pid {workers[name].pid}) and to NATS node "
-        f"{node_name}, " + ("which led " if leader else "though none said it led ")
+        f"{node_name}, "
+        + ("which led " if leader else "though none said it led ")
         + SETTINGS.stream
-    )  # fmt: skip
+    )
     deadline = node_killed + _WITHIN_S
     while (successor := await asyncio.to_thread(cluster.stream_leader, SETTINGS.stream)) is None:
         if time.monotonic() > deadline:
@@ -270,9 +277,13 @@ async def _strike(
         await asyncio.sleep(_POLL_S)
     after_s = None if successor is None else time.monotonic() - node_killed
     return Strike(
-        name, at_ms, node_name, leader is not None,
-        None if successor is None else _node_name(successor), after_s,
-    )  # fmt: skip
+        name,
+        at_ms,
+        node_name,
+        leader is not None,
+        None if successor is None else _node_name(successor),
+        after_s,
+    )
 
 
 def _node_name(node: EmbeddedNats) -> str:
@@ -354,9 +365,17 @@ def _summarize(
         and not any(verify_bad.values())
     )
     return ClusterReport(
-        report, strike, shares, takeovers, not_taken_over, failover_s, dict(states), open_in,
-        verify_bad, ok,
-    )  # fmt: skip
+        report,
+        strike,
+        shares,
+        takeovers,
+        not_taken_over,
+        failover_s,
+        dict(states),
+        open_in,
+        verify_bad,
+        ok,
+    )
 
 
 def _print(summary: ClusterReport, console: Console, folder: Path) -> None:

@@ -127,9 +127,10 @@ def _single(args: argparse.Namespace, console: Console, folder: Path) -> int:
         # Each in a session of its own: Ctrl-C reaches only the demo, which then stops its
         # children in order, the engines first (an exit stops them in reverse order too).
         worker = children.enter_context(
-            WorkerChild(url, db, "--retry-interval", "1s", log_path=folder / "worker.log",
-                        new_session=True)
-        )  # fmt: skip
+            WorkerChild(
+                url, db, "--retry-interval", "1s", log_path=folder / "worker.log", new_session=True
+            )
+        )
         doomed = args.kill_engine
         # With an engine to kill, leases of a second: its handoffs end long before a deadline.
         engine_faults = _demo.faults() + ([] if doomed is None else ["--lease-ttl", "1"])
@@ -142,9 +143,10 @@ def _single(args: argparse.Namespace, console: Console, folder: Path) -> int:
         if doomed is not None:
             others = [e for e in Roster().engine_ids() if e != doomed]
             victim = children.enter_context(
-                _demo.engines_child(url, folder, args, engine_faults, left_out=others,
-                                    name="killed-engine")
-            )  # fmt: skip
+                _demo.engines_child(
+                    url, folder, args, engine_faults, left_out=others, name="killed-engine"
+                )
+            )
         worker.start(_demo.READY_TIMEOUT_S)
         engines.start(_demo.READY_TIMEOUT_S)
         asyncio.run(_demo.engines_ready(url, engines, console, args.external_engine))
@@ -190,9 +192,7 @@ def _kill_midway(victim: Child, handoffs: int) -> Callable[[LoadProgress], None]
 def _print_lease_summary(
     engine_id: str, victim: Child, worker: WorkerChild, report: LoadReport, console: Console
 ) -> None:
-    ended_by_lease = metric_sum(
-        worker.metrics(), 'kvhandoff_lease_answers_total{kind="failed"}'
-    )  # fmt: skip
+    ended_by_lease = metric_sum(worker.metrics(), 'kvhandoff_lease_answers_total{kind="failed"}')
     console.print(
         f"midway: SIGKILL to engine {engine_id} (pid {victim.pid}); its lease expired, and "
         f"{ended_by_lease:.0f} handoffs it held ended canceled through it (not at their "

@@ -62,8 +62,7 @@ def execute(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _offline.fail("export", f"cannot write {output}: {exc.strerror}")
     events = _text.count(len(handoff.events), "event")
-    print(f"wrote {events} of handoff {handoff.handoff.handoff_id} to {output}",
-          file=sys.stderr)  # fmt: skip
+    print(f"wrote {events} of handoff {handoff.handoff.handoff_id} to {output}", file=sys.stderr)
     return _offline.EXIT_OK
 
 

@@ -100,19 +100,28 @@ async def serve(config: WorkerConfig) -> int:
     try:
         metrics = Metrics()
         worker = Worker(
-            config, settings, bus, metrics,
+            config,
+            settings,
+            bus,
+            metrics,
             label=f"{socket.gethostname()}:{os.getpid()}",
-        )  # fmt: skip
+        )
         beside = _beside(
-            config, metrics, healthy=lambda: worker.healthy,
-            retention_s=config.tier_retention_s, logs=worker.logs, stop=stop,
-        )  # fmt: skip
+            config,
+            metrics,
+            healthy=lambda: worker.healthy,
+            retention_s=config.tier_retention_s,
+            logs=worker.logs,
+            stop=stop,
+        )
         async with beside:
             logger.info(
                 "serving %d partitions of %s as %s; logs %s",
-                config.tier.partitions, config.tier.stream, worker.tier.owner_name,
+                config.tier.partitions,
+                config.tier.stream,
+                worker.tier.owner_name,
                 config.partition_file(0) if config.data_dir is None else config.data_dir,
-            )  # fmt: skip
+            )
             await worker.run(stop)
         return 0
     finally:
@@ -121,9 +130,14 @@ async def serve(config: WorkerConfig) -> int:
 
 @contextlib.asynccontextmanager
 async def _beside(
-    config: WorkerConfig, metrics: Metrics, *, healthy: Callable[[], bool],
-    retention_s: float, logs: Callable[[], Iterable[EventLog]], stop: asyncio.Event,
-) -> AsyncIterator[None]:  # fmt: skip
+    config: WorkerConfig,
+    metrics: Metrics,
+    *,
+    healthy: Callable[[], bool],
+    retention_s: float,
+    logs: Callable[[], Iterable[EventLog]],
+    stop: asyncio.Event,
+) -> AsyncIterator[None]:
     """What runs beside a worker while it runs: its metrics endpoint (unless the port is 0)
     and its retention loop."""
     server = None
@@ -150,8 +164,10 @@ async def _retain(
                 removed = await log.compact(cutoff_ms)
                 logger.info(
                     "retention: removed %d completed handoffs and %d rejections from %s",
-                    removed.handoffs, removed.rejections, log.path,
-                )  # fmt: skip
+                    removed.handoffs,
+                    removed.rejections,
+                    log.path,
+                )
             except StoreError as exc:
                 logger.warning("retention: %s", exc)
         with contextlib.suppress(TimeoutError):

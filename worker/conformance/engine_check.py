@@ -59,9 +59,17 @@ from kvhandoff.worker.bus.streams import capture_unless_captured, delete_stream
 
 # The rules, in the order they run (docs/contract.md, "Check an engine").
 RULES = (
-    "probe", "report", "forward-path", "fact-after-outcome", "repeat", "duplicate",
-    "cancel-before", "cancel-during", "cancel-after", "late-forward",
-)  # fmt: skip
+    "probe",
+    "report",
+    "forward-path",
+    "fact-after-outcome",
+    "repeat",
+    "duplicate",
+    "cancel-before",
+    "cancel-during",
+    "cancel-after",
+    "late-forward",
+)
 DEFAULT_WAIT_S = 5.0
 DEFAULT_QUIET_S = 1.0
 

@@ -164,10 +164,20 @@ class WorkerChild(Child):
     def launch(self) -> None:
         self.port = free_port()
         self.command = [
-            sys.executable, "-m", self.module, "run",
-            "--nats-url", self.nats_url, "--db", str(self.db),
-            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.port), *self.extra,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            self.module,
+            "run",
+            "--nats-url",
+            self.nats_url,
+            "--db",
+            str(self.db),
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            str(self.port),
+            *self.extra,
+        ]
         super().launch()
 
     def ready(self) -> bool:

@@ -137,11 +137,14 @@ class EmbeddedNats(_ServerProcesses):
         """Start the server and return once it accepts connections."""
         command = [
             str(nats_server_binary()),
-            "--addr", "127.0.0.1",
-            "--port", str(self.port),
+            "--addr",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
             "--jetstream",
-            "--store_dir", str(self.store_dir / "jetstream"),
-        ]  # fmt: skip
+            "--store_dir",
+            str(self.store_dir / "jetstream"),
+        ]
         if self.seat is not None:
             command += self.seat.flags()
         if self.config:
@@ -205,12 +208,17 @@ class ClusterSeat:
 
     def flags(self) -> list[str]:
         return [
-            "--server_name", self.name,
-            "--cluster_name", self.cluster_name,
-            "--cluster", f"nats://127.0.0.1:{self.route_port}",
-            "--routes", ",".join(self.routes),
-            "--http_port", str(self.monitor_port),
-        ]  # fmt: skip
+            "--server_name",
+            self.name,
+            "--cluster_name",
+            self.cluster_name,
+            "--cluster",
+            f"nats://127.0.0.1:{self.route_port}",
+            "--routes",
+            ",".join(self.routes),
+            "--http_port",
+            str(self.monitor_port),
+        ]
 
 
 CLUSTER_SIZE = 3
@@ -243,9 +251,12 @@ class NatsCluster(_ServerProcesses):
             node_dir = base / f"n{index + 1}"
             node_dir.mkdir(parents=True, exist_ok=True)
             seat = ClusterSeat(
-                f"n{index + 1}", self._name, routes[:index] + routes[index + 1 :],
-                route_port=route_ports[index], monitor_port=monitor_ports[index],
-            )  # fmt: skip
+                f"n{index + 1}",
+                self._name,
+                routes[:index] + routes[index + 1 :],
+                route_port=route_ports[index],
+                monitor_port=monitor_ports[index],
+            )
             nodes.append(EmbeddedNats(store_dir=node_dir, port=client_ports[index], seat=seat))
         return nodes
 

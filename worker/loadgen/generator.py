@@ -368,8 +368,10 @@ class _LoadRun:
         if silent:
             logger.warning(
                 "%d engines not listening after %gs, starting anyway: %s",
-                len(silent), within_s, ", ".join(silent),
-            )  # fmt: skip
+                len(silent),
+                within_s,
+                ", ".join(silent),
+            )
 
     async def _closed_loop(self, frontend: Frontend) -> None:
         plans = iter(self._plans)

@@ -373,9 +373,14 @@ def _migrate(path: Path) -> None:
         "event log %s: migrated from layout %s to %s in %.1fs: %d handoffs, %d events, %d of"
         " them kept whole as they do not read as records of their handoff; run VACUUM on the"
         " stopped log to give the space back to the file system",
-        path, LAYOUT_1, LAYOUT_VERSION, time.perf_counter() - began, migrated.handoffs,
-        migrated.events, migrated.kept_whole,
-    )  # fmt: skip
+        path,
+        LAYOUT_1,
+        LAYOUT_VERSION,
+        time.perf_counter() - began,
+        migrated.handoffs,
+        migrated.events,
+        migrated.kept_whole,
+    )
 
 
 def _migrate_in(db: sqlite3.Connection, path: Path) -> _Migrated:
@@ -443,9 +448,17 @@ def _row_values(row: HandoffRow) -> tuple[object, ...]:
     if row.state is None:  # only the offline reader reads a state this build does not know
         raise StoreError(f"handoff {row.handoff_id}: a row to write must have a known state")
     return (
-        str(row.handoff_id), row.engine_type, row.source, row.destination, row.started_at_ms,
-        row.deadline_at_ms, row.state.value, row.completed_at_ms, row.last_seq, row.updated_at_ms,
-    )  # fmt: skip
+        str(row.handoff_id),
+        row.engine_type,
+        row.source,
+        row.destination,
+        row.started_at_ms,
+        row.deadline_at_ms,
+        row.state.value,
+        row.completed_at_ms,
+        row.last_seq,
+        row.updated_at_ms,
+    )
 
 
 def _handoff_row(values: Sequence[Any]) -> HandoffRow:
@@ -461,9 +474,13 @@ class EventLog:
     """The append-only log of every accepted input and issued action, per handoff in order."""
 
     def __init__(
-        self, writer: ThreadPoolExecutor, db: sqlite3.Connection, reader: aiosqlite.Connection,
-        probe: sqlite3.Connection, path: Path,
-    ) -> None:  # fmt: skip
+        self,
+        writer: ThreadPoolExecutor,
+        db: sqlite3.Connection,
+        reader: aiosqlite.Connection,
+        probe: sqlite3.Connection,
+        path: Path,
+    ) -> None:
         self._writer = writer  # the one thread that uses `_db`
         self._db = db
         self._reader = reader
@@ -703,9 +720,11 @@ class EventLog:
             raise StoreError(f"compaction of event log {self.path} failed: {exc}") from exc
 
     async def _write(
-        self, work: Callable[Concatenate[sqlite3.Connection, _P], _T], *args: _P.args,
+        self,
+        work: Callable[Concatenate[sqlite3.Connection, _P], _T],
+        *args: _P.args,
         **kwargs: _P.kwargs,
-    ) -> _T:  # fmt: skip
+    ) -> _T:
         """Run `work(db, ...)` on the writer's thread. sqlite errors pass through unchanged,
         for the caller to translate."""
         loop = asyncio.get_running_loop()
@@ -888,8 +907,9 @@ def _merge(db: sqlite3.Connection, state: LiveState) -> None:
         logger.info(
             "%d handoffs this file held open ended in entries it never had (%d known by their "
             "tombstones)",
-            len(stale), sum(hid in ended for hid in stale),
-        )  # fmt: skip
+            len(stale),
+            sum(hid in ended for hid in stale),
+        )
     db.executemany(_UPSERT_HANDOFF, [_row_values(row) for row in state.handoffs])
     db.executemany(_MERGE_EVENT, state.events)
     db.executemany(

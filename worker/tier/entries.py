@@ -159,13 +159,22 @@ class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", ta
 
     @classmethod
     def of(
-        cls, inputs: list[int], batch: Batch, published: list[tuple[UUID, int, int]],
+        cls,
+        inputs: list[int],
+        batch: Batch,
+        published: list[tuple[UUID, int, int]],
         ended: list[Tombstone],
-    ) -> LoggedRows:  # fmt: skip
+    ) -> LoggedRows:
         return cls(
-            inputs, batch.events, list(batch.handoffs.values()), batch.rejections,
-            batch.quarantined, published, ended, version=LOG_VERSION,
-        )  # fmt: skip
+            inputs,
+            batch.events,
+            list(batch.handoffs.values()),
+            batch.rejections,
+            batch.quarantined,
+            published,
+            ended,
+            version=LOG_VERSION,
+        )
 
     def add_to(self, batch: Batch) -> None:
         """Add these rows to `batch`, after those it holds (a later row of a handoff wins)."""

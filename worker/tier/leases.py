@@ -89,9 +89,14 @@ class EngineLeases:
     """What the lease bucket says of each engine, and the tier's answers for gone ones."""
 
     def __init__(
-        self, bus: Bus, subjects: Subjects, metrics: Metrics, *, require: bool = False,
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        metrics: Metrics,
+        *,
+        require: bool = False,
         view: Path | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._bus = bus
         self._view = view  # worker.tier.lease_view: what `kvhandoff stuck` shows
         self._bucket = subjects.lease_bucket
@@ -251,9 +256,12 @@ class EngineLeases:
         task.add_done_callback(self._tasks.discard)
 
     async def _publish(
-        self, handoff_id: UUID, engine: str, incarnation: str,
+        self,
+        handoff_id: UUID,
+        engine: str,
+        incarnation: str,
         answers: list[tuple[Input, str, str]],
-    ) -> None:  # fmt: skip
+    ) -> None:
         subject = self._subjects.input(handoff_id)
         for message, what, kind in answers:
             msg_id = answer_id(handoff_id, engine, incarnation, what)

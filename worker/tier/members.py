@@ -100,8 +100,10 @@ class Membership:
                 problem = str(exc)
         logger.warning(
             "membership %s not withdrawn (%s); it expires in %.0fs",
-            self.member.instance, problem, self.ttl_s,
-        )  # fmt: skip
+            self.member.instance,
+            problem,
+            self.ttl_s,
+        )
 
 
 async def _members_bucket(bus: Bus, give_up_after_s: float = 0.0) -> Bucket:

@@ -113,9 +113,14 @@ class Tier:
     """This worker's owners, one per partition of its share; `run` it until stopped."""
 
     def __init__(
-        self, bus: Bus, settings: TierSettings, partition: Callable[[int], Steps], label: str,
-        *, metrics: TierMetrics | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        bus: Bus,
+        settings: TierSettings,
+        partition: Callable[[int], Steps],
+        label: str,
+        *,
+        metrics: TierMetrics | None = None,
+    ) -> None:
         self._bus = bus
         self._metrics = metrics
         self._settings = settings
@@ -144,9 +149,10 @@ class Tier:
         that replaced it, or gave the partition to another worker, is over."""
         running = self._running
         return {
-            p for p in self._share
+            p
+            for p in self._share
             if p not in running or running[p][1].done() or not running[p][0].claims
-        }  # fmt: skip
+        }
 
     async def run(self, stop: asyncio.Event) -> None:
         """Set up (retried while NATS cannot answer; a `StreamMismatch` is final), and own
@@ -202,10 +208,16 @@ class Tier:
         await open_partition_log(self._bus, settings.log_stream, settings.prefix)
         for partition in range(settings.partitions):
             self._consumers[partition] = await open_partition_consumer(
-                self._bus, settings.stream, settings.prefix, settings.consumer, partition,
-                ack_wait_s=settings.ack_wait_s, max_pending=settings.max_pending,
-                priority_timeout_s=settings.priority_timeout_s, partitions=settings.partitions,
-            )  # fmt: skip
+                self._bus,
+                settings.stream,
+                settings.prefix,
+                settings.consumer,
+                partition,
+                ack_wait_s=settings.ack_wait_s,
+                max_pending=settings.max_pending,
+                priority_timeout_s=settings.priority_timeout_s,
+                partitions=settings.partitions,
+            )
         return await announce(self._bus, self.member, self._settings.stream)
 
     async def _round(self) -> None:
@@ -225,9 +237,10 @@ class Tier:
         if moves.take or moves.hand_over:
             logger.info(
                 "tier: %d live worker(s); taking %s, handing over %s",
-                len(set(live) | {self.member.instance}), sorted(moves.take),
+                len(set(live) | {self.member.instance}),
+                sorted(moves.take),
                 sorted(moves.hand_over),
-            )  # fmt: skip
+            )
         await self._stop_owners(set(moves.hand_over))
         for partition in sorted(moves.take):
             self._start_owner(partition)
@@ -246,13 +259,18 @@ class Tier:
             self._bus, settings.log_stream, settings.prefix, partition, self.owner_name
         )
         owner = PartitionOwner(
-            self._bus, settings.stream, self._consumers[partition], log,
+            self._bus,
+            settings.stream,
+            self._consumers[partition],
+            log,
             self._partition(partition),
-            batch=settings.batch_size, expires_s=settings.pull_expires_s,
+            batch=settings.batch_size,
+            expires_s=settings.pull_expires_s,
             heartbeat_s=settings.pull_expires_s / 4,
-            claim_vacant_after_s=settings.priority_timeout_s, metrics=self._metrics,
+            claim_vacant_after_s=settings.priority_timeout_s,
+            metrics=self._metrics,
             snapshots=settings.snapshots,
-        )  # fmt: skip
+        )
         stop = asyncio.Event()
         task = asyncio.create_task(owner.run(stop), name=f"kvhandoff-partition-{partition}")
         self._running[partition] = (owner, task, stop)

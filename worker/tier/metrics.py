@@ -50,17 +50,22 @@ class Metrics:
             registry=r,
         )
         self.commit_failures = Counter(
-            "kvhandoff_commit_failures", "Group commits that failed (and changed nothing)",
+            "kvhandoff_commit_failures",
+            "Group commits that failed (and changed nothing)",
             registry=r,
-        )  # fmt: skip
+        )
         self.batch_size = Histogram(
-            "kvhandoff_commit_batch_size", "Inputs per group commit", buckets=_BATCH_BUCKETS,
+            "kvhandoff_commit_batch_size",
+            "Inputs per group commit",
+            buckets=_BATCH_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
         self.commit_seconds = Histogram(
-            "kvhandoff_commit_seconds", "Group commit latency", buckets=_LATENCY_BUCKETS,
+            "kvhandoff_commit_seconds",
+            "Group commit latency",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
         self.recovery_seconds = Gauge(
             "kvhandoff_recovery_seconds", "Time the last recovery took", registry=r
         )
@@ -98,9 +103,10 @@ class TierMetrics:
             registry=r,
         )
         self.handovers = Counter(
-            "kvhandoff_partition_handovers", "Partitions this worker handed over cleanly",
+            "kvhandoff_partition_handovers",
+            "Partitions this worker handed over cleanly",
             registry=r,
-        )  # fmt: skip
+        )
         self.catch_up_seconds = Histogram(
             "kvhandoff_catch_up_seconds",
             "Claim to ready: reading the partition's log and catching the local file up",

@@ -340,10 +340,14 @@ class PartitionOwner:
 
     async def _own(self, stop: asyncio.Event) -> None:
         pull = Pull(
-            self._bus, self._stream, self._consumer,
-            max_ahead=2 * self._batch, expires_s=self._expires_s,
-            heartbeat_s=self._heartbeat_s, group=PRIORITY_GROUP,
-        )  # fmt: skip
+            self._bus,
+            self._stream,
+            self._consumer,
+            max_ahead=2 * self._batch,
+            expires_s=self._expires_s,
+            heartbeat_s=self._heartbeat_s,
+            group=PRIORITY_GROUP,
+        )
         backoff_s = _FETCH_BACKOFF_S[0]
         async with pull, _woken_by(stop, pull):
             while not stop.is_set():
@@ -352,9 +356,11 @@ class PartitionOwner:
                     # what to wait for.
                     waiting_s = _FETCH_TIMEOUT_S if self._in_flight is None else 0.0
                     batch = await pull.fetch(
-                        self._batch, timeout_s=waiting_s,
-                        max_bytes=self._bus.max_payload // 2, overhead=_ROW_OVERHEAD,
-                    )  # fmt: skip
+                        self._batch,
+                        timeout_s=waiting_s,
+                        max_bytes=self._bus.max_payload // 2,
+                        overhead=_ROW_OVERHEAD,
+                    )
                 except PinMismatch:
                     self.refused_pulls += 1
                     self._vacant_since = None
@@ -365,8 +371,9 @@ class PartitionOwner:
                         logger.warning(
                             "partition %d: claimed while vacant, but another worker is pinned "
                             "to it now; %s stops acting for it",
-                            self.log.partition, self.log.owner,
-                        )  # fmt: skip
+                            self.log.partition,
+                            self.log.owner,
+                        )
                         return
                     continue  # the Pull asks to be pinned anew
                 except BusError as exc:
@@ -410,9 +417,11 @@ class PartitionOwner:
                     # unacknowledged, and claim anew, which reads the log and so learns it.
                     doubt = f"leaving {len(batch)} inputs unacknowledged, claiming anew"
                     logger.warning(
-                        "partition %d: %s; %s", self.log.partition, exc,
+                        "partition %d: %s; %s",
+                        self.log.partition,
+                        exc,
                         doubt if batch else "claiming it later",
-                    )  # fmt: skip
+                    )
                     self.phase.move(Event.DOUBTED)
                     self.log = self.log.anew()
                     await _pause(stop, backoff_s)
@@ -424,8 +433,9 @@ class PartitionOwner:
             except BusError as exc:
                 logger.warning(
                     "partition %d: %s; its last batch comes back after the ack wait",
-                    self.log.partition, exc,
-                )  # fmt: skip
+                    self.log.partition,
+                    exc,
+                )
                 # Not handed over: the next claim reads what landed.
                 self.phase.move(Event.DOUBTED)
             await self._hand_over(pull)
@@ -457,8 +467,9 @@ class PartitionOwner:
             logger.warning(
                 "partition %d: hand-over incomplete (%s); the next owner waits for the "
                 "priority timeout",
-                self.log.partition, exc,
-            )  # fmt: skip
+                self.log.partition,
+                exc,
+            )
             self.phase.move(Event.INCOMPLETE)
             return
         self.phase.move(Event.HANDED_OVER)
@@ -466,8 +477,10 @@ class PartitionOwner:
             self._metrics.handovers.inc()
         logger.info(
             "partition %d: handed over by %s (%d inputs given back)",
-            self.log.partition, self.log.owner, len(in_hand),
-        )  # fmt: skip
+            self.log.partition,
+            self.log.owner,
+            len(in_hand),
+        )
 
     async def _snapshot_handing_over(self) -> None:
         """The snapshot of a clean hand-over, which the next owner reads and no more. A local
@@ -479,8 +492,9 @@ class PartitionOwner:
             logger.warning(
                 "partition %d: no snapshot at the hand-over (%s); the next owner reads the "
                 "entries since the last one",
-                self.log.partition, exc,
-            )  # fmt: skip
+                self.log.partition,
+                exc,
+            )
 
     async def _forget(self) -> None:
         """Drop from the applied inputs those at or below the consumer's ack floor, at most
@@ -527,8 +541,12 @@ class PartitionOwner:
         seq = await self.log.snapshot(sorted(self._applied), records)
         logger.info(
             "partition %d: snapshot at %d by %s (%d bytes of state, %d entries since the last)",
-            self.log.partition, seq, self.log.owner, len(records), self._since_snapshot,
-        )  # fmt: skip
+            self.log.partition,
+            seq,
+            self.log.owner,
+            len(records),
+            self._since_snapshot,
+        )
         self.snapshots += 1
         self._since_snapshot, self._snapshot_due = 0, False
         self._snapshot_at = time.monotonic()
@@ -557,14 +575,19 @@ class PartitionOwner:
         if now - self._vacant_since >= self._claim_vacant_after_s:
             logger.info(
                 "partition %d: nobody pinned to it for %.1fs; %s claims it without a delivery",
-                self.log.partition, now - self._vacant_since, self.log.owner,
-            )  # fmt: skip
+                self.log.partition,
+                now - self._vacant_since,
+                self.log.owner,
+            )
             await self._claim(None, vacant=True)
 
     async def _claim(
-        self, pin_id: str | None, held: Callable[[], Mapping[int, str]] | None = None,
-        *, vacant: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        pin_id: str | None,
+        held: Callable[[], Mapping[int, str]] | None = None,
+        *,
+        vacant: bool = False,
+    ) -> None:
         """Claim the partition's log (`Fenced` if another worker owns it), learn what was
         applied, and what the previous owner left unapplied (see "Order"); `held`: what this
         owner holds delivered (see `Bus.unacknowledged`); `vacant`: claimed without a
@@ -617,8 +640,11 @@ class PartitionOwner:
             logger.info(
                 "partition %d: %d redelivered inputs are applied already (%d..%d), "
                 "acknowledged without acting",
-                self.log.partition, len(settled), settled[0].stream_seq, settled[-1].stream_seq,
-            )  # fmt: skip
+                self.log.partition,
+                len(settled),
+                settled[0].stream_seq,
+                settled[-1].stream_seq,
+            )
         if self._order is not None:
             # In order behind orphans: what the batch in flight defers is given back first.
             await self._finish()
@@ -688,5 +714,9 @@ class PartitionOwner:
         logger.warning(
             "partition %d: %s; another worker owns it now, %s stops acting for it "
             "(applied %d inputs, acknowledged %d)",
-            self.log.partition, exc, self.log.owner, self.applied, self.acked,
-        )  # fmt: skip
+            self.log.partition,
+            exc,
+            self.log.owner,
+            self.applied,
+            self.acked,
+        )

@@ -181,9 +181,13 @@ class PartitionLog:
     def anew(self) -> PartitionLog:
         """A log for the same worker and partition, to claim again (once pinned anew)."""
         return PartitionLog(
-            self._bus, self._stream, self._prefix, self.partition, self.owner,
+            self._bus,
+            self._stream,
+            self._prefix,
+            self.partition,
+            self.owner,
             append_timeout_s=self._append_timeout_s,
-        )  # fmt: skip
+        )
 
     async def claim(self) -> CaughtUp:
         """Catch up on the partition's log and append our `Claimed`; `Fenced` if another
@@ -199,9 +203,11 @@ class PartitionLog:
             caught.take(entry)
         last = entries[-1][0] if entries else 0
         claim = Claimed(
-            epoch=caught.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000,
+            epoch=caught.epoch,
+            owner=self.owner,
+            at_ms=time.time_ns() // 1_000_000,
             version=LOG_VERSION,
-        )  # fmt: skip
+        )
         try:
             self._last_seq = await self._bus.append_expecting(
                 self.subject, encode_entry(claim), last, give_up_after_s=self._append_timeout_s
@@ -214,19 +220,25 @@ class PartitionLog:
         logger.info(
             "partition %d: claimed as epoch %d by %s (after %s; read %d entries%s of its log, "
             "%d applied inputs that may come again)",
-            self.partition, self.epoch, self.owner, caught.previous_owner or "nobody",
-            caught.entries, ", a snapshot first" if caught.snapshot is not None else "",
+            self.partition,
+            self.epoch,
+            self.owner,
+            caught.previous_owner or "nobody",
+            caught.entries,
+            ", a snapshot first" if caught.snapshot is not None else "",
             len(caught.applied),
-        )  # fmt: skip
+        )
         return caught
 
     async def hand_over(self) -> None:
         """Log that this owner handed the partition over, last of what it appends; `Fenced`
         if another worker appended first."""
         entry = HandedOver(
-            epoch=self.epoch, owner=self.owner, at_ms=time.time_ns() // 1_000_000,
+            epoch=self.epoch,
+            owner=self.owner,
+            at_ms=time.time_ns() // 1_000_000,
             version=LOG_VERSION,
-        )  # fmt: skip
+        )
         await self._append(entry)
 
     async def append(self, inputs: list[int], records: bytes) -> int:
@@ -241,9 +253,14 @@ class PartitionLog:
         append: the roll-up names the last entry this owner appended, and is refused whole if
         another worker appended since. The snapshot's (last) sequence."""
         entry = Snapshot(
-            self.epoch, self.owner, time.time_ns() // 1_000_000, applied, records, self._claims,
+            self.epoch,
+            self.owner,
+            time.time_ns() // 1_000_000,
+            applied,
+            records,
+            self._claims,
             version=LOG_VERSION,
-        )  # fmt: skip
+        )
         encoded = encode_entry(entry)
         room = self._bus.max_payload - _PART_MARGIN
         if len(encoded) <= room:
@@ -285,8 +302,10 @@ class PartitionLog:
             logger.warning(
                 "partition %d: %s (epoch %d) is fenced: another worker claimed it; "
                 "dropping it at once, no publish, no ack",
-                self.partition, self.owner, self.epoch,
-            )  # fmt: skip
+                self.partition,
+                self.owner,
+                self.epoch,
+            )
             raise
         return self._last_seq
 
@@ -296,10 +315,13 @@ class PartitionLog:
         last_seq = self._checked_last_seq()
         return await self._appended(
             self._bus.append_expecting(
-                self.subject, encode_entry(entry), last_seq,
-                give_up_after_s=self._append_timeout_s, rollup=rollup,
+                self.subject,
+                encode_entry(entry),
+                last_seq,
+                give_up_after_s=self._append_timeout_s,
+                rollup=rollup,
             )
-        )  # fmt: skip
+        )
 
 
 async def read_claims(bus: Bus, stream: str, prefix: str, partition: int) -> list[Claimed]:

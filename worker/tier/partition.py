@@ -192,9 +192,15 @@ class Partition:
     """One partition's coordinator state and the steps its owner drives (module docstring)."""
 
     def __init__(
-        self, number: int, config: WorkerConfig, bus: Bus, metrics: Metrics,
-        leases: EngineLeases, *, count_in_memory: Callable[[], None],
-    ) -> None:  # fmt: skip
+        self,
+        number: int,
+        config: WorkerConfig,
+        bus: Bus,
+        metrics: Metrics,
+        leases: EngineLeases,
+        *,
+        count_in_memory: Callable[[], None],
+    ) -> None:
         self.number = number
         self._config = config
         self._bus = bus
@@ -205,14 +211,20 @@ class Partition:
         # Its inputs' subjects, `<prefix>.inp.<p>.<id>`, less the handoff id.
         self._inputs_of = f"{config.nats.subject_prefix}.inp.{number}."
         self.planner = Planner(
-            self._subjects, config.tier.batch_size, config.tier.ack_wait_s,
+            self._subjects,
+            config.tier.batch_size,
+            config.tier.ack_wait_s,
             tombstone_ttl_ms=int(config.tombstone_ttl_s * 1000),
-        )  # fmt: skip
+        )
         self.planner.admit = leases.admit
         self.timers = HandoffTimers(
-            self.planner, bus, self._subjects, metrics,
-            retry_interval_s=config.retry_interval_s, republish=self._republish,
-        )  # fmt: skip
+            self.planner,
+            bus,
+            self._subjects,
+            metrics,
+            retry_interval_s=config.retry_interval_s,
+            republish=self._republish,
+        )
         self._file: _File | None = None  # opened at the first claim
         # The epoch of the claim it serves (module docstring); None: it serves none.
         self.epoch: int | None = None
@@ -293,9 +305,15 @@ class Partition:
         logger.info(
             "partition %d: caught %s up with %s%d of %d entries (mark %s) and recovered %d open "
             "handoffs in %.3fs",
-            self.number, log.path, "a snapshot and " if catch_up.merge else "", len(missing),
-            len(entries), mark, len(self.planner.open), elapsed,
-        )  # fmt: skip
+            self.number,
+            log.path,
+            "a snapshot and " if catch_up.merge else "",
+            len(missing),
+            len(entries),
+            mark,
+            len(self.planner.open),
+            elapsed,
+        )
 
     async def decide(self, batch: Sequence[Inbound]) -> Decided:
         """Plan the batch against the partition's handoffs: the rows to append, and the early
@@ -495,9 +513,11 @@ class Partition:
             known = {t.handoff_id for t in tombstones}
             # Entries written before they carried their tombstones: read those rows.
             ended = {
-                row.handoff_id for e in entries for row in e.handoffs
+                row.handoff_id
+                for e in entries
+                for row in e.handoffs
                 if _ended(row) and row.handoff_id not in known
-            }  # fmt: skip
+            }
         else:
             tombstones = await self.log.tombstones(since_ms)
             ended = set(await self.log.ended_since(since_ms))
@@ -598,8 +618,10 @@ class Partition:
         logger.warning(
             "partition %d: %d actions were published on a connection that NATS lost%s; "
             "publishing them again",
-            self.number, len(sent.actions), error,
-        )  # fmt: skip
+            self.number,
+            len(sent.actions),
+            error,
+        )
         pause_s = _RESEND_PAUSE_S[0]
         while self.epoch == epoch:
             await asyncio.sleep(pause_s)  # let the connection come back first

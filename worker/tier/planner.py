@@ -160,9 +160,13 @@ class Planner:
     """The handoffs in memory and the rules that apply a batch of inputs to them."""
 
     def __init__(
-        self, subjects: Subjects, defer_budget: int, ack_wait_s: float,
-        *, tombstone_ttl_ms: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        subjects: Subjects,
+        defer_budget: int,
+        ack_wait_s: float,
+        *,
+        tombstone_ttl_ms: int | None = None,
+    ) -> None:
         self.subjects = subjects
         self.defer_budget = defer_budget
         self.ack_wait_s = ack_wait_s

@@ -55,9 +55,14 @@ class Worker:
     """The tier's worker with the real coordinator; `run` it until stopped."""
 
     def __init__(
-        self, config: WorkerConfig, settings: TierSettings, bus: Bus, metrics: Metrics,
-        *, label: str,
-    ) -> None:  # fmt: skip
+        self,
+        config: WorkerConfig,
+        settings: TierSettings,
+        bus: Bus,
+        metrics: Metrics,
+        *,
+        label: str,
+    ) -> None:
         self._config = config
         self._bus = bus
         self._metrics = metrics
@@ -65,9 +70,12 @@ class Worker:
         self._partitions: dict[int, Partition] = {}
         # Engine leases (issue #34): the bucket's watch, and the answers for gone engines.
         self.leases = EngineLeases(
-            bus, self._subjects, metrics, require=config.require_leases,
+            bus,
+            self._subjects,
+            metrics,
+            require=config.require_leases,
             view=view_path(config.data_dir or config.db_path),
-        )  # fmt: skip
+        )
         self.leases.on_gone(self._lease_gone)
         self.tier = Tier(
             bus, settings, self.partition, label, metrics=TierMetrics(metrics.registry)
@@ -90,9 +98,13 @@ class Worker:
         part = self._partitions.get(number)
         if part is None:
             part = self._partitions[number] = Partition(
-                number, self._config, self._bus, self._metrics, self.leases,
+                number,
+                self._config,
+                self._bus,
+                self._metrics,
+                self.leases,
                 count_in_memory=self._count_in_memory,
-            )  # fmt: skip
+            )
         return part
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -128,8 +128,11 @@ async def open_partitions(bus: Bus, stream: str, prefix: str, partitions: int) -
         )
         logger.info(
             "created stream %s for %s: %d partition(s), R%d",
-            stream, list(spec.subjects), partitions, bus.replicas,
-        )  # fmt: skip
+            stream,
+            list(spec.subjects),
+            partitions,
+            bus.replicas,
+        )
         return
     metadata = held.metadata or {}
     stored = metadata.get(PARTITIONS_METADATA, "1")

@@ -112,9 +112,15 @@ class HandoffTimers:
     """The deadlines and retries of one planner's handoffs (module docstring); `run` it."""
 
     def __init__(
-        self, planner: Planner, bus: Bus, subjects: Subjects, metrics: Metrics,
-        *, retry_interval_s: float, republish: Republish,
-    ) -> None:  # fmt: skip
+        self,
+        planner: Planner,
+        bus: Bus,
+        subjects: Subjects,
+        metrics: Metrics,
+        *,
+        retry_interval_s: float,
+        republish: Republish,
+    ) -> None:
         self._planner = planner
         self._bus = bus
         self._subjects = subjects

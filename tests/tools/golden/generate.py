@@ -264,9 +264,17 @@ async def _append(path: Path, handoffs: Sequence[tuple[int, Script]]) -> None:
             assert isinstance(first, StartHandoff)
             coordinator = HandoffCoordinator.for_start(first)
             row = HandoffRow(
-                first.handoff_id, first.engine_type.value, first.source, first.destination,
-                start_ms, start_ms + first.deadline_ms, HandoffState.OPEN, None, 0, start_ms,
-            )  # fmt: skip
+                first.handoff_id,
+                first.engine_type.value,
+                first.source,
+                first.destination,
+                start_ms,
+                start_ms + first.deadline_ms,
+                HandoffState.OPEN,
+                None,
+                0,
+                start_ms,
+            )
             seq = 0
             for offset, message in script:
                 at_ms = start_ms + offset
