@@ -7,7 +7,8 @@
 - `log/`: the local event log file (SQLite): schema, rows, the writer, the offline reader.
 - `engines/`: the mock engines, and what a healthy engine answers.
 - `loadgen/`: the load generator, which plays the frontend.
-- `conformance/`: holding engines to the wire contract (`kvhandoff engine-check`).
+- `conformance/`: holding the core to its reference vectors (`kvhandoff conformance`) and an
+  engine to the wire contract (`kvhandoff engine-check`).
 - `harness/`: what starts `nats-server`, child processes and containers, for tests and demos.
 - `commands/` and `cli.py`: the `kvhandoff` command line; `config.py`, `errors.py`, `clock.py`,
   `stoppable.py`, `logging_setup.py`: what they share.
