@@ -335,17 +335,22 @@ def test_offline_modules_never_reach_nats_through_any_import(module: str) -> Non
         pytest.fail(f"{module} reaches nats:\n  " + "\n  ".join(map(str, chain)))
 
 
+# Prints which of the packages given (a top-level name, or a dotted one such as
+# kvhandoff.worker.tier) a fresh interpreter holds after importing the modules given.
 _PROBE = """
 import importlib, json, sys
-modules, drivers = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+modules, packages = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 for module in modules:
     importlib.import_module(module)
-print(json.dumps(sorted({m.partition(".")[0] for m in sys.modules} & set(drivers))))
+print(json.dumps(sorted(
+    p for p in packages if any(m == p or m.startswith(p + ".") for m in sys.modules)
+)))
 """
 
 
 def loaded_drivers(modules: list[str], drivers: set[str]) -> list[str]:
-    """Those of `drivers` that a fresh interpreter has loaded after importing `modules`."""
+    """Those of `drivers` (packages) that a fresh interpreter has loaded after importing
+    `modules`."""
     probe = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(modules), json.dumps(sorted(drivers))],
         cwd=ROOT,
@@ -377,17 +382,6 @@ def test_importing_the_offline_modules_leaves_nats_unloaded() -> None:
     assert not missing, f"missing offline modules: {', '.join(missing)}"
 
 
-_MODULES_PROBE = """
-import importlib, json, sys
-modules, packages = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-for module in modules:
-    importlib.import_module(module)
-print(json.dumps(sorted(
-    m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in packages)
-)))
-"""
-
-
 def test_importing_an_engine_loads_the_transport_alone() -> None:
     # What an engine or a frontend drags in: the client, the core and the transport, and
     # none of the tier's rules, the worker's log (nor its aiosqlite) or the worker's config.
@@ -399,17 +393,7 @@ def test_importing_an_engine_loads_the_transport_alone() -> None:
         "aiosqlite",
     ]
     client = ["kvhandoff.client", *modules_of("client")]
-    probe = subprocess.run(
-        [sys.executable, "-c", _MODULES_PROBE, json.dumps(client), json.dumps(unwanted)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    if probe.returncode != 0:
-        pytest.fail(f"importing the client failed:\n{probe.stderr}")
-    loaded: list[str] = json.loads(probe.stdout)
+    loaded = loaded_drivers(client, set(unwanted))
     assert not loaded, f"importing the client loads {', '.join(loaded)}"
 
 
