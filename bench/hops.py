@@ -27,10 +27,10 @@ default 4,000), each against a responder child process that runs the same `Bus` 
 worker (fetch a batch, publish one message per input, ack each): ``bus`` does nothing else;
 ``bus+commit`` also group-commits each batch, one raw row per input, through `EventLog` with
 synchronous=FULL; ``bus+append`` instead appends each batch, as one message, to a log stream made
-as the tier's (`Bus.open_partition_log`) by compare-and-set on the subject's last sequence
-(`Bus.append_expecting`, the tier's fenced append), before it publishes and acknowledges: the
-durable work a tier hop must do, and the baseline the tier's p50 at 16 in flight is held to
-(at most 1.3x). The sender publishes with JetStream, as the engines here do: each publish
+as the tier's (`worker.tier.streams.open_partition_log`) by compare-and-set on the subject's
+last sequence (`Bus.append_expecting`, the tier's fenced append), before it publishes and
+acknowledges: the durable work a tier hop must do, and the baseline the tier's p50 at 16 in flight
+is held to (at most 1.3x). The sender publishes with JetStream, as the engines here do: each publish
 asks for the stream's ack, and a refusal ends the run, but the acks are read as they arrive, not
 awaited one by one (`StoredPublisher`), so that this process is not the one the loop waits for.
 So ``bus`` is what NATS alone costs a hop, ``bus+commit`` adds a local fsync, ``bus+append`` a

@@ -46,7 +46,8 @@ worker.tier.entries): it fences nobody. Invariants:
 
 `read_claims` reads the latest claims, in order: who owned a partition when, for a report (the
 demo's failover times), not for owning it; those a snapshot kept (the last `CLAIMS_KEPT`) and
-those after it. The stream has no age limit (`Bus.open_partition_log`): snapshots bound it.
+those after it. The stream has no age limit (`worker.tier.streams.open_partition_log`):
+snapshots bound it.
 
 What it does not do. It does not stop a fenced writer from acting on what it did not append:
 the caller must act (publish, acknowledge) only after its append returned, and stop at the
