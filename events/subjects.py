@@ -49,9 +49,20 @@ def log_stream_of(input_stream: str) -> str:
 DEFAULT_DONE_STREAM = done_stream_of(DEFAULT_STREAM)
 
 
+def partition_transform(prefix: str, partitions: int) -> tuple[str, str]:
+    """The input stream's subject transform, source and destination: `<prefix>.in.<id>` is
+    stored as `<prefix>.inp.<p>.<id>`, p the FNV-1a of the id modulo `partitions`."""
+    return f"{prefix}.in.*", f"{prefix}.inp.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}"
+
+
+def partition_prefix(prefix: str, partition: int) -> str:
+    """What the stream's transform puts before the handoff id of one partition's inputs."""
+    return f"{prefix}.inp.{partition}."
+
+
 def partition_subject(prefix: str, partition: int) -> str:
     """The subjects of one partition's inputs, as the stream's transform stores them."""
-    return f"{prefix}.inp.{partition}.*"
+    return f"{partition_prefix(prefix, partition)}*"
 
 
 def partition_log_subject(prefix: str, partition: int) -> str:

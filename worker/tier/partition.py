@@ -103,7 +103,7 @@ import msgspec
 from kvhandoff.events.codec import encode
 from kvhandoff.events.errors import ReplayDivergence
 from kvhandoff.events.messages import Action, Complete
-from kvhandoff.events.subjects import Subjects
+from kvhandoff.events.subjects import Subjects, partition_prefix
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.pull import Inbound
 from kvhandoff.worker.clock import now_ms
@@ -209,7 +209,7 @@ class Partition:
         self._leases = leases
         self._count_in_memory = count_in_memory  # the worker's gauges, over its partitions
         # Its inputs' subjects, `<prefix>.inp.<p>.<id>`, less the handoff id.
-        self._inputs_of = f"{config.nats.subject_prefix}.inp.{number}."
+        self._inputs_of = partition_prefix(config.nats.subject_prefix, number)
         self.planner = Planner(
             self._subjects,
             config.tier.batch_size,

@@ -46,7 +46,7 @@ import logging
 
 import msgspec
 
-from kvhandoff.events.subjects import partition_subject
+from kvhandoff.events.subjects import partition_subject, partition_transform
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.streams import (
     StreamSpec,
@@ -108,10 +108,7 @@ async def open_partitions(bus: Bus, stream: str, prefix: str, partitions: int) -
         name=stream,
         subjects=(f"{prefix}.in.*",),
         retention="workqueue",
-        transform=(
-            f"{prefix}.in.*",
-            f"{prefix}.inp.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}",
-        ),
+        transform=partition_transform(prefix, partitions),
         duplicate_window_s=_INPUT_DUPLICATE_WINDOW_S,
     )
     held = await stream_spec(bus, stream)
