@@ -14,30 +14,25 @@ from kvhandoff.worker.commands._demo_cluster import ClusterReport
 from kvhandoff.worker.loadgen.generator import LoadReport
 
 
-def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
-    report_path = tmp_path / "report.json"
-    db = tmp_path / "demo.db"
-    # The demo keeps its logs in a fresh temporary folder; keep that inside tmp_path.
-    environment = {**os.environ, "TMPDIR": str(tmp_path)}
+def run_demo(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`kvhandoff demo ARGS` to its end; it keeps its logs in a fresh temporary folder, kept
+    inside tmp_path. A failed run fails the test with what it printed."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvhandoff.worker.cli",
-            "demo",
-            "--quiet",
-            "--json",
-            str(report_path),
-            "--db",
-            str(db),
-        ],
+        [sys.executable, "-m", "kvhandoff.worker.cli", "demo", *args],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
-        env=environment,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_the_demo_ends_every_handoff_without_leaks(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    db = tmp_path / "demo.db"
+    done = run_demo(tmp_path, "--quiet", "--json", str(report_path), "--db", str(db))
 
     report = msgspec.json.decode(report_path.read_bytes(), type=LoadReport)
     assert report.handoffs == 3000
@@ -72,29 +67,17 @@ def test_the_cluster_demo_survives_a_killed_worker_and_node_with_every_handoff_e
     """`kvhandoff demo --cluster`, with a small load: a worker and the input stream's leading
     node are killed midway; the summary shows the takeover, and every handoff ended."""
     report_path = tmp_path / "report.json"
-    environment = {**os.environ, "TMPDIR": str(tmp_path)}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvhandoff.worker.cli",
-            "demo",
-            "--cluster",
-            "--quiet",
-            "--handoffs",
-            "200",
-            "--concurrency",
-            "32",
-            "--json",
-            str(report_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env=environment,
+    done = run_demo(
+        tmp_path,
+        "--cluster",
+        "--quiet",
+        "--handoffs",
+        "200",
+        "--concurrency",
+        "32",
+        "--json",
+        str(report_path),
     )
-    assert done.returncode == 0, done.stdout + done.stderr
 
     report = msgspec.json.decode(report_path.read_bytes(), type=ClusterReport)
     assert report.ok
@@ -125,28 +108,16 @@ def test_the_demo_with_an_engine_killed_midway_still_ends_every_handoff(tmp_path
     """`kvhandoff demo --kill-engine`: the engine's lease expires, and the handoffs it held end
     through it rather than at their deadline."""
     report_path = tmp_path / "report.json"
-    environment = {**os.environ, "TMPDIR": str(tmp_path)}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvhandoff.worker.cli",
-            "demo",
-            "--quiet",
-            "--handoffs",
-            "600",
-            "--kill-engine",
-            "vllm-prefill-0",
-            "--json",
-            str(report_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env=environment,
+    done = run_demo(
+        tmp_path,
+        "--quiet",
+        "--handoffs",
+        "600",
+        "--kill-engine",
+        "vllm-prefill-0",
+        "--json",
+        str(report_path),
     )
-    assert done.returncode == 0, done.stdout + done.stderr
 
     report = msgspec.json.decode(report_path.read_bytes(), type=LoadReport)
     assert report.completed + report.canceled + report.rejected == report.handoffs
