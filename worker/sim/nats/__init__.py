@@ -1,0 +1,1 @@
+"""A model of `nats-server`: the core protocol (`server`) and JetStream (`jetstream`)."""

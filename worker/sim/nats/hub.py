@@ -1,0 +1,45 @@
+"""The seam between the simulated server's core (`server`) and its JetStream model.
+
+The core routes every published message to the subscriptions that match it and hands it to
+the `Extension` (JetStream) too, as a real server's JetStream sees the publishes on the
+subjects it listens on. The extension answers and delivers through the `Hub`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+
+class Hub(Protocol):
+    """What JetStream may ask of the core."""
+
+    def send(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        *,
+        reply: str = "",
+        headers: Mapping[str, str] | None = None,
+        status: str = "",
+    ) -> None:
+        """Deliver a message to every subscription on `subject` (none: it is dropped).
+        `status` is a status line's code and text, such as "404 No Messages": the message
+        then carries `NATS/1.0 404 No Messages` as its header line, as the server's do."""
+        ...
+
+    def has_interest(self, subject: str) -> bool:
+        """Whether any subscription matches `subject` (a pull request's reply inbox is gone
+        when its client disconnected or unsubscribed)."""
+        ...
+
+
+class Extension(Protocol):
+    """What the core tells JetStream."""
+
+    def on_publish(
+        self, subject: str, reply: str, headers: Mapping[str, str] | None, payload: bytes
+    ) -> None:
+        """A client published: JetStream answers an API request, settles an ack, or stores
+        the message in the stream that captures `subject`. Called after the core routed it."""
+        ...
