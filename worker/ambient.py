@@ -53,8 +53,9 @@ class Ambient:
 
 
 _MACHINE_RANDOM = random.Random()
-_current: contextvars.ContextVar[Ambient] = contextvars.ContextVar(
-    "kvhandoff_ambient", default=Ambient()
+_MACHINE = Ambient()
+_current: contextvars.ContextVar[Ambient | None] = contextvars.ContextVar(
+    "kvhandoff_ambient", default=None
 )
 
 
@@ -70,34 +71,34 @@ def using(ambient: Ambient) -> Iterator[None]:
 
 def current() -> Ambient:
     """The `Ambient` this context reads."""
-    return _current.get()
+    return _current.get() or _MACHINE
 
 
 def now_ms() -> int:
     """Milliseconds since the epoch, by the wall clock."""
-    return _current.get().wall_ns() // 1_000_000
+    return current().wall_ns() // 1_000_000
 
 
 def wall_s() -> float:
     """Seconds since the epoch, by the wall clock."""
-    return _current.get().wall_ns() / 1e9
+    return current().wall_ns() / 1e9
 
 
 def monotonic_s() -> float:
     """Seconds on a clock that never goes back (`Ambient.monotonic_s`)."""
-    return _current.get().monotonic_s()
+    return current().monotonic_s()
 
 
 def new_uuid() -> uuid.UUID:
     """A new random UUID."""
-    return _current.get().new_uuid()
+    return current().new_uuid()
 
 
 def new_id() -> str:
     """A new random id, as 32 hex digits (message ids, instance names, incarnations)."""
-    return _current.get().new_uuid().hex
+    return current().new_uuid().hex
 
 
 def chance() -> random.Random:
     """The current source of randomness."""
-    return _current.get().chance()
+    return current().chance()

@@ -1,0 +1,1 @@
+"""A model of JetStream: streams (`streams`), consumers (`consumers`), what they share (`api`)."""
