@@ -22,7 +22,7 @@ sets it) and a fresh completion stream, then drains it into a fresh SQLite file:
   `succeeded`, every input and action logged once, no rejection.
 - ``bare``: the issue's floor, stock nats-py and sqlite3 only: `pull_subscribe_bind` on the
   same consumer settings and `fetch(--batch-size)`; per batch, one WAL synchronous=FULL
-  transaction (in a worker thread, as aiosqlite runs the worker's) inserting one row per input
+  transaction (in a worker thread, as the worker's store runs it) inserting one row per input
   (its raw payload under its handoff id and position, primary key on both); then the very
   actions the worker publishes for those inputs (same subjects, same bytes, precomputed; all
   core publishes, where the worker sends `Complete` as a JetStream publish), then `ack()` per
@@ -39,7 +39,7 @@ moves less with the machine's load, but leaves out nats-server, whose share is a
 for both.
 
 `--profile` adds one worker run under cProfile (the event loop's thread only, so not SQLite's
-work in aiosqlite's thread) and prints, in µs per input, the top functions by own time and the
+work in the store's threads) and prints, in µs per input, the top functions by own time and the
 package's own functions (events/, worker/) by cumulative time: the stages of the loop.
 
 The machine is shared: the header prints the load average at start and the footer at the end.

@@ -20,15 +20,17 @@ When a transaction fails, the error is SQLite's own ("database or disk is full")
 the rollback after it. sqlite errors are translated to `StoreError` here and nowhere else.
 
 Three connections. The writer's thread runs a whole transaction as one call (BEGIN to COMMIT):
-a statement per thread round trip, as aiosqlite runs them, made a small batch's commit cost
-several wake-ups of the event loop for one fsync. The
-reader is an aiosqlite connection: in WAL mode it reads the last commit without waiting for the
-one in flight, so the worker loads the handoffs of its next batch while the previous batch
-commits. The probe is a third, on the event loop's own thread, for the one read nearly every
-batch makes: which of the handoffs it names are in the file at all (a batch that starts a
-handoff asks, and the answer is nearly always none). Those are index lookups: traced at 16 in
-flight they took 0.2 ms at p50 here, where the round trip to the reader's thread took 1.5 ms
-while the writer's thread was busy. The probe never waits for a lock (`timeout=0`): in the rare
+a statement per thread round trip made a small batch's commit cost several wake-ups of the
+event loop for one fsync. The reader has a thread of its own: in WAL mode it reads the last
+commit without waiting for the one in flight, so the worker loads the handoffs of its next
+batch while the previous batch commits. Both threads are reached only through the loop's
+`run_in_executor`, never directly: the simulation's loop (worker.sim.loop) runs that inline, so
+the same store runs there without a thread. The probe is a third, on the event loop's own
+thread, for the one read nearly every batch makes: which of the handoffs it names are in the
+file at all (a batch that starts a handoff asks, and the answer is nearly always none). Those
+are index lookups: traced at 16 in flight they took 0.2 ms at p50 here, where the round trip to
+the reader's thread took 1.5 ms while the writer's thread was busy. The probe never waits for
+a lock (`timeout=0`): in the rare
 case that SQLite answers busy, the reader asks instead, which does wait.
 
 The layout is `worker.log.schema`'s layout 2; its rows are `worker.log.rows`' types, read back
@@ -79,7 +81,6 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 from uuid import UUID
 
-import aiosqlite
 import msgspec
 
 from kvhandoff.events.codec import split_record
@@ -475,14 +476,17 @@ class EventLog:
 
     def __init__(
         self,
+        path: Path,
+        *,
         writer: ThreadPoolExecutor,
         db: sqlite3.Connection,
-        reader: aiosqlite.Connection,
+        reading: ThreadPoolExecutor,
+        reader: sqlite3.Connection,
         probe: sqlite3.Connection,
-        path: Path,
     ) -> None:
         self._writer = writer  # the one thread that uses `_db`
         self._db = db
+        self._reading = reading  # the one thread that uses `_reader`
         self._reader = reader
         self._probe = probe  # the event loop's (module docstring)
         self._closed = False
@@ -510,40 +514,41 @@ class EventLog:
             )
         await asyncio.to_thread(_prepare, path)
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhandoff-log")
+        reading = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhandoff-log-read")
         loop = asyncio.get_running_loop()
         db: sqlite3.Connection | None = None
-        reader: aiosqlite.Connection | None = None
+        reader: sqlite3.Connection | None = None
         probe: sqlite3.Connection | None = None
         try:
             db = await loop.run_in_executor(writer, _connect_writer, path, synchronous, migrate)
-            reader = await aiosqlite.connect(path, isolation_level=None)
-            await reader.execute("PRAGMA query_only=1")
-            await reader.execute("PRAGMA busy_timeout=5000")
+            reader = await loop.run_in_executor(reading, _connect_reader, path)
             probe = sqlite3.connect(path, timeout=0, isolation_level=None)
             probe.execute("PRAGMA query_only=1")
         except BaseException as exc:
             if probe is not None:
                 probe.close()
             if reader is not None:
-                # An unclosed aiosqlite connection keeps its thread alive, and the process.
-                await reader.close()
+                await loop.run_in_executor(reading, reader.close)
             if db is not None:
                 await loop.run_in_executor(writer, db.close)
+            reading.shutdown()
             writer.shutdown()
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"cannot open event log {path}: {exc}") from exc
             raise
-        return cls(writer, db, reader, probe, path)
+        return cls(path, writer=writer, db=db, reading=reading, reader=reader, probe=probe)
 
     async def close(self) -> None:
         """Close the connections; closing a closed log does nothing."""
         if self._closed:
             return
         self._closed = True
+        loop = asyncio.get_running_loop()
         try:
             self._probe.close()
-            await self._reader.close()
+            await loop.run_in_executor(self._reading, self._reader.close)
         finally:
+            self._reading.shutdown()
             await self._write(sqlite3.Connection.close)
             self._writer.shutdown()
 
@@ -566,7 +571,8 @@ class EventLog:
             if self._group_asked:
                 return future  # it rides in the group the writer has been asked for
             self._group_asked = True
-        self._writer.submit(self._commit_group, loop)
+        # Not awaited: `_commit_group` answers every future itself, and raises nothing.
+        loop.run_in_executor(self._writer, self._commit_group, loop)
         return future
 
     async def resume(self) -> None:
@@ -731,10 +737,13 @@ class EventLog:
         return await loop.run_in_executor(self._writer, partial(work, self._db, *args, **kwargs))
 
     async def _fetch(self, sql: str, parameters: Iterable[object] = ()) -> list[sqlite3.Row]:
+        loop = asyncio.get_running_loop()
         try:
-            # One round trip to the reader's thread, where execute, fetchall and close are
-            # three: a batch that names a new handoff waits for this read.
-            return list(await self._reader.execute_fetchall(sql, tuple(parameters)))
+            # One round trip to the reader's thread for execute and fetchall: a batch that
+            # names a new handoff waits for this read.
+            return await loop.run_in_executor(
+                self._reading, _fetchall, self._reader, sql, tuple(parameters)
+            )
         except sqlite3.Error as exc:
             raise StoreError(f"read failed: {exc}") from exc
 
@@ -787,6 +796,24 @@ def _layout(db: sqlite3.Connection) -> str | None:
         return None
     row = db.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
     return None if row is None else str(row[0])
+
+
+def _connect_reader(path: Path) -> sqlite3.Connection:
+    """The reader's connection, made (and then used) on the reader's thread: read-only, and it
+    waits out a checkpoint's lock rather than fail."""
+    reader = sqlite3.connect(path, isolation_level=None)
+    try:
+        reader.execute("PRAGMA query_only=1")
+        reader.execute("PRAGMA busy_timeout=5000")
+    except BaseException:
+        reader.close()
+        raise
+    return reader
+
+
+def _fetchall(reader: sqlite3.Connection, sql: str, parameters: tuple[object, ...]) -> list[Any]:
+    """On the reader's thread: every row `sql` selects."""
+    return reader.execute(sql, parameters).fetchall()
 
 
 def _connect_writer(path: Path, synchronous: str, migrate: bool) -> sqlite3.Connection:
