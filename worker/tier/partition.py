@@ -104,9 +104,9 @@ from kvhandoff.events.codec import encode
 from kvhandoff.events.errors import ReplayDivergence
 from kvhandoff.events.messages import Action, Complete
 from kvhandoff.events.subjects import Subjects, partition_prefix
+from kvhandoff.worker.ambient import now_ms
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.pull import Inbound
-from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
 from kvhandoff.worker.log.rows import Batch, CorruptHandoff, HandoffLog, HandoffRow, Tombstone
