@@ -78,10 +78,10 @@ from traffic import (
 from kvhandoff.events.codec import decode_action, encode
 from kvhandoff.events.messages import Action, ActionOutcome, Input, StartHandoff
 from kvhandoff.events.subjects import partition_log_subject
+from kvhandoff.worker.ambient import now_ms
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.pull import Pull
 from kvhandoff.worker.bus.settings import NatsSettings
-from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.harness.child import Child
 from kvhandoff.worker.harness.natsserver import EmbeddedNats

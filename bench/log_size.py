@@ -66,7 +66,7 @@ from kvhandoff.events.codec import encode  # noqa: E402
 from kvhandoff.events.coordinator import HandoffCoordinator  # noqa: E402
 from kvhandoff.events.messages import EngineType, HandoffCompletion, Input, StartHandoff  # noqa: E402
 from kvhandoff.events.subjects import Subjects  # noqa: E402
-from kvhandoff.worker.clock import now_ms  # noqa: E402
+from kvhandoff.worker.ambient import now_ms  # noqa: E402
 from kvhandoff.worker.engines.healthy import success_script  # noqa: E402
 from kvhandoff.worker.log.rows import Batch  # noqa: E402
 from kvhandoff.worker.log.store import EventLog  # noqa: E402

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -30,6 +28,7 @@ import msgspec
 from kvhandoff.client.connection import Connection
 from kvhandoff.client.errors import BusUnavailable, Refused
 from kvhandoff.events.leases import EngineLease
+from kvhandoff.worker.ambient import monotonic_s, new_id
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +53,12 @@ class Lease:
         self.incarnation: str | None = None
         self._connection = connection
         self._on_fence = on_fence
-        self._valid_until = 0.0  # time.monotonic()
+        self._valid_until = 0.0  # by monotonic_s
         self.fences = 0
 
     def valid(self) -> bool:
         """Whether the engine may still act for what it holds."""
-        return self.incarnation is not None and time.monotonic() < self._valid_until
+        return self.incarnation is not None and monotonic_s() < self._valid_until
 
     def check(self) -> bool:
         """Fence now if the lease lapsed unnoticed (a paused process that just woke); whether
@@ -72,16 +71,16 @@ class Lease:
         """Take a lease with a fresh incarnation; `BusUnavailable` if NATS does not store it
         within `ACQUIRE_GIVE_UP_S` (the first one may create the bucket, and wait for a
         cluster to elect its leader: each attempt that times out meanwhile is made again)."""
-        give_up_at = time.monotonic() + ACQUIRE_GIVE_UP_S
+        give_up_at = monotonic_s() + ACQUIRE_GIVE_UP_S
         while True:
-            left_s = give_up_at - time.monotonic()
+            left_s = give_up_at - monotonic_s()
             try:
-                await self._renew(uuid.uuid4().hex, give_up_s=max(left_s, _ACQUIRE_RETRY_S))
+                await self._renew(new_id(), give_up_s=max(left_s, _ACQUIRE_RETRY_S))
                 return
             except Refused:
                 raise  # no later attempt would be let in
             except BusUnavailable:
-                if time.monotonic() + _ACQUIRE_RETRY_S >= give_up_at:
+                if monotonic_s() + _ACQUIRE_RETRY_S >= give_up_at:
                     raise
             await asyncio.sleep(_ACQUIRE_RETRY_S)
 
@@ -92,7 +91,7 @@ class Lease:
             await asyncio.sleep(period_s)
             self.check()
             fresh = self.incarnation is None
-            incarnation = self.incarnation or uuid.uuid4().hex
+            incarnation = self.incarnation or new_id()
             try:
                 await self._renew(incarnation)
             except BusUnavailable as exc:
@@ -103,7 +102,7 @@ class Lease:
                 logger.info("%s: lease taken again, incarnation %s", self.engine_id, incarnation)
 
     async def _renew(self, incarnation: str, *, give_up_s: float | None = None) -> None:
-        sent = time.monotonic()
+        sent = monotonic_s()
         value = _ENCODER.encode(EngineLease(self.engine_id, incarnation, round(self.ttl_s * 1000)))
         if give_up_s is None:
             # No longer than the lease has left: a renewal stored later would extend a lease

@@ -14,10 +14,10 @@ errors become `OutcomeLogFailed` here, the one seam.
 from __future__ import annotations
 
 import sqlite3
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from uuid import UUID
 
 import msgspec
 
@@ -58,7 +58,7 @@ class OutcomeLog:
                 "SELECT handoff_id, action_id, outcome FROM outcomes ORDER BY rowid"
             ).fetchall()
         for handoff_id, action_id, outcome in rows:
-            yield uuid.UUID(bytes=handoff_id), action_id, _decoder.decode(outcome)
+            yield UUID(bytes=handoff_id), action_id, _decoder.decode(outcome)
 
     def record(self, handoff_id: HandoffId, action_id: int, outcome: Outcome) -> None:
         with self._translated(f"record the outcome of {handoff_id}#{action_id}"):

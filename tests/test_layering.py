@@ -3,7 +3,8 @@ msgspec, and of the standard library nothing that does IO; the planner imports n
 nor the bus; the log and the bus never import each other; the `worker.bus` package is the one
 part of the worker, the client (and the load benchmark) that imports nats, and it is the
 transport and nothing else (no tier rules, no log, no worker config); the client reaches the
-worker only through the bus and its errors; the offline commands never reach nats.
+worker only through the bus, its errors and the ambient port; the offline commands never reach
+nats.
 
 Imports are read with `ast`, not by importing, so a rule holds for every import statement,
 including those inside functions that a test run might never execute. One check imports for
@@ -38,9 +39,12 @@ OFFLINE = [*OFFLINE_COMMANDS, "kvhandoff.worker.log.reader"]
 NATS_SEAM = "kvhandoff.worker.bus"
 # What the transport must not know: the tier's rules, the log, the worker's settings.
 BUS_MUST_NOT_IMPORT = {"kvhandoff.worker.tier", "kvhandoff.worker.log", "kvhandoff.worker.config"}
-# What the client may use of the worker: the NATS seam (with the settings it connects with)
-# and the errors it translates. Never the tier, the log, the worker's config or the commands.
-CLIENT_MAY_IMPORT = {NATS_SEAM, "kvhandoff.worker.errors"}
+# What the client may use of the worker: the NATS seam (with the settings it connects with),
+# the errors it translates, and the ambient port (clocks, ids, chance), which the client reads
+# like the tier so that the simulation runs engines and frontends on its virtual clock and
+# seeded ids (tests/test_ambient.py). Never the tier, the log, the worker's config or the
+# commands.
+CLIENT_MAY_IMPORT = {NATS_SEAM, "kvhandoff.worker.errors", "kvhandoff.worker.ambient"}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""The worker's wall clock, and the one way a person writes a span of time.
+"""The one way a person writes a span of time.
 
-`now_ms` is the clock every worker process stamps records, deadlines and ages with. It reads
-the clock, so it is not the core's (`events` takes time as an input and never reads it).
+(The wall clock the worker stamps records, deadlines and ages with is `worker.ambient.now_ms`,
+the port the simulation swaps.)
 
 One duration grammar for every flag and environment variable that takes a span (`run
 --retry-interval`, `stuck --older-than`, `load --wait-timeout`, ...): a sum of numbers, each
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import time
 
 from kvhandoff.worker.errors import ConfigError
 
@@ -32,11 +31,6 @@ _NUMBER = r"\d+(?:\.\d+)?"
 # `ms` before `m`, so that `5ms` is five milliseconds, not five minutes and a stray `s`.
 _PART = re.compile(rf"\s*({_NUMBER})\s*(ms|s|m|h|d)")
 _BARE = re.compile(rf"\s*({_NUMBER})\s*")
-
-
-def now_ms() -> int:
-    """Milliseconds since the epoch, by the wall clock."""
-    return time.time_ns() // 1_000_000
 
 
 def _milliseconds(text: str) -> float:

@@ -20,7 +20,7 @@ from kvhandoff.events.messages import (
     TransferCompleted,
 )
 from kvhandoff.events.replay import find_divergence
-from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.ambient import now_ms
 from kvhandoff.worker.commands.verify import verify_log
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.reader import open_log

@@ -27,7 +27,7 @@ import pytest
 from kvhandoff.events.messages import Complete, EngineType, StartHandoff
 from kvhandoff.events.replay import find_divergence
 from kvhandoff.events.subjects import DEFAULT_DONE_STREAM
-from kvhandoff.worker.clock import now_ms
+from kvhandoff.worker.ambient import now_ms
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.eventually import until
 from tests.worker.bus_probe import BusProbe, assert_running, running

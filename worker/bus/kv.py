@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -31,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy, KeyValueConfig, RetentionPolicy, StreamConfig
 from nats.js.kv import KeyValue
 
+from kvhandoff.worker.ambient import new_id
 from kvhandoff.worker.bus.connection import Bus, Subscription
 from kvhandoff.worker.bus.failures import RETRYABLE, why
 from kvhandoff.worker.errors import BusError
@@ -174,7 +174,7 @@ async def put_expiring(
 ) -> None:
     """Store `value` under `key` for `ttl_s` (whole milliseconds); `BusError` if it could not
     be stored within `give_up_after_s`."""
-    headers = {"Nats-Msg-Id": uuid.uuid4().hex, "Nats-TTL": f"{round(ttl_s * 1000)}ms"}
+    headers = {"Nats-Msg-Id": new_id(), "Nats-TTL": f"{round(ttl_s * 1000)}ms"}
     await bus._store(
         f"$KV.{bucket}.{key}", value, headers, give_up_after_s, f"{key} in bucket {bucket}"
     )

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import uuid
 from collections.abc import Sequence
 
 import msgspec
@@ -57,6 +56,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from kvhandoff.worker.ambient import new_id
 from kvhandoff.worker.bus.failures import DESCRIPTION, RETRYABLE, STATUS, why
 from kvhandoff.worker.errors import BusError, Fenced
 
@@ -217,7 +217,7 @@ class Publishing:
         (see `_store`); `BusError` after `give_up_after_s`, or at once on an error that no retry
         can fix (the stream refused the message). `msg_id` names the message for the stream's
         duplicate window where two publishers may send the same one (a lease's answers)."""
-        headers = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
+        headers = {"Nats-Msg-Id": msg_id or new_id()}
         await self._store(
             subject, payload, headers, give_up_after_s, f"durable publish to {subject}"
         )
@@ -321,7 +321,7 @@ class Publishing:
         share one `Nats-Msg-Id` (see "Fencing" and `_store`). With `rollup`, the stream drops
         the subject's earlier messages as it stores this one, in the same compare-and-set
         (`Nats-Rollup: sub`: only this subject, never the stream)."""
-        headers = {"Nats-Msg-Id": uuid.uuid4().hex, _EXPECTED_LAST_SUBJECT_SEQ: str(last_seq)}
+        headers = {"Nats-Msg-Id": new_id(), _EXPECTED_LAST_SUBJECT_SEQ: str(last_seq)}
         if rollup:
             headers[_ROLLUP] = _ROLLUP_SUBJECT
         what = f"append to {subject} expecting last sequence {last_seq}"
@@ -342,7 +342,7 @@ class Publishing:
                 f"a batch to {subject} has {len(payloads)} messages; JetStream takes 1 to "
                 f"{MAX_BATCH_MESSAGES}"
             )
-        batch_id = uuid.uuid4().hex
+        batch_id = new_id()
         what = f"atomic batch of {len(payloads)} to {subject} expecting last sequence {last_seq}"
         try:
             async with asyncio.timeout(timeout_s):

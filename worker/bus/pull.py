@@ -61,7 +61,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -70,6 +69,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription as NatsSubscription
 
+from kvhandoff.worker.ambient import monotonic_s
 from kvhandoff.worker.bus.failures import DESCRIPTION, STATUS, why
 from kvhandoff.worker.errors import BusError, ConfigError, PinMismatch
 
@@ -278,7 +278,7 @@ class Pull:
         if self._subscription is None:
             raise BusError(f"pull from {self.consumer}: fetch before start or after close")
         self._ahead = min(self._max_ahead, 2 * max_messages)
-        deadline = time.monotonic() + timeout_s
+        deadline = monotonic_s() + timeout_s
         while True:
             # Cleared before looking, so that whatever arrives while we ask wakes the wait.
             self._changed.clear()
@@ -288,7 +288,7 @@ class Pull:
             if self._empty or self._woken:
                 self._empty = self._woken = False
                 return []
-            now = time.monotonic()
+            now = monotonic_s()
             self._check_heard(now)
             await self._ask(max_messages)
             wait_s = deadline - now
@@ -375,7 +375,7 @@ class Pull:
             del self._open[next(iter(self._open))]
         self._pending += batch
         self._empty = False
-        self._heard_at = time.monotonic()
+        self._heard_at = monotonic_s()
 
     def _check_heard(self, now: float) -> None:
         if self._pending and now - self._heard_at > self._lost_after_s:
@@ -400,7 +400,7 @@ class Pull:
     ) -> None:
         """A message of the stream (it has the `$JS.ACK...` reply subject; statuses have none),
         straight from nats-py's parser (see `Deliveries`)."""
-        self._heard_at = time.monotonic()
+        self._heard_at = monotonic_s()
         try:
             inbound = Inbound(self._nc, subject.decode(), data, reply.decode())
         except (BusError, UnicodeDecodeError) as exc:
@@ -414,7 +414,7 @@ class Pull:
         self._changed.set()
 
     def _on_status(self, subject: bytes, headers: dict[str, str]) -> None:
-        self._heard_at = time.monotonic()
+        self._heard_at = monotonic_s()
         self._changed.set()
         token = subject.rpartition(b".")[2].decode("ascii", "replace")
         status = headers.get(STATUS, "")

@@ -23,7 +23,8 @@ from pathlib import Path
 import msgspec
 
 from kvhandoff.events.errors import HandoffError
-from kvhandoff.worker.clock import now_ms, parse_duration_ms
+from kvhandoff.worker.ambient import now_ms
+from kvhandoff.worker.clock import parse_duration_ms
 from kvhandoff.worker.commands import _text
 from kvhandoff.worker.errors import ConfigError, WorkerError
 from kvhandoff.worker.log.reports import json_schema

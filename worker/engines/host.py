@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ from kvhandoff.client.lease import DEFAULT_LEASE_TTL_S
 from kvhandoff.events.codec import encode
 from kvhandoff.events.ids import HandoffId
 from kvhandoff.events.messages import Complete
+from kvhandoff.worker.ambient import new_id
 from kvhandoff.worker.engines.engines import DestinationEngine, MockEngine, SourceEngine
 from kvhandoff.worker.engines.faults import Faults
 from kvhandoff.worker.engines.model import EngineModel
@@ -55,7 +55,7 @@ class MockEngines:
 
     def __init__(self, connection: Connection, config: EnginesConfig) -> None:
         self.config = config
-        self.process = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.process = f"{socket.gethostname()}-{os.getpid()}-{new_id()[:8]}"
         self._connection = connection
         self.engines: dict[str, MockEngine] = {}
         roster = config.roster

@@ -7,8 +7,9 @@ The model
   roster's types, so the mix is even), a source and a destination of that type (uniformly at
   random, with the engine ids of `worker.engines.Roster`), and, for exactly
   round(cancel_share * handoffs) of them, a frontend cancel after a uniform random 0 to
-  cancel_within_ms. Handoff ids are fresh uuid4s whatever the seed: the worker de-duplicates
-  inputs durably, so a second run must never reuse an id.
+  cancel_within_ms. Handoff ids are fresh random UUIDs whatever the seed
+  (`worker.ambient.new_uuid`): the worker de-duplicates inputs durably, so a second run must
+  never reuse an id.
 - It is a frontend written with the client (`client.Frontend`): subscribed to every `Complete`
   and `Rejection` before it starts anything, so no `Complete` can slip past it, and reading
   the completion stream after a reconnect. Inputs are stored with JetStream, retried while the
@@ -49,12 +50,11 @@ import asyncio
 import enum
 import logging
 import math
-import random
 import statistics
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from random import Random
 
 import msgspec
 from msgspec import Struct
@@ -76,6 +76,7 @@ from kvhandoff.events.messages import (
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.ambient import new_uuid
 from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EnginesReport, Leak, Roster, request_reports, settled
 from kvhandoff.worker.errors import ConfigError
@@ -270,7 +271,7 @@ class _Handoff:
 
 def plan_handoffs(config: LoadConfig) -> list[HandoffPlan]:
     """Every handoff's routing and frontend cancel, drawn from the seed."""
-    rng = random.Random(config.seed)
+    rng = Random(config.seed)
     roster = config.roster
     types = roster.engine_types
     canceled = set(
@@ -280,7 +281,7 @@ def plan_handoffs(config: LoadConfig) -> list[HandoffPlan]:
     for index in range(config.handoffs):
         engine_type: EngineType = types[index % len(types)]
         start = StartHandoff(
-            handoff_id=uuid.uuid4(),
+            handoff_id=new_uuid(),
             engine_type=engine_type,
             source=rng.choice(roster.source_ids(engine_type)),
             destination=rng.choice(roster.destination_ids(engine_type)),

@@ -59,9 +59,9 @@ from kvhandoff.events.messages import (
     StartHandoff,
 )
 from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.ambient import now_ms
 from kvhandoff.worker.bus.connection import Bus, Subscription
 from kvhandoff.worker.bus.kv import open_expiring_bucket, watch_bucket
-from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.errors import BusError
 from kvhandoff.worker.stoppable import cancel_until_done, unless_stopped
 from kvhandoff.worker.tier.lease_view import LeaseView, write_view

@@ -15,11 +15,10 @@ import asyncio
 import logging
 import os
 import socket
-import time
-import uuid
 
 import msgspec
 
+from kvhandoff.worker.ambient import new_id, now_ms
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.kv import Bucket, open_bucket
 from kvhandoff.worker.errors import BusError
@@ -48,8 +47,8 @@ class Member(msgspec.Struct, frozen=True):
         return cls(
             host=socket.gethostname(),
             pid=os.getpid(),
-            instance=uuid.uuid4().hex,
-            since_ms=time.time_ns() // 1_000_000,
+            instance=new_id(),
+            since_ms=now_ms(),
         )
 
 

@@ -120,12 +120,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, Protocol
 
+from kvhandoff.worker.ambient import monotonic_s
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.pull import Inbound, Pull
 from kvhandoff.worker.bus.streams import ack_floor, pinned, unacknowledged, unpin
@@ -507,7 +507,7 @@ class PartitionOwner:
         yet, and if it dies, the next leader's floor is lower and it delivers those inputs
         again; a floor read an interval ago is one the replicas have. A floor that went down
         (a new leader) is taken as it is."""
-        now = time.monotonic()
+        now = monotonic_s()
         if not self._applied or now - self._forgot_at < self._forget_every_s:
             return
         self._forgot_at = now
@@ -525,7 +525,7 @@ class PartitionOwner:
             return False
         if self._snapshot_due or self._since_snapshot >= self._snapshots.every_entries:
             return True
-        elapsed_s = time.monotonic() - self._snapshot_at
+        elapsed_s = monotonic_s() - self._snapshot_at
         return self._since_snapshot > 0 and elapsed_s >= self._snapshots.every_s
 
     async def _snapshot_if_due(self) -> None:
@@ -549,7 +549,7 @@ class PartitionOwner:
         )
         self.snapshots += 1
         self._since_snapshot, self._snapshot_due = 0, False
-        self._snapshot_at = time.monotonic()
+        self._snapshot_at = monotonic_s()
         if self._metrics is not None:
             self._metrics.snapshots.inc()
             self._metrics.snapshot_bytes.observe(len(records))
@@ -563,7 +563,7 @@ class PartitionOwner:
         """Claim the partition without a delivery once nobody was pinned to it for
         `claim_vacant_after_s` (see "Vacant partitions"); asks the server at most once a
         second."""
-        now = time.monotonic()
+        now = monotonic_s()
         if self._claim_vacant_after_s is None or now - self._vacancy_checked < _VACANCY_POLL_S:
             return
         self._vacancy_checked = now
@@ -595,7 +595,7 @@ class PartitionOwner:
         self.phase.move(Event.CLAIM_BEGAN)
         if self.log.epoch:
             self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
-        began = time.perf_counter()
+        began = monotonic_s()
         caught = await self.log.claim()
         self._applied = caught.applied
         self._pin_id = pin_id
@@ -610,7 +610,7 @@ class PartitionOwner:
         self.claims += 1  # counted once the coordinator caught up: it serves the partition now
         if self._metrics is not None:
             self._metrics.claims.labels(self._claimed_after(caught)).inc()
-            self._metrics.catch_up_seconds.observe(time.perf_counter() - began)
+            self._metrics.catch_up_seconds.observe(monotonic_s() - began)
             self._metrics.catch_up_entries.inc(caught.entries)
 
     def _claimed_after(self, caught: CaughtUp) -> str:

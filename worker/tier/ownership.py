@@ -57,13 +57,13 @@ first `Fenced` (see worker.tier.owner), nor decide when to snapshot (the owner d
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from kvhandoff.events.subjects import partition_log_subject
+from kvhandoff.worker.ambient import now_ms
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.publish import MAX_BATCH_MESSAGES
 from kvhandoff.worker.bus.streams import read_subject
@@ -206,7 +206,7 @@ class PartitionLog:
         claim = Claimed(
             epoch=caught.epoch,
             owner=self.owner,
-            at_ms=time.time_ns() // 1_000_000,
+            at_ms=now_ms(),
             version=LOG_VERSION,
         )
         try:
@@ -237,7 +237,7 @@ class PartitionLog:
         entry = HandedOver(
             epoch=self.epoch,
             owner=self.owner,
-            at_ms=time.time_ns() // 1_000_000,
+            at_ms=now_ms(),
             version=LOG_VERSION,
         )
         await self._append(entry)
@@ -256,7 +256,7 @@ class PartitionLog:
         entry = Snapshot(
             self.epoch,
             self.owner,
-            time.time_ns() // 1_000_000,
+            now_ms(),
             applied,
             records,
             self._claims,

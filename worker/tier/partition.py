@@ -91,7 +91,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,9 +103,9 @@ from kvhandoff.events.codec import encode
 from kvhandoff.events.errors import ReplayDivergence
 from kvhandoff.events.messages import Action, Complete
 from kvhandoff.events.subjects import Subjects, partition_prefix
+from kvhandoff.worker.ambient import monotonic_s, now_ms, wall_s
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.pull import Inbound
-from kvhandoff.worker.clock import now_ms
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
 from kvhandoff.worker.log.rows import Batch, CorruptHandoff, HandoffLog, HandoffRow, Tombstone
@@ -256,7 +255,7 @@ class Partition:
     async def claimed(self, caught: CaughtUp) -> None:
         """Catch the local file up from the replicated log, rebuild the planner from it, and
         publish what the file does not mark published, and every outstanding action."""
-        began = time.perf_counter()
+        began = monotonic_s()
         log = await self._open()
         self.decided.clear()
         self.epoch = caught.epoch
@@ -301,7 +300,7 @@ class Partition:
                 raise
         await self._rebuild(await self._tombstones(state, entries))
         self._leases.sweep(self.planner.open.values())
-        elapsed = time.perf_counter() - began
+        elapsed = monotonic_s() - began
         logger.info(
             "partition %d: caught %s up with %s%d of %d entries (mark %s) and recovered %d open "
             "handoffs in %.3fs",
@@ -335,7 +334,7 @@ class Partition:
         else:
             await self._keep_up()
         loaded = await self.log.load(missing) if missing else {}
-        plan = planner.plan(deliveries, decoded, loaded, now_ms(), time.time())
+        plan = planner.plan(deliveries, decoded, loaded, now_ms(), wall_s())
         deferred = {batch[index].stream_seq: delay_s for index, delay_s in plan.naks}
         if deferred:
             self._metrics.deferred.inc(len(deferred))

@@ -37,7 +37,6 @@ import contextlib
 import heapq
 import itertools
 import logging
-import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 from uuid import UUID
@@ -46,6 +45,7 @@ from kvhandoff.events.codec import encode
 from kvhandoff.events.coordinator import Mode
 from kvhandoff.events.messages import Action, Complete, TimedOut
 from kvhandoff.events.subjects import Subjects
+from kvhandoff.worker.ambient import wall_s
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.errors import BusError
 from kvhandoff.worker.log.rows import HandoffRow
@@ -145,7 +145,7 @@ class HandoffTimers:
     def rearm(self, adopted: Iterable[OpenHandoff]) -> None:
         """Replace every timer with those of handoffs just rebuilt from the log."""
         self.clear()
-        retry_at = time.time() + self._retry_interval_s
+        retry_at = wall_s() + self._retry_interval_s
         for handoff in adopted:
             handoff_id = handoff.start.handoff_id
             self._deadlines.schedule(handoff_id, handoff.row.deadline_at_ms / 1000)
@@ -174,7 +174,7 @@ class HandoffTimers:
         key = (action.handoff_id, action.action_id)
         attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
         backoff = min(2 ** (attempts - 1), RETRY_BACKOFF_CAP)
-        due = time.time() + self._retry_interval_s * backoff
+        due = wall_s() + self._retry_interval_s * backoff
         self._retries.schedule(key, due)
         self._wake_for(due)
 
@@ -188,13 +188,13 @@ class HandoffTimers:
             self._changed.clear()
             candidates = (self._deadlines.next_due(), self._retries.next_due())
             dues = [d for d in candidates if d is not None]
-            wait = min(dues) - time.time() if dues else None
+            wait = min(dues) - wall_s() if dues else None
             if wait is None or wait > 0:
                 self._waiting_until = min(dues) if dues else None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), wait)
                 continue
-            now = time.time()
+            now = wall_s()
             expired = self._deadlines.pop_due(now)
             try:
                 while expired:
@@ -205,7 +205,7 @@ class HandoffTimers:
             except BusError as exc:
                 # Those due behind the one that failed were taken off the queue: put them back.
                 for handoff_id in expired:
-                    self._deadlines.schedule(handoff_id, time.time() + _PUBLISH_FAILED_PAUSE_S)
+                    self._deadlines.schedule(handoff_id, wall_s() + _PUBLISH_FAILED_PAUSE_S)
                 logger.warning("a deadline's TimedOut was not published, will retry: %s", exc)
                 await asyncio.sleep(_PUBLISH_FAILED_PAUSE_S)
 
