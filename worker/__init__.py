@@ -10,6 +10,9 @@
 - `conformance/`: holding the core to its reference vectors (`kvhandoff conformance`) and an
   engine to the wire contract (`kvhandoff engine-check`).
 - `harness/`: what starts `nats-server`, child processes and containers, for tests and demos.
+- `sim/`: the deterministic simulation of the tier: a virtual-time loop, an in-memory network
+  and a model of the NATS server, on which the tier's own code runs under one seed.
 - `commands/` and `cli.py`: the `kvhandoff` command line; `config.py`, `errors.py`, `clock.py`,
-  `stoppable.py`, `logging_setup.py`: what they share.
+  `ambient.py` (the clocks, ids and chance, as a port the simulation swaps), `stoppable.py`,
+  `logging_setup.py`: what they share.
 """

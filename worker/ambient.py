@@ -4,7 +4,8 @@ Why a port. The deterministic simulation (worker.sim) runs the tier's own code, 
 in one process, under a virtual clock and one seed. That only works if nothing the tier runs
 reads the machine's clock, `random` or `uuid4` behind its back: each would make two runs of one
 seed differ, or a simulated hour take an hour. So they are read here and nowhere else in
-`worker/tier`, `worker/bus` and `client` (tests/test_ambient.py holds them to it).
+`worker/tier`, `worker/bus`, `worker/engines`, `worker/loadgen` and `client`
+(tests/test_ambient.py holds them to it).
 
 How it is swapped. The functions below read the `Ambient` of the current context
 (`contextvars`), the machine's by default. A simulated worker runs in a context whose `Ambient`

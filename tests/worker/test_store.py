@@ -211,7 +211,7 @@ async def log(db: Path) -> AsyncIterator[EventLog]:
 
 @pytest.fixture
 def no_leaked_threads() -> Iterator[None]:
-    """A connection left open keeps a non-daemon thread (its executor's), which hangs the process."""
+    """A connection left open keeps its executor's thread, which hangs the process."""
     before = set(threading.enumerate())
     yield
     leaked = [t for t in threading.enumerate() if t not in before]
