@@ -22,10 +22,14 @@ class Hub(Protocol):
         reply: str = "",
         headers: Mapping[str, str] | None = None,
         status: str = "",
+        as_subject: str = "",
     ) -> None:
         """Deliver a message to every subscription on `subject` (none: it is dropped).
         `status` is a status line's code and text, such as "404 No Messages": the message
-        then carries `NATS/1.0 404 No Messages` as its header line, as the server's do."""
+        then carries `NATS/1.0 404 No Messages` as its header line, as the server's do.
+        `as_subject`, if given, is the subject the subscribers see instead of `subject`: a
+        JetStream delivery goes to a pull request's inbox (or a push consumer's deliver
+        subject) but carries its stream message's own subject, as the server's `MSG` does."""
         ...
 
     def has_interest(self, subject: str) -> bool:
