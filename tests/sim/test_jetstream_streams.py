@@ -72,6 +72,7 @@ class RecordingHub:
         reply: str = "",
         headers: Mapping[str, str] | None = None,
         status: str = "",
+        as_subject: str = "",
     ) -> None:
         self.sent.append(Sent(subject, payload, reply, headers, status))
 
@@ -129,9 +130,8 @@ class StubConsumers:
 
     def on_publish(
         self, subject: str, reply: str, headers: Mapping[str, str] | None, payload: bytes
-    ) -> bool:
+    ) -> None:
         self.requests.append(subject)
-        return True
 
     def on_stored(self, stream: StreamView, stored: Stored) -> None:
         self.stored.append((stream.name, stored))
@@ -583,7 +583,12 @@ async def test_a_lost_ack_leaves_the_message_stored(model: Model) -> None:
 def test_consumer_traffic_goes_to_the_consumers(model: Model) -> None:
     assert model.js.on_publish("$JS.API.CONSUMER.INFO.S.c", INBOX, None, b"")
     assert model.js.on_publish("$JS.ACK.S.c.1.1.1.0.0", "", None, b"+ACK")
-    assert model.consumers.requests == ["$JS.API.CONSUMER.INFO.S.c", "$JS.ACK.S.c.1.1.1.0.0"]
+    assert model.js.on_publish("$JS.FC.S.c.x", "", None, b"")
+    assert model.consumers.requests == [
+        "$JS.API.CONSUMER.INFO.S.c",
+        "$JS.ACK.S.c.1.1.1.0.0",
+        "$JS.FC.S.c.x",
+    ]
     assert not model.js.on_publish("nobody.listens", INBOX, None, b"")
 
 

@@ -1,7 +1,8 @@
 """The JetStream model: the `Extension` the simulated core hands every publish to.
 
 Routing (`JetStream.on_publish`). `$JS.API.INFO`, `$JS.API.STREAM.*` and `$JS.API.DIRECT.GET.*`
-are the streams' API, answered here; `$JS.API.CONSUMER.*` and `$JS.ACK.*` go to the consumers
+are the streams' API, answered here; `$JS.API.CONSUMER.*`, `$JS.ACK.*` and `$JS.FC.*` go to
+the consumers
 (`ConsumerModel`, worker.sim.nats.jetstream.consumers), which read the streams through
 `StreamView` and hear of every stored message (`on_stored`) and deleted stream
 (`on_stream_deleted`). Any other subject that a stream captures is a publish to it: stored and
@@ -17,8 +18,8 @@ server's cleanup timer does (here noticed when its next message comes).
 What it returns is whether JetStream took the message, as the core needs to know to answer an
 unanswered request with 503 no responders (worker.sim.nats.hub): the whole API is taken (as the
 server subscribes `$JS.API.>`), except a direct get from a stream without `allow_direct`, which
-the real server does not subscribe to; a stream's subjects are taken; the consumers say for
-theirs.
+the real server does not subscribe to; a stream's subjects are taken; so are the consumers'
+(a request to a consumer that is gone gets their 503).
 
 Answers are shaped as nats-server 2.15's, so that nats-py's dataclasses
 (`StreamInfo.from_response`, `RawStreamMsg`, `PubAck`) parse them as they parse the real ones; a
@@ -60,6 +61,7 @@ from kvhandoff.worker.sim.nats.jetstream.streams import (
 
 _NS = 1_000_000_000
 _API = "$JS.API."
+_CONSUMERS = ("$JS.API.CONSUMER.", "$JS.ACK.", "$JS.FC.")  # the consumers' subjects
 _TYPE = "io.nats.jetstream.api.v1."
 _NAMES_LIMIT = 1024
 _LIST_LIMIT = 256
@@ -105,9 +107,10 @@ class ConsumerModel(Protocol):
 
     def on_publish(
         self, subject: str, reply: str, headers: Mapping[str, str] | None, payload: bytes
-    ) -> bool:
-        """A `$JS.API.CONSUMER.*` request or a `$JS.ACK.*` acknowledgement; whether a
-        consumer listens on `subject` (see `JetStream.on_publish`)."""
+    ) -> None:
+        """A `$JS.API.CONSUMER.*` request, a `$JS.ACK.*` settle or a `$JS.FC.*` flow-control
+        reply. JetStream takes them all, as the server subscribes its whole API; a request to
+        a consumer that does not exist is answered 503 by the consumers."""
         ...
 
     def on_stored(self, stream: StreamView, stored: Stored) -> None:
@@ -175,10 +178,10 @@ class JetStream:
         self, subject: str, reply: str, headers: Mapping[str, str] | None, payload: bytes
     ) -> bool:
         """Answer, settle or store a client's publish; whether JetStream took it."""
-        if subject.startswith(("$JS.API.CONSUMER.", "$JS.ACK.")):
-            if self._unavailable():
-                return True
-            return self.consumers.on_publish(subject, reply, headers, payload)
+        if subject.startswith(_CONSUMERS):
+            if not self._unavailable():
+                self.consumers.on_publish(subject, reply, headers, payload)
+            return True
         if subject.startswith(_API):
             return self._on_api(subject[len(_API) :], reply, payload)
         stream = self._capturing(subject)
@@ -426,6 +429,7 @@ class JetStream:
                 "streams": len(self._streams),
                 "consumers": sum(self.consumers.consumer_count(n) for n in self._streams),
                 "limits": limits | {"max_bytes_required": False},
+                # API level 2: the newest features modelled (atomic batches) came with it.
                 "api": {"level": 2, "total": self._api_total, "errors": self._api_errors},
             },
         )

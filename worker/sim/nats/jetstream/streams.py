@@ -432,7 +432,9 @@ class Stream:
         None if it does, else how it answers instead (see the module docstring's order). In an
         atomic batch the caller checks message ids against the batch as well."""
         headers = headers or {}
-        if self._replicated and (duplicate := self._duplicate(headers)) is not None:
+        # In a batch the caller checks ids (a seen one refuses the whole batch).
+        check_id = not in_batch
+        if check_id and self._replicated and (duplicate := self._duplicate(headers)):
             return duplicate
         if (expected := headers.get(EXPECTED_STREAM)) and expected != self.name:
             return Refusal(400, 10060, "expected stream does not match")
@@ -447,8 +449,7 @@ class Stream:
             _number(expected) != self._last_seq
         ):
             return Refusal(400, 10071, f"wrong last sequence: {self._last_seq}")
-        duplicate = None if self._replicated or in_batch else self._duplicate(headers)
-        if duplicate is not None:
+        if check_id and not self._replicated and (duplicate := self._duplicate(headers)):
             return duplicate
         if (rollup := headers.get(ROLLUP)) is not None:
             if not self._config.get("allow_rollup_hdrs") or self._config.get("deny_purge"):
@@ -559,9 +560,10 @@ class Stream:
     def _forget_old_ids(self) -> None:
         window_s = self._config["duplicate_window"] / _NS
         now = self._clock.time()
-        for msg_id, (_, at) in list(self._msg_ids.items()):
+        while self._msg_ids:  # oldest first: stop at the first still in the window
+            msg_id, (_, at) = next(iter(self._msg_ids.items()))
             if now - at < window_s:
-                break
+                return
             del self._msg_ids[msg_id]
 
     # Expiry
