@@ -1,1 +1,2 @@
-"""A model of JetStream: streams (`streams`), consumers (`consumers`), what they share (`api`)."""
+"""A model of JetStream: the extension the core hands publishes to (`model.JetStream`), its
+streams (`streams`), consumers (`consumers`), and what those two share (`api`)."""
