@@ -1158,6 +1158,10 @@ class Consumers:
         for consumer in list(self._by_stream.get(stream.name, {}).values()):
             consumer.pump()
 
+    def consumer_count(self, stream: str) -> int:
+        """How many consumers `stream` has (its info's `consumer_count`)."""
+        return len(self._by_stream.get(stream, {}))
+
     def on_stream_deleted(self, name: str) -> None:
         for consumer in list(self._by_stream.pop(name, {}).values()):
             consumer.close()

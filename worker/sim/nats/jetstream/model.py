@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 from kvhandoff.worker.sim.nats.hub import Hub
 from kvhandoff.worker.sim.nats.jetstream.api import Stored, StreamView, answer, refuse
+from kvhandoff.worker.sim.nats.jetstream.consumers import Consumers
 from kvhandoff.worker.sim.nats.jetstream.streams import (
     MSG_ID,
     Clock,
@@ -155,7 +156,7 @@ class JetStream:
         hub: Hub,
         chance: random.Random,
         *,
-        consumers: ConsumersFactory,
+        consumers: ConsumersFactory = Consumers,
         clock: Clock | None = None,
         replicated: bool = False,
     ) -> None:
