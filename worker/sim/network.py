@@ -185,7 +185,7 @@ class Network:
             server_protocol=server_protocol,
         )
         self._connections[number] = connection
-        _note(loop, f"net c{number} {client_host} > {host}:{port}")
+        _note(loop, f"net c{number} connect {client_host} to {host}:{port}")
         server_protocol.connection_made(connection.server)
         protocol.connection_made(connection.client)
         return connection.client, protocol

@@ -365,7 +365,8 @@ class _Client(asyncio.Protocol):
         del buffer[:start]
 
     def _control(self, line: str) -> None:
-        op, _, rest = line.strip().partition(" ")
+        op, *tail = line.split(None, 1) or [""]  # fields are split by spaces or tabs
+        rest = tail[0] if tail else ""
         args = rest.split()
         match op.upper():
             case "PING":
