@@ -58,6 +58,18 @@ async def connect(server: NatsServer) -> AsyncIterator[Connect]:
         await client.close()
 
 
+async def barrier(client: Client) -> None:
+    """Return once the server has read all `client` sent before, and `client` all the server
+    sent it before that. nats-py's `flush` is not enough: it writes its PING at once, ahead
+    of publishes still in its buffer (its flusher task writes those), so the PONG can come
+    back before they were routed. A message to itself goes through the same buffer and
+    cannot overtake them (worker.bus.publish's barrier does the same)."""
+    inbox = client.new_inbox()
+    echo = await client.subscribe(inbox, max_msgs=1)
+    await client.publish(inbox, b"")
+    await echo.next_msg(5)
+
+
 class Raw:
     """A connection that speaks the protocol line by line."""
 
@@ -120,11 +132,19 @@ async def test_info_says_what_a_2_12_server_says_and_verbose_clients_get_ok(
 
 async def test_messages_reach_the_subscriptions_whose_subjects_match(connect: Connect) -> None:
     client = await connect()
-    patterns = ["orders.*", "orders.>", "orders.eu", ">", "orders.*.paid", "shipments.*"]
+    patterns = [
+        "shop.orders.*",
+        "shop.orders.>",
+        "shop.orders.eu",
+        "shop.>",
+        "*.orders.eu",
+        "shop.orders.*.paid",
+        "shop.shipments.*",
+    ]
     subscriptions = {pattern: await client.subscribe(pattern) for pattern in patterns}
-    for subject in ["orders.eu", "orders.us.paid", "orders", "shipments.eu"]:
+    for subject in ["shop.orders.eu", "shop.orders.us.paid", "shop.orders", "shop.shipments.eu"]:
         await client.publish(subject, subject.encode())
-    await client.flush()  # the server answers PING after it routed every publish before it
+    await barrier(client)
 
     got = {}
     for pattern, subscription in subscriptions.items():
@@ -132,12 +152,13 @@ async def test_messages_reach_the_subscriptions_whose_subjects_match(connect: Co
             (await subscription.next_msg(1)).subject for _ in range(subscription.pending_msgs)
         ]
     assert got == {
-        "orders.*": ["orders.eu"],
-        "orders.>": ["orders.eu", "orders.us.paid"],
-        "orders.eu": ["orders.eu"],
-        ">": ["orders.eu", "orders.us.paid", "orders", "shipments.eu"],
-        "orders.*.paid": ["orders.us.paid"],
-        "shipments.*": ["shipments.eu"],
+        "shop.orders.*": ["shop.orders.eu"],
+        "shop.orders.>": ["shop.orders.eu", "shop.orders.us.paid"],
+        "shop.orders.eu": ["shop.orders.eu"],
+        "shop.>": ["shop.orders.eu", "shop.orders.us.paid", "shop.orders", "shop.shipments.eu"],
+        "*.orders.eu": ["shop.orders.eu"],
+        "shop.orders.*.paid": ["shop.orders.us.paid"],
+        "shop.shipments.*": ["shop.shipments.eu"],
     }
 
 
@@ -157,14 +178,14 @@ async def test_each_queue_group_gets_each_message_once(connect: Connect) -> None
     clients = [await connect() for _ in range(3)]
     for client in clients:
         members.append(await client.subscribe("jobs", queue="workers"))
-        await client.flush()
+        await barrier(client)
     other_group = await publisher.subscribe("jobs", queue="auditors")
     plain = await publisher.subscribe("jobs")
     for n in range(60):
         await publisher.publish("jobs", b"%d" % n)
-    await publisher.flush()
+    await barrier(publisher)
     for client in clients:
-        await client.flush()  # each member has what the server sent it before its PONG
+        await barrier(client)  # each member has what the server sent it
 
     counts = [member.pending_msgs for member in members]
     assert sum(counts) == 60
@@ -209,7 +230,7 @@ async def test_a_request_and_its_reply_carry_their_headers(connect: Connect) -> 
         await responder.publish(msg.reply, b"pong:" + msg.data, headers={"Answer-By": "sim"})
 
     await responder.subscribe("svc.ping", cb=answer)
-    await responder.flush()
+    await barrier(responder)
     reply = await requester.request("svc.ping", b"1", timeout=2, headers={"Trace-Id": "t-1"})
     assert reply.data == b"pong:1"
     assert reply.headers == {"Answer-By": "sim"}
@@ -272,8 +293,11 @@ async def test_what_the_extension_takes_is_no_request_nobody_took(
     with pytest.raises(NoRespondersError):
         await client.request("$JS.ACK.S.C.1.1.1.0.0", b"+ACK", timeout=2)
     await client.publish("orders.eu", b"o", headers={"Nats-Msg-Id": "m-1", "Other": "x"})
-    await client.flush()
-    assert extension.seen[-1] == ("orders.eu", "", {"Nats-Msg-Id": "m-1", "Other": "x"}, b"o")
+    await barrier(client)
+    headers = {"Nats-Msg-Id": "m-1", "Other": "x"}
+    assert [seen for seen in extension.seen if seen[0] == "orders.eu"] == [
+        ("orders.eu", "", headers, b"o")
+    ]
 
 
 async def test_a_key_given_twice_reaches_the_extension_with_its_last_value(
@@ -296,7 +320,7 @@ async def test_the_hub_sends_status_messages_as_the_server_does(
 ) -> None:
     client = await connect()
     inbox = await client.subscribe("_INBOX.pull.1")
-    await client.flush()
+    await barrier(client)
     assert server.has_interest("_INBOX.pull.1")
     assert not server.has_interest("_INBOX.pull.2")
     server.send("_INBOX.pull.1", status="404 No Messages", headers={"Nats-Pending-Messages": "1"})
@@ -324,7 +348,7 @@ async def test_a_subscription_with_a_maximum_goes_after_that_many(
     await subscription.unsubscribe(limit=2)
     for n in range(5):
         await client.publish("tick", b"%d" % n)
-    await client.flush()
+    await barrier(client)
     assert not server.has_interest("tick")
     assert [(await subscription.next_msg(1)).data for _ in range(2)] == [b"0", b"1"]
 
@@ -338,14 +362,26 @@ async def test_a_subscription_with_a_maximum_goes_after_that_many(
     raw.close()
 
 
-async def test_unsubscribing_and_flushing(server: NatsServer, connect: Connect) -> None:
+async def test_unsubscribing(server: NatsServer, connect: Connect) -> None:
     client = await connect()
     subscription = await client.subscribe("news.>")
-    await client.flush()  # the SUB is on the server once its PONG is back
+    await barrier(client)
     assert server.has_interest("news.today")
     await subscription.unsubscribe()
-    await client.flush()
+    await barrier(client)
     assert not server.has_interest("news.today")
+
+
+async def test_a_flush_returns_after_what_the_server_sent_before_its_pong(
+    server: NatsServer, connect: Connect
+) -> None:
+    client = await connect()
+    subscription = await client.subscribe("feed")
+    await barrier(client)
+    for n in range(3):
+        server.send("feed", b"%d" % n)
+    await client.flush()
+    assert subscription.pending_msgs == 3
 
 
 async def test_a_client_without_echo_does_not_get_its_own_messages(connect: Connect) -> None:
@@ -353,11 +389,10 @@ async def test_a_client_without_echo_does_not_get_its_own_messages(connect: Conn
     listener = await connect()
     own = await quiet.subscribe("room")
     theirs = await listener.subscribe("room")
-    await listener.flush()
+    await barrier(listener)  # its SUB is on the server (quiet's goes before its PUB)
     await quiet.publish("room", b"hello")
-    await quiet.flush()
-    await listener.flush()
-    assert (await theirs.next_msg(1)).data == b"hello"
+    assert (await theirs.next_msg(1)).data == b"hello"  # the server has routed it
+    await quiet.flush()  # with nothing left in its buffer, the PING comes after the routing
     assert own.pending_msgs == 0
 
 
@@ -368,7 +403,7 @@ async def test_a_payload_over_the_maximum_is_refused(network: Network, connect: 
     with pytest.raises(MaxPayloadError):  # nats-py read the limit from INFO
         await client.publish("big", b"x" * 1025)
     await client.publish("fits", b"x" * 1024)
-    await client.flush()
+    await barrier(client)
 
     raw, _ = await Raw.open()
     raw.send("PUB big 2000000")
@@ -416,38 +451,40 @@ async def test_a_node_going_down_makes_nats_py_reconnect_to_another(
         reconnected_cb=on_reconnect,
     )
     subscription = await client.subscribe("alerts")
-    await client.flush()
+    await barrier(client)
     network.down("sim-a")
     await asyncio.wait_for(disconnected.wait(), 5)
     await asyncio.wait_for(reconnected.wait(), 5)
     assert client.connected_url is not None
     assert client.connected_url.hostname == "sim-b"
 
-    await client.flush()  # nats-py sent its subscriptions again, before this PING
+    await barrier(client)  # nats-py sent its subscriptions again, before this
     assert server.has_interest("alerts")
     publisher = await connect("nats://sim-b:4222")
     await publisher.publish("alerts", b"still here")
-    await publisher.flush()
+    await barrier(publisher)
     assert (await subscription.next_msg(1)).data == b"still here"
 
 
-async def test_messages_to_a_client_whose_node_went_down_are_dropped(
+async def test_a_client_whose_node_went_down_gets_nothing_more(
     network: Network, server: NatsServer, connect: Connect
 ) -> None:
+    """Its queue group's messages go to the members still connected, from the moment the
+    node went down."""
     closed = asyncio.Event()
 
     async def on_closed() -> None:
         closed.set()
 
     doomed = await connect("nats://sim-a:4222", closed_cb=on_closed)
-    await doomed.subscribe("updates")
-    await doomed.flush()
+    await doomed.subscribe("updates", queue="q")
+    await barrier(doomed)
     survivor = await connect("nats://sim-b:4222")
-    kept = await survivor.subscribe("updates")
-    await survivor.flush()
+    kept = await survivor.subscribe("updates", queue="q")
+    await barrier(survivor)
     network.down("sim-a")
-    server.send("updates", b"after the crash")  # the doomed client's connection is gone
+    for n in range(20):
+        server.send("updates", b"%d" % n)
     await asyncio.wait_for(closed.wait(), 5)
-    await survivor.flush()
-    assert (await kept.next_msg(1)).data == b"after the crash"
-    assert server.has_interest("updates")
+    await barrier(survivor)
+    assert kept.pending_msgs == 20

@@ -227,6 +227,25 @@ def test_a_paused_host_gets_nothing_until_it_resumes_then_all_of_it_in_order() -
     run(network, main)
 
 
+def test_a_connection_to_a_paused_host_waits_until_it_resumes() -> None:
+    network = Network(random.Random(1))
+    servers = Servers()
+    network.listen("sim-a", 4222, servers)
+
+    async def main(loop: VirtualLoop) -> None:
+        network.pause("sim-a")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(connect(loop, "sim-a"), 2)
+        held = asyncio.ensure_future(connect(loop, "sim-a"))
+        await asyncio.sleep(3)
+        assert not held.done() and servers.made == []
+        network.resume("sim-a")
+        client = await held
+        assert client.transport is not None and len(servers.made) == 1
+
+    run(network, main)
+
+
 def test_close_ends_the_stream_after_the_bytes_in_flight_and_abort_resets_it() -> None:
     network = Network(random.Random(1))
     servers = Servers()

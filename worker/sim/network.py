@@ -26,9 +26,9 @@ Faults, all drawn by the simulation, none by the network itself:
   to it is refused until `up(host)`. Listeners stay registered across a crash, as a restarted
   node listens again on the same address.
 - `pause(host)`: the host is partitioned. Bytes to and from it stay in flight (writes still
-  queue) until `resume(host)`, when what was due is delivered in order. The connections stay
-  up: whether a peer notices is up to its own timeouts (nats-py's pings), as with a real
-  partition.
+  queue) until `resume(host)`, when what was due is delivered in order; a connection being
+  made to or from it waits too. The connections stay up: whether a peer notices is up to its
+  own timeouts (nats-py's pings, its connect timeout), as with a real partition.
 - `set_delay(min_s, max_s)`: how long bytes are in flight from now on.
 
 A clean `close` sends an end of stream after the bytes already in flight: the peer's protocol
@@ -83,6 +83,7 @@ class Network:
         self._listeners: dict[tuple[str, int], Callable[[], asyncio.Protocol]] = {}
         self._down: set[str] = set()
         self._paused: set[str] = set()
+        self._held_connects: list[asyncio.Future[None]] = []
         # Keyed by connection number: iteration follows the order connections were made.
         self._connections: dict[int, _Connection] = {}
         self._next_connection = 1
@@ -125,6 +126,9 @@ class Network:
     def resume(self, host: str) -> None:
         """Heal `host`'s partition: deliver what it held, in order."""
         self._paused.discard(host)
+        held, self._held_connects = self._held_connects, []
+        for future in held:
+            _settle(future)
         for connection in list(self._connections.values()):
             if host in (connection.client_host, connection.server_host):
                 connection.rearm()
@@ -159,6 +163,10 @@ class Network:
         arrived: asyncio.Future[None] = loop.create_future()
         loop.call_at(loop.time() + self._draw_delay(), _settle, arrived)
         await arrived
+        while host in self._paused or client_host in self._paused:
+            held: asyncio.Future[None] = loop.create_future()
+            self._held_connects.append(held)
+            await held  # across a partition a connection waits (nats-py's connect_timeout)
         server_factory = self._listeners.get((host, port))
         if server_factory is None or host in self._down or client_host in self._down:
             why = "nothing listens there" if server_factory is None else "its host is down"

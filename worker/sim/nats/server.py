@@ -7,8 +7,8 @@ any of them is a `_Client` speaking the NATS client protocol
 on connect the server sends `INFO`, then it reads `CONNECT`, `PING`, `PONG`, `SUB`, `UNSUB`,
 `PUB` and `HPUB` and sends `MSG`, `HMSG`, `PONG`, `+OK` (in verbose mode) and `-ERR`. Losing
 a node is losing its connections (`Network.down`): subscriptions live as long as the
-connection that made them, and a message routed to a client whose connection is gone is
-dropped.
+connection that made them, and from the moment it is lost they take nothing (a queue group's
+message goes to a member still connected).
 
 Routing. A published message goes to every subscription whose subject matches (`*` matches
 one token, `>` one or more at the end) and, for each queue group among them, to one member
@@ -163,6 +163,8 @@ class NatsServer:
         chosen: list[_Subscription] = []
         groups: dict[str, list[_Subscription]] = {}
         for subscription in self._matching(subject):
+            if not subscription.client.alive:
+                continue  # lost: its subscriptions go when its connection_lost runs
             if publisher is not None and subscription.client is publisher and not publisher.echo:
                 continue
             if subscription.queue:
