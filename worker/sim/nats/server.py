@@ -54,7 +54,6 @@ from kvhandoff.worker.sim.network import Network
 VERSION = "2.12.0"
 MAX_CONTROL_LINE = 4096
 _CRLF = b"\r\n"
-_HEADER_LINE = b"NATS/1.0"
 
 
 class NatsServer:
@@ -116,7 +115,8 @@ class NatsServer:
 
     def _unsubscribe(self, subscription: _Subscription) -> None:
         """Remove a subscription (again: nothing happens)."""
-        subscription.client.subscriptions.pop(subscription.sid, None)
+        if subscription.client.subscriptions.get(subscription.sid) is subscription:
+            del subscription.client.subscriptions[subscription.sid]
         literal = self._literal.get(subscription.subject)
         if literal is not None:
             literal.pop(subscription.order, None)
