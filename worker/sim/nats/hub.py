@@ -43,7 +43,15 @@ class Extension(Protocol):
 
     def on_publish(
         self, subject: str, reply: str, headers: Mapping[str, str] | None, payload: bytes
-    ) -> None:
+    ) -> bool:
         """A client published: JetStream answers an API request, settles an ack, or stores
-        the message in the stream that captures `subject`. Called after the core routed it."""
+        the message in the stream that captures `subject`. Called after the core routed it.
+
+        Returns whether JetStream took the message: whether it listens on `subject`, as a
+        real server's JetStream holds subscriptions there (its API, `$JS.API.>`, whether it
+        answers now, later or never; a live consumer's `$JS.API.CONSUMER.MSG.NEXT.<stream>.
+        <consumer>` and ack subjects, which only that consumer listens on; a stream's
+        subjects). A request (a publish with a reply subject) that no subscription and no
+        JetStream took gets the 503 no-responders status: a pull request to a consumer that
+        does not exist, or an acknowledgement with a reply to a deleted consumer's message."""
         ...
