@@ -89,12 +89,13 @@ class NatsServer:
         reply: str = "",
         headers: Mapping[str, str] | None = None,
         status: str = "",
+        as_subject: str = "",
     ) -> None:
         """Deliver a message to the subscriptions on `subject` (see `Hub.send`)."""
         header = None
         if headers is not None or status:
             header = encode_header(headers or {}, status)
-        self._route(subject, reply, header, payload, publisher=None)
+        self._route(subject, reply, header, payload, publisher=None, shown=as_subject)
 
     def has_interest(self, subject: str) -> bool:
         """Whether any subscription matches `subject`."""
@@ -158,8 +159,10 @@ class NatsServer:
         payload: bytes,
         *,
         publisher: _Client | None,
+        shown: str = "",
     ) -> bool:
-        """Deliver to the matching subscriptions; whether any took the message."""
+        """Deliver to the matching subscriptions, under `shown` if given (`Hub.send`'s
+        `as_subject`) else `subject`; whether any took the message."""
         chosen: list[_Subscription] = []
         groups: dict[str, list[_Subscription]] = {}
         for subscription in self._matching(subject):
@@ -176,7 +179,7 @@ class NatsServer:
             chosen.sort(key=lambda s: s.order)
         delivered = False
         for subscription in chosen:
-            if subscription.client.deliver(subscription, subject, reply, header, payload):
+            if subscription.client.deliver(subscription, shown or subject, reply, header, payload):
                 delivered = True
                 subscription.delivered += 1
                 if subscription.max and subscription.delivered >= subscription.max:
