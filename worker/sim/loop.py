@@ -48,7 +48,14 @@ Invariants: time never goes back; a timer never fires before its `when`; two loo
 the same seed and options and driven by the same program record the same trace; the ready
 queue runs in registration order. One thing asyncio leaves unordered is ordered here too:
 `finish` cancels leftover tasks in the order they were created (`asyncio.Runner` cancels them in
-the iteration order of a set, by address), which is why `run` ends runs with it.
+the iteration order of a set, by address), which is why `run` ends runs with it. The loop holds
+every task until it is done (asyncio holds them weakly), so that no pending task disappears
+whenever the garbage collector happens to run.
+
+Limits. Time stands still while callbacks are ready, so a task that polls with `sleep(0)` until
+a timer fires never lets it fire (a livelock; nothing in nats-py or the tier polls so). An async
+generator dropped inside a reference cycle is finalized when the collector runs, as on any loop,
+and that moment is not the seed's.
 """
 
 from __future__ import annotations
