@@ -1,0 +1,686 @@
+"""The simulation's event loop: virtual time, one seed, no selector, no threads, and a trace.
+
+Theory of operation. `SimLoop` is an `asyncio.AbstractEventLoop`, as the loop Temporal's Python
+SDK runs each workflow on is: the tier's code and nats-py run on it unchanged, and everything
+they schedule goes through it. It keeps a ready queue and a heap of timers and nothing else:
+
+- *Virtual time.* `time()` starts at 0.0 and moves only when nothing is ready: it then jumps to
+  the next timer. Callbacks take no virtual time, so `asyncio.sleep(3600)` returns at once. If
+  nothing is ready and no timer is pending, nothing can ever happen again (there is no IO and no
+  other thread to wake the loop), so a loop that still waits raises `SimStalled`, naming what it
+  waited for, instead of hanging.
+- *Iterations* are `BaseEventLoop._run_once`'s, less the selector: the timers due by now join
+  the ready queue, then the callbacks ready at that moment run (not those they schedule: they
+  run in the next iteration); `stop()` takes effect at the end of an iteration.
+- *What the seed decides.* asyncio promises that `call_soon` callbacks run in the order they were
+  registered, and code relies on it (a Future runs its done callbacks in the order they were
+  added; a Task's step follows the wakeup that scheduled it), so the ready queue stays FIFO:
+  shuffling it would test programs asyncio never runs. The seed decides instead what a real
+  machine leaves to chance: the order of timers that fall due at the same instant (each draws
+  its place among its ties when scheduled; insertion order plays no part), and, with
+  `timer_jitter_s`, how late each timer fires (up to that much, never early, as real timers are
+  late and never early). `loop.chance` (a `random.Random` from the seed) is the one source of
+  randomness of a whole simulation: other parts derive their own,
+  `random.Random(loop.chance.getrandbits(64))`. The loop draws its timers' chances from a stream
+  it derived at construction, so how many timers a run sets does not shift anyone else's draws.
+- *The trace.* Each callback run is a line, `<virtual ns> run <name>`; `note(text)` adds
+  `<virtual ns> note <text>` (the network notes each message) and an executor call run inline
+  adds `<virtual ns> inline <name>`. A name is stable from run to run and process to process:
+  for a Task's step, its coroutine's `__qualname__` (not the task's name, which comes from a
+  process-wide counter); for any other callback, its `__qualname__`; never an `id()` or an
+  address. A running sha256 over the lines (`trace_hash()`) is what two runs of one seed
+  compare; the lines themselves are kept only when asked (`keep_trace=True`).
+- *Executors run inline.* `run_in_executor` calls the function at once on the loop's thread and
+  returns a done future: deterministic, and `asyncio.to_thread` goes through it.
+- *Connections* come from the connector given at construction (`connect=`), which the simulated
+  network supplies; nats-py's `asyncio.open_connection` reaches it through `create_connection`.
+- *Errors.* What a callback raises reaches `call_exception_handler`, which keeps each context on
+  `loop.errors` (so a simulation can fail its seed on them) before handing it to the handler.
+
+Why `AbstractEventLoop` and not `BaseEventLoop`. BaseEventLoop's constructor, `run_forever`,
+`close`, `call_soon_threadsafe`, `run_in_executor` and `create_connection` all assume a selector,
+a self-pipe, a thread pool or sockets: overriding them leaves little of it, and whatever was
+not overridden would keep doing real IO silently. From the abstract loop, every operation a
+simulation cannot do (sockets, file descriptors, pipes, subprocesses, signals, name resolution,
+servers) raises NotImplementedError saying why.
+
+Invariants: time never goes back; a timer never fires before its `when`; two loops built with
+the same seed and options and driven by the same program record the same trace; the ready
+queue runs in registration order. One thing asyncio leaves unordered is ordered here too:
+`finish` cancels leftover tasks in the order they were created (`asyncio.Runner` cancels them in
+the iteration order of a set, by address), which is why `run` ends runs with it. The loop holds
+every task until it is done (asyncio holds them weakly), so that no pending task disappears
+whenever the garbage collector happens to run.
+
+Limits. Time stands still while callbacks are ready, so a task that polls with `sleep(0)` until
+a timer fires never lets it fire (a livelock; nothing in nats-py or the tier polls so). An async
+generator dropped inside a reference cycle is finalized when the collector runs, as on any loop,
+and that moment is not the seed's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import hashlib
+import heapq
+import logging
+import random
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Generic, NoReturn, TypeVar, TypeVarTuple, Unpack, cast
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_Ts = TypeVarTuple("_Ts")
+_ProtocolT = TypeVar("_ProtocolT", bound=asyncio.BaseProtocol)
+
+Connector = Callable[
+    [Callable[[], asyncio.BaseProtocol], str, int],
+    Awaitable[tuple[asyncio.BaseTransport, asyncio.BaseProtocol]],
+]
+"""Opens a simulated connection: builds the protocol with the factory, connects it to the
+server at (host, port) and returns the transport and that protocol."""
+
+ExceptionContext = dict[str, Any]
+
+# BaseEventLoop's thresholds for rebuilding the timer heap without its cancelled timers.
+_MIN_TIMERS_TO_COMPACT = 100
+_MAX_CANCELLED_FRACTION = 0.5
+# Done tasks are dropped from the loop's register when it has doubled since the last time.
+_MIN_TASKS_TO_PRUNE = 64
+
+
+def _refuse(name: str, why: str) -> Any:  # Any: it stands in for methods of every signature
+    def refuse(self: SimLoop, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(f"SimLoop.{name} is not supported: {why}")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    return refuse
+
+
+_NO_SOCKETS = "a simulation has no sockets or file descriptors (connections come from connect=)"
+_NO_SERVERS = "simulated servers are reached through the connector, not a listening socket"
+_NO_NAMES = "a simulation resolves no names: the connector is handed the host as given"
+_NO_PROCESSES = "a simulation starts no process and has no pipes"
+_NO_SIGNALS = "a simulation receives no signals"
+_INLINE = "executors run inline, on the loop's thread"
+_TASKS = "tasks are always asyncio.Task, so that the trace can name them by their coroutine"
+
+
+class SimStalled(RuntimeError):
+    """The loop waits for something, but nothing is ready and no timer is pending: nothing can
+    ever happen again, so it never will."""
+
+
+class _Timer(asyncio.TimerHandle):
+    """A timer that knows whether it still waits in the heap: asyncio tells the loop of every
+    cancellation, and only those of waiting timers count toward rebuilding the heap."""
+
+    __slots__ = ("waiting",)
+    waiting: bool
+
+
+# A ready callback: the handle (which may be cancelled before it runs), and what it calls, which
+# names it in the trace.
+_Ready = tuple[asyncio.Handle, Callable[..., object], Sequence[Any]]
+# A waiting timer, by when it fires (its `when` plus its lateness), then its place among its
+# ties drawn from the seed, then the order it was set in (so a comparison never reaches the
+# handle).
+_Waiting = tuple[float, int, int, _Timer, Callable[..., object], Sequence[Any]]
+
+
+class SimLoop(asyncio.AbstractEventLoop):
+    """An event loop with virtual time whose every run of one seed is the same run."""
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        keep_trace: bool = False,
+        timer_jitter_s: float = 0.0,
+        connect: Connector | None = None,
+    ) -> None:
+        if timer_jitter_s < 0:
+            raise ValueError(f"timer_jitter_s={timer_jitter_s}: timers are late, never early")
+        self.seed = seed
+        self.chance = random.Random(seed)
+        """The simulation's one source of randomness: derive from it, never around it."""
+        self._timer_chance = random.Random(self.chance.getrandbits(64))
+        self._timer_jitter_s = timer_jitter_s
+        self._connect = connect
+        self._now = 0.0
+        self._ready: deque[_Ready] = deque()
+        self._timers: list[_Waiting] = []
+        self._timers_set = 0
+        self._cancelled_waiting = 0
+        self._hash = hashlib.sha256()
+        self._lines: list[str] | None = [] if keep_trace else None
+        self.steps = 0
+        """How many callbacks have run."""
+        self.errors: list[ExceptionContext] = []
+        """Every context `call_exception_handler` was given, in order."""
+        self._exception_handler: Callable[[asyncio.AbstractEventLoop, ExceptionContext], object]
+        self._exception_handler = _default_handler
+        self._debug = False
+        self._running = False
+        self._stopping = False
+        self._closed = False
+        self._thread = threading.get_ident()
+        # The tasks not known to be done, by creation (dicts keep insertion order). Held, not
+        # weakly referenced as asyncio holds them: a pending task nothing else reaches would
+        # otherwise vanish whenever the garbage collector came by, and with it its part in the
+        # run's end (`finish`), so the trace would depend on the collector's timing.
+        self._tasks: dict[int, asyncio.Task[Any]] = {}
+        self._tasks_created = 0
+        self._tasks_pruned_at = _MIN_TASKS_TO_PRUNE
+        # The async generators started and not finalized, by start. Weakly referenced, as
+        # BaseEventLoop does: one dropped is finalized at once (by reference counting) and
+        # closed by the task `_asyncgen_done` schedules, as on a real loop.
+        self._asyncgens: weakref.WeakKeyDictionary[AsyncGenerator[Any, Any], None] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._asyncgens_shut_down = False
+        self._awaited: asyncio.Future[Any] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<SimLoop seed={self.seed} time={self._now} steps={self.steps} "
+            f"running={self._running} closed={self._closed}>"
+        )
+
+    # The trace.
+
+    def note(self, text: str) -> None:
+        """Add a line to the trace at the current virtual time (one line: no line breaks)."""
+        if "\n" in text or "\r" in text:
+            raise ValueError(f"loop.note refused {text!r}: a trace line holds no line break")
+        self._record(f"note {text}")
+
+    def trace_hash(self) -> str:
+        """The sha256 (hex) of the trace so far, each line ended by a newline."""
+        return self._hash.hexdigest()
+
+    def trace_lines(self) -> list[str]:
+        """The trace so far, if this loop keeps it (`keep_trace=True`)."""
+        if self._lines is None:
+            raise RuntimeError("this SimLoop keeps only the trace's hash: build it with keep_trace")
+        return list(self._lines)
+
+    def _record(self, what: str) -> None:
+        line = f"{round(self._now * 1e9)} {what}"
+        self._hash.update(line.encode())
+        self._hash.update(b"\n")
+        if self._lines is not None:
+            self._lines.append(line)
+
+    # Running.
+
+    def run_forever(self) -> None:
+        """Run callbacks until `stop()`; raise `SimStalled` if none can ever come."""
+        self._check_closed()
+        if self._running:
+            raise RuntimeError("this SimLoop is already running")
+        if asyncio.events._get_running_loop() is not None:
+            raise RuntimeError("cannot run a SimLoop while another loop is running")
+        hooks = sys.get_asyncgen_hooks()
+        sys.set_asyncgen_hooks(firstiter=self._asyncgen_firstiter, finalizer=self._asyncgen_done)
+        asyncio.events._set_running_loop(self)
+        self._running = True
+        try:
+            while True:
+                self._run_once()
+                if self._stopping:
+                    break
+        finally:
+            self._stopping = False
+            self._running = False
+            asyncio.events._set_running_loop(None)
+            sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=hooks.finalizer)
+
+    def run_until_complete(self, future: Generator[Any, None, T] | Awaitable[T]) -> T:
+        """Run until `future` (a coroutine is wrapped in a task) is done; return its result."""
+        self._check_closed()
+        new_task = not asyncio.isfuture(future)
+        # The supertype's signature admits a generator; ensure_future refuses one itself, as
+        # generator-based coroutines are gone in 3.11.
+        awaited = asyncio.ensure_future(cast(Awaitable[T], future), loop=self)
+        awaited.add_done_callback(_stop_when_done)
+        self._awaited = awaited
+        try:
+            self.run_forever()
+        except BaseException:
+            if new_task and awaited.done() and not awaited.cancelled():
+                awaited.exception()  # the caller cannot reach the task to retrieve it
+            raise
+        finally:
+            awaited.remove_done_callback(_stop_when_done)
+            self._awaited = None
+        if not awaited.done():
+            raise RuntimeError("the SimLoop stopped before the future it ran was done")
+        return awaited.result()
+
+    def stop(self) -> None:
+        """Stop at the end of the current iteration."""
+        self._stopping = True
+
+    def is_running(self) -> bool:
+        return self._running
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Drop every pending callback and timer; the loop runs nothing more."""
+        if self._running:
+            raise RuntimeError("cannot close a running SimLoop")
+        self._closed = True
+        self._ready.clear()
+        self._timers.clear()
+
+    def finish(self) -> None:
+        """End a run as `asyncio.Runner` does, in an order of the loop's own: cancel the tasks
+        still pending in the order they were created and wait for them, close the async
+        generators still open in the order they started, then close the loop."""
+        if self._closed:
+            return
+        try:
+            leftovers = [task for task in self._tasks.values() if not task.done()]
+            for task in leftovers:
+                task.cancel()
+            if leftovers:
+                self.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            for task in leftovers:
+                if not task.cancelled() and task.exception() is not None:
+                    self.call_exception_handler(
+                        {
+                            "message": "unhandled exception while the simulation ended",
+                            "exception": task.exception(),
+                            "task": task,
+                        }
+                    )
+            self.run_until_complete(self.shutdown_asyncgens())
+        finally:
+            self.close()
+
+    def _run_once(self) -> None:
+        self._drop_cancelled_timers()
+        if not self._ready and not self._stopping:
+            if not self._timers:
+                raise SimStalled(self._stall_report())
+            self._now = max(self._now, self._timers[0][0])
+        while self._timers and self._timers[0][0] <= self._now:
+            _, _, _, timer, callback, args = heapq.heappop(self._timers)
+            timer.waiting = False
+            if timer.cancelled():
+                self._cancelled_waiting -= 1
+            else:
+                self._ready.append((timer, callback, args))
+        for _ in range(len(self._ready)):
+            handle, callback, args = self._ready.popleft()
+            if handle.cancelled():
+                continue
+            self.steps += 1
+            self._record(f"run {_stable_name(callback, args)}")
+            handle._run()
+
+    def _drop_cancelled_timers(self) -> None:
+        timers = self._timers
+        if (
+            len(timers) > _MIN_TIMERS_TO_COMPACT
+            and self._cancelled_waiting > len(timers) * _MAX_CANCELLED_FRACTION
+        ):
+            for entry in timers:
+                entry[3].waiting = not entry[3].cancelled()
+            self._timers = [entry for entry in timers if entry[3].waiting]
+            heapq.heapify(self._timers)
+            self._cancelled_waiting = 0
+            return
+        while timers and timers[0][3].cancelled():
+            heapq.heappop(timers)[3].waiting = False
+            self._cancelled_waiting -= 1
+
+    def _stall_report(self) -> str:
+        waiting = (
+            f"run_until_complete waits for {self._awaited!r}"
+            if self._awaited is not None
+            else "run_forever waits for stop()"
+        )
+        others = [
+            repr(task)
+            for task in self._tasks.values()
+            if not task.done() and task is not self._awaited
+        ]
+        return (
+            f"{waiting}, but at virtual time {self._now} s nothing is ready and no timer is "
+            f"pending, so nothing can ever happen again (seed {self.seed}). Other tasks pending: "
+            + ("; ".join(others) or "none")
+        )
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError("this SimLoop is closed")
+
+    # Scheduling.
+
+    def time(self) -> float:
+        """Virtual seconds since the loop was built."""
+        return self._now
+
+    def call_soon(
+        self,
+        callback: Callable[[Unpack[_Ts]], object],
+        *args: *_Ts,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.Handle:
+        self._check_closed()
+        if self._debug:
+            _check_callback(callback, "call_soon")
+        handle = asyncio.Handle(callback, args, self, context)
+        self._ready.append((handle, callback, args))
+        return handle
+
+    def call_soon_threadsafe(
+        self,
+        callback: Callable[[Unpack[_Ts]], object],
+        *args: *_Ts,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.Handle:
+        """`call_soon`, from the thread that built the loop only: a simulation has no other."""
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                f"call_soon_threadsafe({_stable_name(callback, args)}) from another thread: "
+                "a SimLoop runs on one thread, and a simulation starts no other"
+            )
+        return self.call_soon(callback, *args, context=context)
+
+    def call_later(
+        self,
+        delay: float,
+        callback: Callable[[Unpack[_Ts]], object],
+        *args: *_Ts,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.TimerHandle:
+        return self.call_at(self._now + delay, callback, *args, context=context)
+
+    def call_at(
+        self,
+        when: float,
+        callback: Callable[[Unpack[_Ts]], object],
+        *args: *_Ts,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.TimerHandle:
+        self._check_closed()
+        if self._debug:
+            _check_callback(callback, "call_at")
+        timer = _Timer(when, callback, args, self, context)
+        timer.waiting = True
+        lateness = self._timer_chance.random() * self._timer_jitter_s if self._timer_jitter_s else 0
+        place = self._timer_chance.getrandbits(64)
+        self._timers_set += 1
+        heapq.heappush(
+            self._timers, (when + lateness, place, self._timers_set, timer, callback, args)
+        )
+        return timer
+
+    def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:
+        """asyncio's notice that a timer was cancelled (`TimerHandle.cancel`)."""
+        if isinstance(handle, _Timer) and handle.waiting:
+            self._cancelled_waiting += 1
+
+    # Futures and tasks.
+
+    def create_future(self) -> asyncio.Future[Any]:
+        return asyncio.Future(loop=self)
+
+    def create_task(
+        self,
+        coro: Generator[Any, None, T] | Coroutine[Any, Any, T],
+        *,
+        name: str | None = None,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.Task[T]:
+        self._check_closed()
+        task = asyncio.Task(coro, loop=self, name=name, context=context)
+        self._tasks_created += 1
+        self._tasks[self._tasks_created] = task
+        if len(self._tasks) >= self._tasks_pruned_at:
+            self._tasks = {number: kept for number, kept in self._tasks.items() if not kept.done()}
+            self._tasks_pruned_at = max(_MIN_TASKS_TO_PRUNE, 2 * len(self._tasks))
+        return task
+
+    def run_in_executor(
+        self, executor: Executor | None, func: Callable[[Unpack[_Ts]], T], *args: *_Ts
+    ) -> asyncio.Future[T]:
+        """Call `func(*args)` now, on the loop's thread, and return a future holding what it
+        returned or raised. The executor is not used: a simulation starts no thread."""
+        self._check_closed()
+        self._record(f"inline {_stable_name(func, args)}")
+        future: asyncio.Future[T] = self.create_future()
+        try:
+            result = func(*args)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+        return future
+
+    async def shutdown_default_executor(self) -> None:
+        """Nothing to shut down: executors run inline."""
+
+    # Async generators, tracked as BaseEventLoop tracks them (its hooks), in the order they
+    # started rather than in a set's.
+
+    def _asyncgen_firstiter(self, agen: AsyncGenerator[Any, Any]) -> None:
+        if self._asyncgens_shut_down:
+            logger.warning("async generator %s started after shutdown_asyncgens", agen)
+        self._asyncgens[agen] = None
+
+    def _asyncgen_done(self, agen: AsyncGenerator[Any, Any]) -> None:
+        self._asyncgens.pop(agen, None)
+        if not self._closed:
+            self.call_soon_threadsafe(self.create_task, agen.aclose())
+
+    async def shutdown_asyncgens(self) -> None:
+        """Close every async generator still open, in the order they started."""
+        self._asyncgens_shut_down = True
+        closing = list(self._asyncgens)
+        self._asyncgens.clear()
+        results = await asyncio.gather(*(agen.aclose() for agen in closing), return_exceptions=True)
+        for result, agen in zip(results, closing, strict=True):
+            if isinstance(result, Exception):
+                self.call_exception_handler(
+                    {
+                        "message": f"closing the async generator {agen!r} failed",
+                        "exception": result,
+                        "asyncgen": agen,
+                    }
+                )
+
+    # Connections.
+
+    async def create_connection(
+        self,
+        protocol_factory: Callable[[], _ProtocolT],
+        host: str | None = None,
+        port: int | None = None,
+        **options: Any,
+    ) -> tuple[asyncio.Transport, _ProtocolT]:
+        """A connection to (host, port) from the connector the loop was built with."""
+        refused = sorted(name for name, value in options.items() if value is not None)
+        if refused:
+            raise NotImplementedError(
+                f"SimLoop.create_connection to {host}:{port} cannot honour {', '.join(refused)}: "
+                "a simulated connection is given only a host and a port"
+            )
+        if host is None or port is None:
+            raise NotImplementedError(
+                "SimLoop.create_connection needs a host and a port: it has no sockets to adopt"
+            )
+        if self._connect is None:
+            raise ConnectionRefusedError(
+                f"{host}:{port} refused: this SimLoop was built without a connector (connect=)"
+            )
+        transport, protocol = await self._connect(protocol_factory, host, port)
+        # The connector built the protocol with this factory, so it is of the factory's type.
+        return cast(asyncio.Transport, transport), cast(_ProtocolT, protocol)
+
+    # Errors.
+
+    def get_exception_handler(
+        self,
+    ) -> Callable[[asyncio.AbstractEventLoop, ExceptionContext], object] | None:
+        return None if self._exception_handler is _default_handler else self._exception_handler
+
+    def set_exception_handler(
+        self, handler: Callable[[asyncio.AbstractEventLoop, ExceptionContext], object] | None
+    ) -> None:
+        if handler is not None and not callable(handler):
+            raise TypeError(f"an exception handler must be callable or None, not {handler!r}")
+        self._exception_handler = _default_handler if handler is None else handler
+
+    def default_exception_handler(self, context: ExceptionContext) -> None:
+        """Log the context: its message, its exception's traceback, and its other entries."""
+        exception = context.get("exception")
+        details = "".join(
+            f"\n{key}: {value!r}"
+            for key, value in sorted(context.items())
+            if key not in {"message", "exception"}
+        )
+        logger.error(
+            "%s%s",
+            context.get("message", "unhandled exception in the simulation's event loop"),
+            details,
+            exc_info=(type(exception), exception, exception.__traceback__)
+            if isinstance(exception, BaseException)
+            else None,
+        )
+
+    def call_exception_handler(self, context: ExceptionContext) -> None:
+        """Keep the context on `errors`, then hand it to the handler (by default: log it)."""
+        self.errors.append(context)
+        try:
+            self._exception_handler(self, context)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            self.default_exception_handler(
+                {"message": "the exception handler failed", "exception": exc, "context": context}
+            )
+
+    # Debugging.
+
+    def get_debug(self) -> bool:
+        return self._debug
+
+    def set_debug(self, enabled: bool) -> None:
+        self._debug = enabled
+
+    # What a simulation cannot do: each refuses, saying why.
+    add_reader = _refuse("add_reader", _NO_SOCKETS)
+    remove_reader = _refuse("remove_reader", _NO_SOCKETS)
+    add_writer = _refuse("add_writer", _NO_SOCKETS)
+    remove_writer = _refuse("remove_writer", _NO_SOCKETS)
+    sock_recv = _refuse("sock_recv", _NO_SOCKETS)
+    sock_recv_into = _refuse("sock_recv_into", _NO_SOCKETS)
+    sock_recvfrom = _refuse("sock_recvfrom", _NO_SOCKETS)
+    sock_recvfrom_into = _refuse("sock_recvfrom_into", _NO_SOCKETS)
+    sock_sendall = _refuse("sock_sendall", _NO_SOCKETS)
+    sock_sendto = _refuse("sock_sendto", _NO_SOCKETS)
+    sock_connect = _refuse("sock_connect", _NO_SOCKETS)
+    sock_accept = _refuse("sock_accept", _NO_SOCKETS)
+    sock_sendfile = _refuse("sock_sendfile", _NO_SOCKETS)
+    sendfile = _refuse("sendfile", _NO_SOCKETS)
+    start_tls = _refuse("start_tls", _NO_SOCKETS)
+    create_unix_connection = _refuse("create_unix_connection", _NO_SOCKETS)
+    create_datagram_endpoint = _refuse("create_datagram_endpoint", _NO_SOCKETS)
+    connect_accepted_socket = _refuse("connect_accepted_socket", _NO_SOCKETS)
+    create_server = _refuse("create_server", _NO_SERVERS)
+    create_unix_server = _refuse("create_unix_server", _NO_SERVERS)
+    getaddrinfo = _refuse("getaddrinfo", _NO_NAMES)
+    getnameinfo = _refuse("getnameinfo", _NO_NAMES)
+    connect_read_pipe = _refuse("connect_read_pipe", _NO_PROCESSES)
+    connect_write_pipe = _refuse("connect_write_pipe", _NO_PROCESSES)
+    subprocess_shell = _refuse("subprocess_shell", _NO_PROCESSES)
+    subprocess_exec = _refuse("subprocess_exec", _NO_PROCESSES)
+    add_signal_handler = _refuse("add_signal_handler", _NO_SIGNALS)
+    remove_signal_handler = _refuse("remove_signal_handler", _NO_SIGNALS)
+    set_default_executor = _refuse("set_default_executor", _INLINE)
+    set_task_factory = _refuse("set_task_factory", _TASKS)
+    get_task_factory = _refuse("get_task_factory", _TASKS)
+
+
+def _default_handler(loop: asyncio.AbstractEventLoop, context: ExceptionContext) -> None:
+    loop.default_exception_handler(context)
+
+
+def _check_callback(callback: Callable[..., object], method: str) -> None:
+    if asyncio.iscoroutine(callback) or asyncio.iscoroutinefunction(callback):
+        raise TypeError(f"{method} was given a coroutine ({callback!r}): use create_task")
+    if not callable(callback):
+        raise TypeError(f"{method} was given {callback!r}, which is not callable")
+
+
+def _stable_name(callback: Callable[..., object], args: Sequence[Any]) -> str:
+    """What the trace calls a callback: the same in every run and every process."""
+    owner = getattr(callback, "__self__", None)
+    if isinstance(owner, asyncio.Task):
+        coro = owner.get_coro()
+        return f"task {getattr(coro, '__qualname__', type(coro).__qualname__)}"
+    if isinstance(callback, functools.partial):
+        return _stable_name(callback.func, callback.args)
+    if isinstance(owner, contextvars.Context) and args:  # Context.run(fn, *args), as to_thread
+        return _stable_name(args[0], args[1:])
+    name = getattr(callback, "__qualname__", None)
+    return name if isinstance(name, str) else type(callback).__qualname__
+
+
+def _stop_when_done(future: asyncio.Future[Any]) -> None:
+    # As BaseEventLoop's: a SystemExit or KeyboardInterrupt leaves the loop by itself.
+    if not future.cancelled() and isinstance(future.exception(), SystemExit | KeyboardInterrupt):
+        return
+    future.get_loop().stop()
+
+
+@dataclass(frozen=True)
+class Finished(Generic[T]):
+    """A finished run: what its main coroutine returned, and its loop, closed, whose trace
+    (`trace_hash()`, `trace_lines()`), `errors`, `steps` and `time()` are still readable."""
+
+    result: T
+    loop: SimLoop
+
+
+def run(
+    main: Callable[[], Coroutine[Any, Any, T]],
+    seed: int,
+    *,
+    keep_trace: bool = False,
+    timer_jitter_s: float = 0.0,
+    connect: Connector | None = None,
+) -> Finished[T]:
+    """Run `main()` on a new `SimLoop` with this seed, then end the run (`SimLoop.finish`).
+
+    What `main` raises is raised, with a note of the seed and the trace's hash by then."""
+    loop = SimLoop(seed, keep_trace=keep_trace, timer_jitter_s=timer_jitter_s, connect=connect)
+    try:
+        try:
+            result = loop.run_until_complete(main())
+        finally:
+            loop.finish()
+    except BaseException as exc:
+        exc.add_note(
+            f"simulation seed {seed}: trace hash {loop.trace_hash()} after {loop.steps} steps, "
+            f"at virtual time {loop.time()} s"
+        )
+        raise
+    return Finished(result, loop)
