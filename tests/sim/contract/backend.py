@@ -3,11 +3,12 @@
 A backend is a NATS server the contracts talk to through the tier's own `Bus`, and the event
 loop they run on. `run` takes a contract (an `async def` of the backend) and runs it to its
 end on that loop, then closes every `Bus` the contract connected: the real backend runs it
-on a fresh asyncio loop of the machine (`asyncio.run`), the model's will run it on the
-simulation's deterministic loop, with virtual time. So a contract never assumes whose loop
-it is on: it reads time from the running loop (`now`), lets time pass only through
-`advance`, and waits for a condition only through the bus's own awaits (a fetch's timeout, a
-flush) or `tests.eventually.until`, all of which count the running loop's time.
+on a fresh asyncio loop of the machine (`asyncio.run`), the model's (`ModelBackend`) runs it
+on the simulation's deterministic loop (worker.sim.loop), with virtual time. So a contract
+never assumes whose loop it is on: it reads time from the running loop (`now`), lets time
+pass only through `advance`, and waits for a condition only through the bus's own awaits (a
+fetch's timeout, a flush) or `tests.eventually.until`, all of which count the running loop's
+time.
 
 Names. Every contract makes its own streams, buckets and subject prefixes with `fresh`, so
 contracts share nothing but the server, which the real backend starts once per session.
@@ -20,12 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from kvhandoff.worker.sim import loop as simloop
+from kvhandoff.worker.sim import natspy
+from kvhandoff.worker.sim.nats.cluster import SimCluster
 
 Contract = Callable[["Backend"], Awaitable[None]]
 
@@ -123,3 +128,56 @@ class RealBackend:
         # contract's clients notice the loss meanwhile as they would.
         await asyncio.to_thread(self._server.stop, True)
         await asyncio.to_thread(self._server.start)
+
+
+class ModelBackend:
+    """The model of the server (worker.sim.nats) as one node, as the real backend's server is
+    one, run on the simulation's loop from `seed`: each contract gets a new model, so it
+    needs no fresh names, and virtual time, so `advance` takes no wall time."""
+
+    name = "model"
+
+    def __init__(self, seed: int) -> None:
+        self._seed = seed
+        self._cluster: SimCluster | None = None
+        self._buses: list[Bus] = []
+
+    def run(self, contract: Contract) -> None:
+        self._cluster = SimCluster(random.Random(self._seed), nodes=1)
+        with natspy.pinned():
+            simloop.run(
+                lambda: self._run(contract),
+                self._seed,
+                connect=self._cluster.network.create_connection,
+            )
+
+    async def _run(self, contract: Contract) -> None:
+        try:
+            await contract(self)
+        finally:
+            buses, self._buses = self._buses, []
+            for bus in reversed(buses):
+                await bus.close()
+
+    def fresh(self, stem: str) -> str:
+        return f"{stem}_{next(_NAMES)}"
+
+    @property
+    def cluster(self) -> SimCluster:
+        if self._cluster is None:
+            raise RuntimeError("the model backend has no server outside a contract's run")
+        return self._cluster
+
+    async def connect(self, name: str) -> Bus:
+        bus = await Bus.connect(NatsSettings(url=self.cluster.url), name)
+        self._buses.append(bus)
+        return bus
+
+    async def advance(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def restart_server(self) -> None:
+        # What it stored survives (the model keeps its state); its connections break.
+        for host in self.cluster.hosts:
+            self.cluster.node_down(host)
+            self.cluster.node_up(host)

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
-from tests.sim.contract.backend import Backend, RealBackend
+from tests.sim.contract.backend import Backend, ModelBackend, RealBackend
 
-BACKENDS = ["real"]
+BACKENDS = ["real", "model"]
+# The model runs each contract under this seed (worker.sim.loop): a failure replays from it.
+MODEL_SEED = 36
 
 
 @pytest.fixture(scope="session")
@@ -29,4 +31,6 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     match request.param:
         case "real":
             return RealBackend(request.getfixturevalue("real_server"))
+        case "model":
+            return ModelBackend(MODEL_SEED)
     raise AssertionError(f"no backend named {request.param!r}")

@@ -173,6 +173,10 @@ async def test_a_pin_lapses_after_the_priority_timeout_and_the_next_holder_gets_
     async with partition.pull(doomed) as holder:
         [orphan] = await take(holder, 1)  # never acknowledged
         old_pin = holder.pin_id
+    # Its inbox is gone once the server has read what the connection sent before this
+    # barrier; without it, a message published next could still go to its open request
+    # (delivered, so redelivered later), which the model's network delays show.
+    await doomed.flush()
     stopped_at = now()  # its last pull request was sent before this
     async with partition.pull(bus) as successor:
         waiting = asyncio.ensure_future(take(successor, 1))
