@@ -11,8 +11,9 @@ message ids, incarnations and jitter differ run to run; `datetime.now()` is the 
 again. So the scanned packages may not import `time`, `random` (but `from random import Random`,
 called with a seed: a generator built from an explicit seed reads nothing of the machine),
 `uuid` (but `from uuid import UUID`, the type), `secrets`, nor reach `os.urandom`,
-`os.getrandom` or `datetime.now`/`utcnow`/`today`. The rule is read from the source with
-`ast`, so it holds for imports inside functions that no test runs.
+`os.getrandom`, `datetime.now`/`utcnow`/`today`, nor ask which machine this is
+(`socket.gethostname`, `os.getpid`: every simulated process is its own host). The rule is
+read from the source with `ast`, so it holds for imports inside functions that no test runs.
 
 Out of scope, on purpose: `worker.log` (the local file; the lock file's "since" stamp and the
 commit's duration measure the machine, and stamp no record), the harness, the commands and
@@ -48,10 +49,13 @@ _WHY = {
     "secrets": "draw from worker.ambient.chance() or make ids with worker.ambient.new_id",
     "os": "os.urandom/getrandom are the machine's entropy: use worker.ambient",
     "datetime": "datetime.now/utcnow/today read the wall clock: use worker.ambient.now_ms",
+    "host": "the host's name and the process id are the machine's: use worker.ambient.host/pid",
 }
 # The one name each module may import, and why it is harmless.
 _HARMLESS = {"uuid": {"UUID"}, "random": {"Random"}}
 _ENTROPY_OF_OS = {"urandom", "getrandom"}
+# Which machine this is: in the simulation every process is its own host.
+_IDENTITY = {"os": {"getpid"}, "socket": {"gethostname"}}
 _CLOCK_OF_DATETIME = {"now", "utcnow", "today"}
 
 
@@ -99,10 +103,14 @@ def breaches(source: str, name: str) -> Iterator[Breach]:
                     seeded_names.add(alias.asname or alias.name)
                 elif root == "os" and alias.name in _ENTROPY_OF_OS:
                     yield Breach(where, f"from os import {alias.name}", "os")
+                elif alias.name in _IDENTITY.get(root, ()):
+                    yield Breach(where, f"from {root} import {alias.name}", "host")
         elif isinstance(node, ast.Attribute):
             base = _dotted(node.value)
             if base == "os" and node.attr in _ENTROPY_OF_OS:
                 yield Breach(where, f"os.{node.attr}", "os")
+            if node.attr in _IDENTITY.get(base, ()):
+                yield Breach(where, f"{base}.{node.attr}", "host")
             if base.split(".")[-1] in ("datetime", "date") and node.attr in _CLOCK_OF_DATETIME:
                 yield Breach(where, f"{base}.{node.attr}", "datetime")
     for node in ast.walk(tree):
@@ -150,6 +158,8 @@ def f():
     datetime.now(UTC)
     Random()
     Random(7)
+    os.getpid()
+    from socket import gethostname
     return UUID(int=0)
 """
     found = {(b.where, b.what) for b in breaches(source, "m.py")}
@@ -165,6 +175,8 @@ def f():
         ("m.py:14", "os.urandom"),
         ("m.py:15", "datetime.now"),
         ("m.py:16", "Random() without a seed"),
+        ("m.py:18", "os.getpid"),
+        ("m.py:19", "from socket import gethostname"),
     }
 
 

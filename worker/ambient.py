@@ -1,4 +1,4 @@
-"""What the tier and the client read from the world besides the bus: the clocks, new ids, chance.
+"""What the tier and the client read from the world besides the bus: clocks, ids, chance, host.
 
 Why a port. The deterministic simulation (worker.sim) runs the tier's own code, many workers
 in one process, under a virtual clock and one seed. That only works if nothing the tier runs
@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import os
 import random
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -51,6 +53,14 @@ class Ambient:
     def chance(self) -> random.Random:
         """The source of randomness, for jitter and for load generation."""
         return _MACHINE_RANDOM
+
+    def host(self) -> str:
+        """The name of the host this process runs on."""
+        return socket.gethostname()
+
+    def pid(self) -> int:
+        """This process's id."""
+        return os.getpid()
 
 
 _MACHINE_RANDOM = random.Random()
@@ -103,3 +113,13 @@ def new_id() -> str:
 def chance() -> random.Random:
     """The current source of randomness."""
     return current().chance()
+
+
+def host() -> str:
+    """The name of the host this process runs on (worker membership records, engine hosts)."""
+    return current().host()
+
+
+def pid() -> int:
+    """This process's id."""
+    return current().pid()

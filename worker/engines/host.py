@@ -8,8 +8,6 @@ report requests on `<prefix>.engines.report` with one `EnginesReport`.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -19,7 +17,7 @@ from kvhandoff.client.lease import DEFAULT_LEASE_TTL_S
 from kvhandoff.events.codec import encode
 from kvhandoff.events.ids import HandoffId
 from kvhandoff.events.messages import Complete
-from kvhandoff.worker.ambient import new_id
+from kvhandoff.worker import ambient
 from kvhandoff.worker.engines.engines import DestinationEngine, MockEngine, SourceEngine
 from kvhandoff.worker.engines.faults import Faults
 from kvhandoff.worker.engines.model import EngineModel
@@ -55,7 +53,7 @@ class MockEngines:
 
     def __init__(self, connection: Connection, config: EnginesConfig) -> None:
         self.config = config
-        self.process = f"{socket.gethostname()}-{os.getpid()}-{new_id()[:8]}"
+        self.process = f"{ambient.host()}-{ambient.pid()}-{ambient.new_id()[:8]}"
         self._connection = connection
         self.engines: dict[str, MockEngine] = {}
         roster = config.roster

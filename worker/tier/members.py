@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 
 import msgspec
 
+from kvhandoff.worker import ambient
 from kvhandoff.worker.ambient import new_id, now_ms
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.kv import Bucket, open_bucket
@@ -45,8 +44,8 @@ class Member(msgspec.Struct, frozen=True):
     @classmethod
     def this_process(cls) -> Member:
         return cls(
-            host=socket.gethostname(),
-            pid=os.getpid(),
+            host=ambient.host(),
+            pid=ambient.pid(),
             instance=new_id(),
             since_ms=now_ms(),
         )

@@ -15,9 +15,11 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from kvhandoff.worker import ambient
 from kvhandoff.worker.sim.nats.jetstream.model import JetStream
 from kvhandoff.worker.sim.nats.server import NatsServer
 from kvhandoff.worker.sim.network import Network
+from kvhandoff.worker.sim.process import SimProcess
 
 PORT = 4222
 
@@ -36,9 +38,13 @@ class SimCluster:
         # what the others draw for the same seed.
         self.network = Network(random.Random(chance.getrandbits(64)), origin=origin)
         self.server = NatsServer(random.Random(chance.getrandbits(64)))
-        self.jetstream = JetStream(
-            self.server, random.Random(chance.getrandbits(64)), replicated=nodes > 1
-        )
+        # JetStream stamps what it stores with the server's wall clock, on the simulation's
+        # time: it takes the ambient current as it is made.
+        self.process = SimProcess("nats", random.Random(chance.getrandbits(64)))
+        with ambient.using(self.process):
+            self.jetstream = JetStream(
+                self.server, random.Random(chance.getrandbits(64)), replicated=nodes > 1
+            )
         self.server.attach(self.jetstream)
         self.hosts = [f"n{number}" for number in range(1, nodes + 1)]
         for host in self.hosts:

@@ -372,7 +372,7 @@ class _Consumer:
         self.name = name
         self.config = config
         self.durable = durable
-        self.created_ns = ambient.current().wall_ns()
+        self.created_ns = self._owner.ambient.wall_ns()
         self.filters = _filters(config)
         self.push = bool(config.get("deliver_subject"))
         self.closed = False
@@ -482,7 +482,7 @@ class _Consumer:
 
     def info(self) -> dict[str, Any]:
         self._drop_uninterested()
-        now_ns = ambient.current().wall_ns()
+        now_ns = self._owner.ambient.wall_ns()
         info: dict[str, Any] = {
             "stream_name": self.stream.name,
             "name": self.name,
@@ -680,7 +680,7 @@ class _Consumer:
 
     def _assign_pin(self, request: _Request) -> None:
         self.pin = _new_id(self._owner._chance, 22)
-        self.pinned_ns = ambient.current().wall_ns()
+        self.pinned_ns = self._owner.ambient.wall_ns()
         request.pin_id = self.pin
         self._arm_pin_timer()
 
@@ -1133,6 +1133,8 @@ class Consumers:
         self._streams = streams
         self._by_stream: dict[str, dict[str, _Consumer]] = {}
         self.faults = Faults()
+        # The server's wall clock, not that of whichever client's publish is being served.
+        self.ambient = ambient.current()
 
     def _consumer(self, stream: str, name: str) -> _Consumer | None:
         return self._by_stream.get(stream, {}).get(name)
