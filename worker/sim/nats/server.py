@@ -68,6 +68,10 @@ class NatsServer:
         # Keyed by the subscription's order: iteration follows the order they were made.
         self._literal: dict[str, dict[int, _Subscription]] = {}
         self._wildcard: dict[int, _Subscription] = {}
+        # The wildcard subscriptions matching a subject, by subject, as the server's sublist
+        # caches them: most messages go to subjects seen before, and wildcard subscriptions
+        # change rarely (each client's reply inbox, each pull's). Dropped when they change.
+        self._wild_cache: dict[str, list[_Subscription]] = {}
 
     def listen(self, network: Network, host: str, port: int, *, name: str = "") -> None:
         """Serve clients on (host, port) of `network`; the node is called `name` (its host,
@@ -112,6 +116,7 @@ class NatsServer:
             self._literal.setdefault(subject, {})[subscription.order] = subscription
         else:
             self._wildcard[subscription.order] = subscription
+            self._wild_cache.clear()
         return subscription
 
     def _unsubscribe(self, subscription: _Subscription) -> None:
@@ -123,7 +128,8 @@ class NatsServer:
             literal.pop(subscription.order, None)
             if not literal:
                 del self._literal[subscription.subject]
-        self._wildcard.pop(subscription.order, None)
+        if self._wildcard.pop(subscription.order, None) is not None:
+            self._wild_cache.clear()
 
     def _new_client_id(self) -> int:
         """A number for a new connection, as `INFO`'s `client_id`."""
@@ -145,8 +151,13 @@ class NatsServer:
 
     def _matching(self, subject: str) -> list[_Subscription]:
         found = list(self._literal.get(subject, {}).values())
-        tokens = subject.split(".")
-        wild = [s for s in self._wildcard.values() if _matches(s.tokens, tokens)]
+        wild = self._wild_cache.get(subject)
+        if wild is None:
+            if len(self._wild_cache) >= _WILD_CACHE_SIZE:
+                self._wild_cache.clear()
+            tokens = subject.split(".")
+            wild = [s for s in self._wildcard.values() if _matches(s.tokens, tokens)]
+            self._wild_cache[subject] = wild
         if wild:
             found = sorted(found + wild, key=lambda s: s.order) if found else wild
         return found
@@ -477,6 +488,9 @@ def decode_header(header: bytes) -> dict[str, str]:
 def _size(text: str) -> int:
     """A protocol size field; -1 if it is not a non-negative integer."""
     return int(text) if text.isdigit() else -1
+
+
+_WILD_CACHE_SIZE = 4096
 
 
 def _is_literal(tokens: list[str]) -> bool:
