@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable
 
 from kvhandoff.worker import ambient
+from kvhandoff.worker.sim.nats.jetstream.consumers import Consumers
 from kvhandoff.worker.sim.nats.jetstream.model import JetStream
 from kvhandoff.worker.sim.nats.server import NatsServer
 from kvhandoff.worker.sim.network import Network
@@ -49,6 +50,14 @@ class SimCluster:
         self.hosts = [f"n{number}" for number in range(1, nodes + 1)]
         for host in self.hosts:
             self.server.listen(self.network, host, PORT)
+
+    @property
+    def consumers(self) -> Consumers:
+        """The model's consumers, whose faults a run turns on."""
+        consumers = self.jetstream.consumers
+        if not isinstance(consumers, Consumers):  # only the streams' unit tests stub them
+            raise TypeError(f"the cluster's consumers are not the model's: {consumers!r}")
+        return consumers
 
     @property
     def url(self) -> str:
