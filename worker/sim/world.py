@@ -39,7 +39,9 @@ from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
 from kvhandoff.worker.sim import faults, natspy
 from kvhandoff.worker.sim import loop as simloop
+from kvhandoff.worker.sim.checks import check_run
 from kvhandoff.worker.sim.faults import Fault, FaultPlan
+from kvhandoff.worker.sim.history import History
 from kvhandoff.worker.sim.nats.cluster import SimCluster
 from kvhandoff.worker.sim.process import SimProcess
 from kvhandoff.worker.tier.metrics import Metrics
@@ -322,6 +324,8 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
             nodes=cluster.hosts,
             duration_s=scenario.duration_s,
         )
+    history = History()
+    cluster.record(history)
     with (
         tempfile.TemporaryDirectory(prefix="kvhandoff-sim-") as workdir,
         natspy.pinned(),
@@ -333,6 +337,8 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
             keep_trace=keep_trace,
             connect=cluster.network.create_connection,
         )
+        # While the workers' files are still there.
+        checked = check_run(history, Path(workdir), load=finished.result)
     loop = finished.loop
     report = finished.result
     violations = [f"unhandled error in the loop: {e.get('message')}" for e in loop.errors]
@@ -343,6 +349,7 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         )
     if report.leaks:
         violations.append(f"the engines leaked {report.leaks} blocks: {report.leak_details}")
+    violations += checked
     return Outcome(
         seed=scenario.seed,
         trace_hash=loop.trace_hash(),

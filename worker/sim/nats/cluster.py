@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable
 
 from kvhandoff.worker import ambient
+from kvhandoff.worker.sim.history import History
 from kvhandoff.worker.sim.nats.jetstream.consumers import Consumers
 from kvhandoff.worker.sim.nats.jetstream.model import JetStream
 from kvhandoff.worker.sim.nats.server import NatsServer
@@ -50,6 +51,12 @@ class SimCluster:
         self.hosts = [f"n{number}" for number in range(1, nodes + 1)]
         for host in self.hosts:
             self.server.listen(self.network, host, PORT)
+
+    def record(self, history: History) -> None:
+        """Record into `history` every message stored, ack settled and client publish."""
+        self.server.history = history
+        self.jetstream.history = history
+        self.consumers.history = history
 
     @property
     def consumers(self) -> Consumers:
