@@ -17,6 +17,7 @@ import pytest
 
 from kvhandoff.worker import ambient
 from kvhandoff.worker.sim.loop import SimLoop, SimStalled, run
+from kvhandoff.worker.sim.network import Network
 from kvhandoff.worker.sim.process import SimProcess
 
 
@@ -343,6 +344,52 @@ def test_a_task_crashed_before_its_first_step_never_runs_and_is_closed_unstarted
     coro = finished.result.get_coro()
     assert inspect.iscoroutine(coro)
     assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+
+
+def test_a_crash_stops_no_delivery_to_another_process_and_no_server_work() -> None:
+    a, b = SimProcess("a", random.Random(1)), SimProcess("b", random.Random(2))
+    network = Network(random.Random(3), origin=ambient.host)
+    ends: list[asyncio.Transport] = []
+
+    class Broadcast(asyncio.Protocol):
+        """What one client sends, every client receives; a dies as its bytes arrive."""
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            ends.append(transport)
+
+        def data_received(self, data: bytes) -> None:
+            for end in ends:
+                end.write(data)
+            if data == b"a;":
+                sim_loop().crash(a)
+
+    network.listen("server", 1, Broadcast)
+    received: dict[str, list[bytes]] = {"a": [], "b": []}
+
+    async def listen(name: str, says: bytes) -> None:
+        reader, writer = await asyncio.open_connection("server", 1)
+        try:
+            writer.write(says)
+            while chunk := await reader.read(100):
+                received[name].append(chunk)
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        start(b, listen("b", b""))
+        await asyncio.sleep(0.1)
+        start(a, listen("a", b"a;"))
+        await asyncio.sleep(0.1)
+        for end in ends:
+            end.write(b"server;")
+        await asyncio.sleep(0.1)
+        network.down("a")  # the world's half of a crash: a's connection dies
+
+    run(main, 5, connect=network.create_connection)
+    # The bytes a sent, delivered to b while a's crash was under way, and the server's own after
+    # it, reach b; a's reader is fed too, but a's task never runs to read it.
+    assert received == {"a": [], "b": [b"a;", b"server;"]}
 
 
 def test_a_stop_that_makes_no_sense_is_refused_and_changes_nothing() -> None:
