@@ -96,6 +96,7 @@ the next, so that this happens between runs and never inside another seed's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import hashlib
@@ -220,6 +221,7 @@ class SimLoop(asyncio.AbstractEventLoop):
         self._batch = 0
         # The processes crashed or paused, by the `id` of their `Ambient`.
         self._stopped: dict[int, _Stopped] = {}
+        self._buried = False
         self._timers: list[_Waiting] = []
         self._timers_set = 0
         self._cancelled_waiting = 0
@@ -439,6 +441,24 @@ class SimLoop(asyncio.AbstractEventLoop):
                     _abandon(task)
         finally:
             self.close()
+
+    def bury(self) -> None:
+        """Close the coroutines of the tasks a finished run still holds (a crashed or paused
+        process's), suppressing whatever their `finally` blocks raise on a closed loop.
+
+        Python runs a suspended coroutine's `finally` blocks when it lets go of it: left to the
+        garbage collector, that would happen at a moment of its choosing, perhaps in the next
+        seed's run, with errors reported as unraisable. A run buries its dead once it has read
+        what it wanted from them (its checks), so that none of their code runs any later."""
+        if not self._closed:
+            raise RuntimeError("bury the tasks of a finished run: this SimLoop is not closed")
+        self._buried = True
+        tasks, self._tasks = list(self._tasks.values()), {}
+        for task, _ in tasks:
+            coro = task.get_coro()
+            if not task.done() and inspect.iscoroutine(coro):
+                with contextlib.suppress(BaseException):
+                    coro.close()
 
     def _run_once(self) -> None:
         self._drop_cancelled_timers()
@@ -730,8 +750,12 @@ class SimLoop(asyncio.AbstractEventLoop):
         )
 
     def call_exception_handler(self, context: ExceptionContext) -> None:
-        """Keep the context on `errors`, then hand it to the handler (by default: log it)."""
+        """Keep the context on `errors`, then hand it to the handler (by default: log it).
+        Once buried, a run's errors are the garbage collector's findings among its dead (a
+        future of a crashed process that failed and that nobody read): kept, not reported."""
         self.errors.append(context)
+        if self._buried:
+            return
         try:
             self._exception_handler(self, context)
         except (SystemExit, KeyboardInterrupt):
