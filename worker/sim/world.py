@@ -37,7 +37,7 @@ from kvhandoff.worker.config import TierConfig, WorkerConfig
 from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
 from kvhandoff.worker.sim import loop as simloop
-from kvhandoff.worker.sim import natspy
+from kvhandoff.worker.sim import natspy, plants
 from kvhandoff.worker.sim.nats.cluster import SimCluster
 from kvhandoff.worker.sim.process import SimProcess
 from kvhandoff.worker.tier.metrics import Metrics
@@ -181,6 +181,7 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         tempfile.TemporaryDirectory(prefix="kvhandoff-sim-") as workdir,
         natspy.pinned(),
         _quiet_logs(),
+        plants.planted(scenario.plant),
     ):
         finished = simloop.run(
             lambda: _run(scenario, cluster, Path(workdir)),
