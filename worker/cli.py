@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hold an engine to the wire contract, rule by rule",
     ),
     "schema": ("schema", "print the JSON Schema of the wire vocabulary"),
+    "sim": ("sim", "the deterministic simulation of the tier: run seeds, replay one"),
     "health": ("health", "exit 0 if the local worker answers its health endpoint"),
 }
 

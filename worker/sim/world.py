@@ -22,12 +22,13 @@ import asyncio
 import contextlib
 import logging
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from kvhandoff.client.connection import Connection
 from kvhandoff.worker import ambient
@@ -36,14 +37,18 @@ from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.config import TierConfig, WorkerConfig
 from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
+from kvhandoff.worker.sim import faults, natspy, plants
 from kvhandoff.worker.sim import loop as simloop
-from kvhandoff.worker.sim import natspy, plants
+from kvhandoff.worker.sim.checks import check_run
+from kvhandoff.worker.sim.faults import Fault, FaultPlan
+from kvhandoff.worker.sim.history import History
 from kvhandoff.worker.sim.nats.cluster import SimCluster
 from kvhandoff.worker.sim.process import SimProcess
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.service import Worker, tier_settings
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,83 +79,216 @@ class Outcome:
     violations: list[str]
     load: LoadReport | None
     trace: list[str] | None = None
-    notes: list[str] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)  # the plan's, one line each
 
     @property
     def ok(self) -> bool:
         return not self.violations
 
 
-class _Stage:
-    """The processes of one run, on the loop, and what they share."""
+class _Slot:
+    """One worker of the run, across its incarnations: a crash ends one, a restart begins the
+    next, under the same name (its host on the network), in a directory of its own."""
 
-    def __init__(self, scenario: Scenario, cluster: SimCluster, workdir: Path) -> None:
+    def __init__(self, name: str, skew_s: float) -> None:
+        self.name = name
+        self.skew_s = skew_s
+        self.incarnation = 0
+        self.directory: Path | None = None
+        self.process: SimProcess | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.stop = asyncio.Event()
+
+
+class _Run:
+    """The processes of one run on the loop, and the faults that befall them."""
+
+    def __init__(
+        self, scenario: Scenario, plan: FaultPlan, cluster: SimCluster, workdir: Path
+    ) -> None:
         self.scenario = scenario
+        self.plan = plan
         self.cluster = cluster
         self.workdir = workdir
         self.nats = NatsSettings(url=cluster.url)
-        self.stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         if not isinstance(loop, simloop.SimLoop):
             raise RuntimeError(f"a simulated run needs the simulation's loop, not {loop!r}")
-        self._loop = loop
+        self.loop = loop
         self._pids = iter(range(100, 1_000_000))
+        self.slots = {
+            name: _Slot(name, plan.skews_s.get(name, 0.0))
+            for name in [*worker_names(scenario), "joiner"]
+        }
+        self.paused: set[str] = set()
 
-    def process(self, name: str) -> SimProcess:
+    def process(self, name: str, skew_s: float = 0.0) -> SimProcess:
         """A new simulated process, with its own stream of the seed."""
-        chance = random.Random(self._loop.chance.getrandbits(64))
-        return SimProcess(name, chance, pid=next(self._pids))
+        chance = random.Random(self.loop.chance.getrandbits(64))
+        return SimProcess(name, chance, pid=next(self._pids), skew_s=skew_s)
 
-    def spawn(self, process: SimProcess, work: Callable[[], Awaitable[Any]]) -> asyncio.Task[Any]:
+    def spawn(self, process: SimProcess, work: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
         """Run `work` as `process`: its tasks read the process's ambient."""
 
-        async def body() -> Any:
+        async def body() -> T:
             return await work()
 
         with ambient.using(process):
             return asyncio.create_task(body())
 
-    def worker_config(self, directory: Path) -> WorkerConfig:
-        directory.mkdir(parents=True, exist_ok=True)
-        return WorkerConfig(
+    # Workers.
+
+    def start_worker(self, slot: _Slot, *, keep_files: bool = True) -> None:
+        """Start the slot's next incarnation, in a new directory holding its last one's files
+        if `keep_files` (the disk survived), or none (a new disk)."""
+        slot.incarnation += 1
+        directory = self.workdir / f"{slot.name}.{slot.incarnation}"
+        directory.mkdir(parents=True)
+        if keep_files and slot.directory is not None:
+            # The crashed incarnation's flock on its files is never released (its descriptors
+            # stay open in this process), so the next one gets a copy, as a restarted process
+            # finds the disk its predecessor left.
+            for path in sorted(slot.directory.iterdir()):
+                if path.suffix != ".lock":
+                    shutil.copy2(path, directory / path.name)
+        slot.directory = directory
+        slot.stop = asyncio.Event()
+        slot.process = self.process(slot.name, slot.skew_s)
+        slot.task = self.spawn(slot.process, lambda: self._serve(slot.name, directory, slot.stop))
+
+    async def _serve(self, name: str, directory: Path, stop: asyncio.Event) -> None:
+        config = WorkerConfig(
             nats=self.nats,
             db_path=directory / "worker.db",
             data_dir=directory,
             tier=TierConfig(partitions=self.scenario.partitions),
             metrics_port=0,
-            # Snapshots often, so that runs of a minute take and read them.
+            # Snapshots often, so that runs of a minute take them and read them back.
             snapshot_every=64,
             snapshot_interval_s=10.0,
             synchronous="NORMAL",
         )
-
-    async def run_worker(self, name: str, directory: Path) -> None:
-        config = self.worker_config(directory)
         bus = await Bus.connect(self.nats, name)
         try:
             worker = Worker(config, tier_settings(config), bus, Metrics(), label=name)
-            await worker.run(self.stop)
+            await worker.run(stop)
         finally:
             await bus.close()
 
+    def crash(self, slot: _Slot) -> None:
+        """SIGKILL: none of its code runs again, and its connections reset."""
+        if slot.process is None or slot.task is None:
+            return
+        self.loop.crash(slot.process)
+        self.cluster.network.down(slot.name)
+        self.paused.discard(slot.name)
+        slot.process, slot.task = None, None
 
-async def _run(scenario: Scenario, cluster: SimCluster, workdir: Path) -> LoadReport:
-    stage = _Stage(scenario, cluster, workdir)
-    workers = [
-        stage.spawn(
-            stage.process(f"worker-{n}"),
-            lambda n=n: stage.run_worker(f"worker-{n}", workdir / f"worker-{n}"),  # type: ignore[misc]
-        )
-        for n in range(scenario.workers)
-    ]
-    engines_process = stage.process("engines")
+    def restart(self, slot: _Slot, keep_files: bool) -> None:
+        if slot.process is None:
+            self.cluster.network.up(slot.name)
+            self.start_worker(slot, keep_files=keep_files)
+
+    def pause(self, slot: _Slot) -> None:
+        if slot.process is not None and slot.name not in self.paused:
+            self.loop.pause(slot.process)
+            self.paused.add(slot.name)
+
+    def resume(self, slot: _Slot) -> None:
+        if slot.process is not None and slot.name in self.paused:
+            self.paused.discard(slot.name)
+            self.loop.resume(slot.process)
+
+    async def stop_worker(self, slot: _Slot) -> None:
+        """A clean stop (SIGTERM): it hands its partitions over."""
+        self.resume(slot)
+        if slot.task is not None:
+            slot.stop.set()
+            await slot.task
+            slot.process, slot.task = None, None
+
+    # Faults.
+
+    async def direct(self) -> None:
+        """Make each fault of the plan happen at its time, then heal every one of them."""
+        jetstream = self.cluster.jetstream
+        jetstream.faults.lost_ack_rate = self.plan.lost_acks
+        self.cluster.consumers.faults.late_acks_accepted = self.plan.late_acks
+        self.cluster.consumers.faults.pin_overlap_s = self.plan.pin_overlap_s
+        ends: list[asyncio.Task[None]] = []
+        for fault in self.plan.faults:
+            await asyncio.sleep(max(0.0, fault.at_s - self.loop.time()))
+            self.loop.note(f"fault {fault}")
+            ends.append(asyncio.create_task(self._befall(fault)))
+        await asyncio.sleep(max(0.0, self.scenario.duration_s - self.loop.time()))
+        self.loop.note("quiet: every fault heals")
+        jetstream.faults.lost_ack_rate = 0.0
+        jetstream.faults.unavailable_until = 0.0
+        self.cluster.consumers.faults.late_acks_accepted = False
+        self.cluster.consumers.faults.pin_overlap_s = 0.0
+        self.cluster.network.set_delay(*_DELAY_S)
+        for host in self.cluster.hosts:
+            self.cluster.node_up(host)
+        for task in ends:
+            task.cancel()
+        await asyncio.gather(*ends, return_exceptions=True)
+        for slot in self.slots.values():
+            if slot.name in self.paused:
+                self.resume(slot)
+            elif slot.name != "joiner" and slot.process is None:
+                self.restart(slot, keep_files=True)
+
+    async def _befall(self, fault: Fault) -> None:
+        """One fault, from its start to its end (or the quiet phase, which cancels it)."""
+        slot = self.slots.get(fault.target)
+        match fault.kind:
+            case "crash" if slot is not None:
+                self.crash(slot)
+                await asyncio.sleep(fault.for_s)
+                self.restart(slot, fault.keep_files)
+            case "pause" if slot is not None:
+                self.pause(slot)
+                await asyncio.sleep(fault.for_s)
+                self.resume(slot)
+            case "node":
+                self.cluster.node_down(fault.target)
+                await asyncio.sleep(fault.for_s)
+                self.cluster.node_up(fault.target)
+            case "election":
+                until = self.loop.time() + fault.for_s
+                self.cluster.jetstream.faults.unavailable_until = until
+            case "delay":
+                self.cluster.network.set_delay(0.005, 0.05)
+                await asyncio.sleep(fault.for_s)
+                self.cluster.network.set_delay(*_DELAY_S)
+            case "churn" if slot is not None:
+                self.start_worker(slot)
+                await asyncio.sleep(fault.for_s)
+                await self.stop_worker(slot)
+
+
+_DELAY_S = (0.0005, 0.002)  # the network's delays when nothing is wrong with it
+
+
+def worker_names(scenario: Scenario) -> list[str]:
+    return [f"worker-{n}" for n in range(scenario.workers)]
+
+
+async def _run(
+    scenario: Scenario, plan: FaultPlan, cluster: SimCluster, workdir: Path
+) -> LoadReport:
+    run = _Run(scenario, plan, cluster, workdir)
+    for name in worker_names(scenario):
+        run.start_worker(run.slots[name])
+    engines_process = run.process("engines")
     with ambient.using(engines_process):
-        connection = await Connection.open(stage.nats, "engines")
+        connection = await Connection.open(run.nats, "engines")
         engines = MockEngines(connection, EnginesConfig())
         await engines.start()
+    director = asyncio.create_task(run.direct())
     handoffs = max(1, round(scenario.rate_per_s * scenario.duration_s))
     load = LoadConfig(
-        nats=stage.nats,
+        nats=run.nats,
         handoffs=handoffs,
         rate_per_s=scenario.rate_per_s,
         cancel_share=scenario.cancel_share,
@@ -160,9 +298,10 @@ async def _run(scenario: Scenario, cluster: SimCluster, workdir: Path) -> LoadRe
         engines_wait_s=10.0,
         seed=scenario.seed,
     )
-    report: LoadReport = await stage.spawn(stage.process("frontend"), lambda: run_load(load))
-    stage.stop.set()
-    await asyncio.gather(*workers)
+    report = await run.spawn(run.process("frontend"), lambda: run_load(load))
+    await director
+    for slot in run.slots.values():
+        await run.stop_worker(slot)
     with ambient.using(engines_process):
         await engines.stop()
         await connection.close()
@@ -177,6 +316,16 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         random.Random(chance.getrandbits(64)),
         origin=lambda: getattr(ambient.current(), "name", "client"),
     )
+    plan = FaultPlan()
+    if scenario.faults:
+        plan = faults.draw(
+            random.Random(chance.getrandbits(64)),
+            workers=worker_names(scenario),
+            nodes=cluster.hosts,
+            duration_s=scenario.duration_s,
+        )
+    history = History()
+    cluster.record(history)
     with (
         tempfile.TemporaryDirectory(prefix="kvhandoff-sim-") as workdir,
         natspy.pinned(),
@@ -184,11 +333,13 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         plants.planted(scenario.plant),
     ):
         finished = simloop.run(
-            lambda: _run(scenario, cluster, Path(workdir)),
+            lambda: _run(scenario, plan, cluster, Path(workdir)),
             chance.getrandbits(64),
             keep_trace=keep_trace,
             connect=cluster.network.create_connection,
         )
+        # While the workers' files are still there.
+        checked = check_run(history, Path(workdir), load=finished.result)
     loop = finished.loop
     report = finished.result
     violations = [f"unhandled error in the loop: {e.get('message')}" for e in loop.errors]
@@ -199,6 +350,7 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         )
     if report.leaks:
         violations.append(f"the engines leaked {report.leaks} blocks: {report.leak_details}")
+    violations += checked
     return Outcome(
         seed=scenario.seed,
         trace_hash=loop.trace_hash(),
@@ -208,6 +360,7 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         violations=violations,
         load=report,
         trace=loop.trace_lines() if keep_trace else None,
+        faults=plan.describe(),
     )
 
 

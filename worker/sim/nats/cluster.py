@@ -16,6 +16,8 @@ import random
 from collections.abc import Callable
 
 from kvhandoff.worker import ambient
+from kvhandoff.worker.sim.history import History
+from kvhandoff.worker.sim.nats.jetstream.consumers import Consumers
 from kvhandoff.worker.sim.nats.jetstream.model import JetStream
 from kvhandoff.worker.sim.nats.server import NatsServer
 from kvhandoff.worker.sim.network import Network
@@ -49,6 +51,20 @@ class SimCluster:
         self.hosts = [f"n{number}" for number in range(1, nodes + 1)]
         for host in self.hosts:
             self.server.listen(self.network, host, PORT)
+
+    def record(self, history: History) -> None:
+        """Record into `history` every message stored, ack settled and client publish."""
+        self.server.history = history
+        self.jetstream.history = history
+        self.consumers.history = history
+
+    @property
+    def consumers(self) -> Consumers:
+        """The model's consumers, whose faults a run turns on."""
+        consumers = self.jetstream.consumers
+        if not isinstance(consumers, Consumers):  # only the streams' unit tests stub them
+            raise TypeError(f"the cluster's consumers are not the model's: {consumers!r}")
+        return consumers
 
     @property
     def url(self) -> str:

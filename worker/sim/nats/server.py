@@ -47,9 +47,13 @@ import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvhandoff.worker.sim.nats.hub import Extension
 from kvhandoff.worker.sim.network import Network
+
+if TYPE_CHECKING:
+    from kvhandoff.worker.sim.history import History
 
 VERSION = "2.12.0"
 MAX_CONTROL_LINE = 4096
@@ -72,6 +76,7 @@ class NatsServer:
         # caches them: most messages go to subjects seen before, and wildcard subscriptions
         # change rarely (each client's reply inbox, each pull's). Dropped when they change.
         self._wild_cache: dict[str, list[_Subscription]] = {}
+        self.history: History | None = None  # records every client's publish (worker.sim.history)
 
     def listen(self, network: Network, host: str, port: int, *, name: str = "") -> None:
         """Serve clients on (host, port) of `network`; the node is called `name` (its host,
@@ -141,6 +146,8 @@ class NatsServer:
         self, client: _Client, subject: str, reply: str, header: bytes | None, payload: bytes
     ) -> None:
         """Route a client's publish, let JetStream see it, and answer a request nobody took."""
+        if self.history is not None:
+            self.history.on_published(subject, reply, header, payload)
         delivered = self._route(subject, reply, header, payload, publisher=client)
         taken = False
         if self._extension is not None:

@@ -98,6 +98,8 @@ from kvhandoff.worker.sim.nats.jetstream.api import Stored, StreamView, answer, 
 if TYPE_CHECKING:
     from random import Random
 
+    from kvhandoff.worker.sim.history import History
+
 _API = "$JS.API.CONSUMER."
 _ACK = "$JS.ACK."
 _FC = "$JS.FC."
@@ -1002,8 +1004,9 @@ class _Consumer:
             self.redelivered.pop(seq, None)
             if seq in self.rdq:
                 self.rdq.remove(seq)
-            if self.stream.config.get("retention") == "workqueue":
-                self.stream.remove(seq)
+            removed = self.stream.config.get("retention") == "workqueue" and self.stream.remove(seq)
+            if self._owner.history is not None:
+                self._owner.history.on_acked(self.stream.name, self.name, seq, removed=removed)
         self._arm_ack_timer()
         return True
 
@@ -1133,6 +1136,7 @@ class Consumers:
         self._streams = streams
         self._by_stream: dict[str, dict[str, _Consumer]] = {}
         self.faults = Faults()
+        self.history: History | None = None  # records every ack settled (worker.sim.history)
         # The server's wall clock, not that of whichever client's publish is being served.
         self.ambient = ambient.current()
 

@@ -42,7 +42,7 @@ import json
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvhandoff.worker.sim.nats.hub import Hub
 from kvhandoff.worker.sim.nats.jetstream.api import Stored, StreamView, answer, refuse
@@ -59,6 +59,9 @@ from kvhandoff.worker.sim.nats.jetstream.streams import (
     rfc3339,
     subjects_collide,
 )
+
+if TYPE_CHECKING:
+    from kvhandoff.worker.sim.history import History
 
 _NS = 1_000_000_000
 _API = "$JS.API."
@@ -170,6 +173,7 @@ class JetStream:
         self._api_errors = 0
         self.faults = Faults()
         self.consumers = consumers(hub, chance, self._streams)
+        self.history: History | None = None  # records every message stored (worker.sim.history)
 
     @property
     def streams(self) -> Mapping[str, Stream]:
@@ -203,6 +207,8 @@ class JetStream:
         return next((s for s in self._streams.values() if s.captures(subject)), None)
 
     def _stored(self, stream: Stream, stored: Stored) -> None:
+        if self.history is not None:
+            self.history.on_stored(stream.name, stored)
         self.consumers.on_stored(stream, stored)
 
     # Publishing

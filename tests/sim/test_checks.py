@@ -1,0 +1,390 @@
+"""The checkers of a simulated run (worker.sim.checks): each catches the breach it is for.
+
+Most breaches are made by hand, as a few stored entries of one partition's log; the rest by
+mutating what one real short run recorded (its history and a copy of its workers' files),
+which must itself pass every check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sqlite3
+from pathlib import Path
+from uuid import UUID
+
+import msgspec
+import pytest
+
+from kvhandoff.events.codec import encode
+from kvhandoff.events.messages import EngineType, StartHandoff, TimedOut
+from kvhandoff.events.records import InputRecord
+from kvhandoff.worker.log.rows import Batch, HandoffRow
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.sim import checks, world
+from kvhandoff.worker.sim.history import AckedMessage, History, Published, StoredMessage
+from kvhandoff.worker.tier.entries import (
+    MARK_KEY,
+    Appended,
+    Claimed,
+    HandedOver,
+    LoggedRows,
+    decode_entry,
+    decode_rows,
+    encode_entry,
+)
+
+NAMES = checks.Names()
+LOG = NAMES.log_stream
+CAS = "Nats-Expected-Last-Subject-Sequence"
+HANDOFF = UUID(int=7, version=4)
+
+
+# --- Histories by hand -----------------------------------------------------------------------
+
+
+class _Builder:
+    """A history written by hand: each record takes the next index."""
+
+    def __init__(self) -> None:
+        self.history = History()
+        self._index = 0
+        self._seq: dict[str, int] = {}
+
+    def _next(self) -> int:
+        self._index += 1
+        return self._index
+
+    def store(
+        self, stream: str, subject: str, payload: bytes, headers: dict[str, str] | None
+    ) -> StoredMessage:
+        seq = self._seq[stream] = self._seq.get(stream, 0) + 1
+        index = self._next()
+        stored = StoredMessage(index, index / 10, stream, subject, seq, headers, payload)
+        self.history.stored.append(stored)
+        return stored
+
+    def entry(self, partition: int, entry: object, *, cas: int | None) -> StoredMessage:
+        headers = None if cas is None else {CAS: str(cas)}
+        payload = encode_entry(entry)  # type: ignore[arg-type]
+        return self.store(LOG, f"kvhandoff.log.{partition}", payload, headers)
+
+    def input(self, partition: int, payload: bytes = b"{}") -> StoredMessage:
+        return self.store(NAMES.input_stream, f"kvhandoff.inp.{partition}.{HANDOFF}", payload, None)
+
+    def ack(self, seq: int) -> None:
+        index = self._next()
+        self.history.acked.append(
+            AckedMessage(index, index / 10, NAMES.input_stream, "kvhandoff-worker-p0", seq, True)
+        )
+
+    def publish(self, subject: str, payload: bytes, *, wall_ms: int) -> None:
+        index = self._next()
+        self.history.published.append(
+            Published(index, index / 10, subject, "", None, payload, "worker-0", wall_ms)
+        )
+
+
+def _claimed(epoch: int) -> Claimed:
+    return Claimed(epoch=epoch, owner=f"worker-{epoch}/i", at_ms=0)
+
+
+def _rows(inputs: list[int], batch: Batch | None = None) -> bytes:
+    return encode_entry(LoggedRows.of(inputs, batch or Batch(), [], []))
+
+
+def _appended(epoch: int, inputs: list[int], batch: Batch | None = None) -> Appended:
+    return Appended(epoch=epoch, inputs=inputs, records=_rows(inputs, batch))
+
+
+def _violations(built: _Builder) -> list[str]:
+    return checks.check_run(built.history, None)
+
+
+def test_a_log_whose_appends_form_one_chain_passes() -> None:
+    built = _Builder()
+    seq = built.input(0).seq
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, _appended(1, [seq]), cas=1)
+    built.ack(seq)
+    built.entry(0, HandedOver(epoch=1, owner="worker-1/i", at_ms=0), cas=2)
+    built.entry(0, _claimed(2), cas=3)
+    assert _violations(built) == []
+
+
+def test_an_append_without_compare_and_set_breaks_the_chain() -> None:
+    built = _Builder()
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, _appended(1, []), cas=None)
+    assert _violations(built) == [
+        "partition 0: Appended at seq 2 of kvhandoff.log.0 was stored without compare-and-set:"
+        " it names no previous entry (the subject's last was seq 1)"
+    ]
+
+
+def test_an_append_naming_another_previous_entry_is_a_fork() -> None:
+    built = _Builder()
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(1, _claimed(1), cas=0)  # another subject: its own chain, and seq 2 of the stream
+    built.entry(0, _appended(1, []), cas=2)
+    assert _violations(built) == [
+        "partition 0: Appended at seq 3 of kvhandoff.log.0 names seq 2 as its previous entry,"
+        " but the subject's last was seq 1: a fork"
+    ]
+
+
+def test_a_claim_whose_epoch_goes_back_is_caught() -> None:
+    built = _Builder()
+    built.entry(0, _claimed(2), cas=0)
+    built.entry(0, _claimed(2), cas=1)
+    assert _violations(built) == [
+        "partition 0: Claimed at seq 2 of kvhandoff.log.0 claims epoch 2, not above epoch 2"
+        " claimed before: the generation went back"
+    ]
+
+
+def test_a_fenced_owners_append_that_succeeded_is_caught() -> None:
+    built = _Builder()
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, _claimed(2), cas=1)
+    built.entry(0, _appended(1, []), cas=2)
+    built.entry(0, _appended(3, []), cas=3)
+    assert _violations(built) == [
+        "partition 0: Appended at seq 3 of kvhandoff.log.0 is epoch 1's, stored after epoch 2"
+        " claimed the partition: a fenced owner's append succeeded",
+        "partition 0: Appended at seq 4 of kvhandoff.log.0 is of epoch 3, which nobody claimed",
+    ]
+
+
+def test_an_input_applied_twice_or_in_another_partition_is_caught() -> None:
+    built = _Builder()
+    seq = built.input(1).seq  # stream seq 1, in partition 1
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, _appended(1, [seq]), cas=1)
+    built.entry(1, _claimed(1), cas=0)
+    built.entry(1, _appended(1, [seq, 9]), cas=3)
+    assert _violations(built) == [
+        "partition 0: Appended at seq 2 of kvhandoff.log.0 applies input 1 of"
+        f" kvhandoff.inp.1.{HANDOFF}, another partition's",
+        "input 1 is applied twice: by partition 0: Appended at seq 2 of kvhandoff.log.0 and by"
+        " partition 1: Appended at seq 4 of kvhandoff.log.1",
+        "partition 1: Appended at seq 4 of kvhandoff.log.1 applies input 9, which was never stored",
+    ]
+
+
+def test_an_ack_before_the_append_or_without_one_is_caught() -> None:
+    built = _Builder()
+    first, second = built.input(0).seq, built.input(0).seq
+    built.entry(0, _claimed(1), cas=0)
+    built.ack(first)  # index 4, at 0.4s: before the append that applies it
+    built.entry(0, _appended(1, [first]), cas=1)
+    built.ack(second)  # at 0.6s: appended by nobody
+    assert _violations(built) == [
+        "input 1 was acknowledged (by kvhandoff-worker-p0 at 0.400s) before the log entry that"
+        " applied it was stored",
+        "input 2 was acknowledged (by kvhandoff-worker-p0 at 0.600s) but no log entry applied it",
+    ]
+
+
+def _timed_out_rows(seqs: list[int]) -> Batch:
+    batch = Batch()
+    for seq in seqs:
+        batch.append_input(seq, InputRecord(0, TimedOut(handoff_id=HANDOFF)))
+    return batch
+
+
+def _timers(built: _Builder) -> list[str]:
+    return checks.check_timers(
+        built.history, checks.ReplicatedLog.read(built.history, NAMES), NAMES
+    )
+
+
+def test_a_timer_logged_twice_is_caught() -> None:
+    built = _Builder()
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, _appended(1, [], _timed_out_rows([1, 2])), cas=1)
+    found = checks.check_timers(
+        built.history, checks.ReplicatedLog.read(built.history, NAMES), NAMES
+    )
+    assert found == [f"handoff {HANDOFF}: TimedOut is logged 2 times, at seqs [1, 2]"]
+
+
+def test_a_timer_published_before_its_deadline_is_caught() -> None:
+    built = _Builder()
+    batch = Batch()
+    start = StartHandoff(
+        handoff_id=HANDOFF,
+        engine_type=EngineType.VLLM,
+        source="a",
+        destination="b",
+        deadline_ms=1000,
+    )
+    batch.append_input(0, InputRecord(5000, start))
+    batch.upsert_handoff(
+        HandoffRow(HANDOFF, "vllm", "a", "b", 5000, 6000, HandoffState.OPEN, None, 0, 5000)
+    )
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, _appended(1, [], batch), cas=1)
+    timed_out = encode(TimedOut(handoff_id=HANDOFF))
+    built.publish(f"kvhandoff.in.{HANDOFF}", timed_out, wall_ms=5999)  # 1 ms early
+    built.publish(f"kvhandoff.in.{HANDOFF}", timed_out, wall_ms=6000)  # due
+    found = checks.check_timers(
+        built.history, checks.ReplicatedLog.read(built.history, NAMES), NAMES
+    )
+    assert found == [
+        f"handoff {HANDOFF}: worker-0 published TimedOut at 0.300s, 1 ms before its deadline by"
+        " its own clock"
+    ]
+
+
+# --- A real run, and its mutations -----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Run:
+    outcome: world.Outcome
+    history: History
+    files: Path  # a copy of the run's work directory, taken when the checks ran
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> _Run:
+    """One short run, its history and its files, taken where `simulate` checks them."""
+    kept: dict[str, object] = {}
+    files = tmp_path_factory.mktemp("run") / "work"
+
+    def spy(history: History, workdir: Path, **options: object) -> list[str]:
+        kept["history"] = history
+        shutil.copytree(workdir, files)
+        return checks.check_run(history, workdir, **options)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(world, "check_run", spy)
+        outcome = world.simulate(world.Scenario(1, duration_s=10, rate_per_s=2))
+    history = kept["history"]
+    assert isinstance(history, History)
+    return _Run(outcome, history, files)
+
+
+def test_a_real_run_breaks_no_invariant(run: _Run) -> None:
+    assert run.outcome.violations == []
+    log = checks.ReplicatedLog.read(run.history, NAMES)
+    # What it checked: every kind of entry, every handoff, every partition's file.
+    kinds = {type(logged.entry).__name__ for logged in log.entries}
+    assert kinds == {"Claimed", "Appended", "HandedOver", "Snapshot"}
+    assert run.outcome.load is not None and len(log.events) == run.outcome.load.handoffs
+    assert len(list(run.files.rglob("partition-*.db"))) == world.Scenario(1).partitions
+    assert checks.check_run(run.history, run.files, load=run.outcome.load) == []
+
+
+def _actions(history: History) -> list[Published]:
+    return [p for p in history.published if ".engine." in p.subject and p.payload]
+
+
+def _kind(tag: str) -> str:
+    """An action's type name from its tag: `start_transfer` is StartTransfer."""
+    return "".join(word.capitalize() for word in tag.split("_"))
+
+
+def test_an_action_published_before_its_append_or_never_logged_is_caught(run: _Run) -> None:
+    first = _actions(run.history)[0]
+    early = dataclasses.replace(first, index=-1)
+    forged = msgspec.json.decode(first.payload) | {"action_id": 99}
+    unlogged = dataclasses.replace(first, payload=msgspec.json.encode(forged))
+    history = dataclasses.replace(run.history, published=[early, unlogged])
+    log = checks.ReplicatedLog.read(history, NAMES)
+    found = checks.check_actions(history, log, NAMES)
+    action = msgspec.json.decode(first.payload)
+    what = f"handoff {action['handoff_id']}: action {{}} ({_kind(action['type'])}) published by"
+    by = f" {first.publisher} at {first.at:.3f}s"
+    assert len(found) == 2
+    assert found[0].startswith(what.format(action["action_id"]) + by + " before partition ")
+    assert found[0].endswith(" logged it")
+    assert found[1] == what.format(99) + by + " is in no appended entry"
+
+
+def test_an_action_sent_to_another_engine_is_caught(run: _Run) -> None:
+    first = _actions(run.history)[0]
+    moved = dataclasses.replace(first, subject="kvhandoff.engine.elsewhere.actions")
+    history = dataclasses.replace(run.history, published=[moved])
+    found = checks.check_actions(history, checks.ReplicatedLog.read(history, NAMES), NAMES)
+    assert len(found) == 1
+    assert found[0].endswith(f"went to kvhandoff.engine.elsewhere.actions, not to {first.subject}")
+
+
+def _copy(run: _Run, tmp_path: Path) -> Path:
+    files = tmp_path / "work"
+    shutil.copytree(run.files, files)
+    return files
+
+
+def test_a_file_whose_mark_the_log_lacks_is_caught(run: _Run, tmp_path: Path) -> None:
+    files = _copy(run, tmp_path)
+    path = sorted(files.rglob("partition-*.db"))[0]
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE meta SET value = '999999' WHERE key = ?", (MARK_KEY,))
+    found = checks.check_files(files, checks.ReplicatedLog.read(run.history, NAMES))
+    partition = path.stem.removeprefix("partition-")
+    assert found == [
+        f"{path.relative_to(files)}: its mark, input 999999, begins no entry of partition"
+        f" {partition}'s log"
+    ]
+
+
+def test_a_file_that_is_no_prefix_of_the_log_is_caught(run: _Run, tmp_path: Path) -> None:
+    files = _copy(run, tmp_path)
+    path = sorted(files.rglob("partition-*.db"))[0]
+    with sqlite3.connect(path) as db:
+        handoff_key, seq, at_ms = db.execute(
+            "SELECT handoff_key, seq, at_ms FROM events ORDER BY handoff_key, seq LIMIT 1"
+        ).fetchone()
+        db.execute(
+            "UPDATE events SET at_ms = ? WHERE handoff_key = ? AND seq = ?",
+            (at_ms + 1, handoff_key, seq),
+        )
+        (handoff,) = db.execute(
+            "SELECT handoff_id FROM handoffs WHERE handoff_key = ?", (handoff_key,)
+        ).fetchone()
+    found = checks.check_files(files, checks.ReplicatedLog.read(run.history, NAMES))
+    assert len(found) == 1
+    assert found[0].startswith(
+        f"{path.relative_to(files)}: handoff {handoff}: event {seq} differs from the one partition "
+    )
+
+
+def test_a_last_row_the_core_disagrees_with_is_caught(run: _Run) -> None:
+    """The log's last row of a handoff that succeeded, rewritten to say it was canceled."""
+    history = dataclasses.replace(run.history, stored=list(run.history.stored))
+    for position in range(len(history.stored) - 1, -1, -1):
+        stored = history.stored[position]
+        if stored.stream != LOG:
+            continue
+        entry = decode_entry(stored.payload, "test")
+        if not isinstance(entry, Appended):
+            continue
+        rows = decode_rows(entry.records, "test")
+        done = [row for row in rows.handoffs if row.state is HandoffState.SUCCEEDED]
+        if done:
+            break
+    else:
+        pytest.fail("no handoff succeeded in the run")
+    handoff = done[0].handoff_id
+    canceled = [
+        msgspec.structs.replace(row, state=HandoffState.CANCELED)
+        if row.handoff_id == handoff
+        else row
+        for row in rows.handoffs
+    ]
+    records = encode_entry(msgspec.structs.replace(rows, handoffs=canceled))
+    payload = encode_entry(msgspec.structs.replace(entry, records=records))
+    history.stored[position] = dataclasses.replace(stored, payload=payload)
+    found = checks.check_final_states(checks.ReplicatedLog.read(history, NAMES), run.outcome.load)
+    events = len(checks.ReplicatedLog.read(history, NAMES).events[handoff])
+    assert run.outcome.load is not None
+    seen = run.outcome.load.final
+    assert found == [
+        f"handoff {handoff}: its last row says canceled, the core says succeeded after its"
+        f" {events} logged events",
+        f"the frontend saw {seen.succeeded} handoffs succeed and {seen.canceled} canceled; the"
+        f" log ends {seen.succeeded - 1} succeeded and {seen.canceled + 1} canceled",
+    ]

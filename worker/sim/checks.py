@@ -1,0 +1,498 @@
+"""The checkers of a simulated run: the tier's invariants, judged from the recorded history.
+
+Theory of operation. A run records what the model of NATS saw (worker.sim.history): every
+message stored, every ack settled, every publish. `check_run` decodes the partitions' logs from
+it once (`ReplicatedLog`: every entry ever stored on a `<prefix>.log.<p>` subject, in stored
+order, those a later snapshot rolled up included, a snapshot's parts joined) and runs each
+check over it, and over the workers' partition files. Each check returns violations, one line
+each, naming the partition, the handoff, the input or the sequence, and what broke:
+
+- `check_chain`: each partition's appends form one chain: every entry names, by compare-and-set
+  (`Nats-Expected-Last-Subject-Sequence`), the entry stored before it on its subject (a
+  snapshot's parts after the first follow their first); a `Claimed` epoch is above every epoch
+  claimed before it on that subject (generations never go back); an `Appended`, `HandedOver` or
+  `Snapshot` of an epoch that a later claim already superseded is a fenced owner's append that
+  succeeded, and one of an epoch nobody claimed is no owner's;
+- `check_inputs_once`: no input stream sequence is in two `Appended` entries (within a
+  partition or across), and each is on its partition's input subject;
+- `check_acks`: every ack the input stream's consumers settled names an input an `Appended`
+  (or a snapshot's `applied`) stored before it (so an acknowledged input was applied, once,
+  by the check above);
+- `check_actions`: every action published to an engine or a frontend (decoded with the events
+  codec) is one that an `Appended` entry's rows logged, field for field, before the publish,
+  and went to the subject its handoff's row names;
+- `check_files`: every partition file passes the offline `verify` (`verify_log`), its mark
+  (`MARK_KEY`) is the first input of an entry of its partition's log, and every event it holds
+  is, byte for byte, the one the log's rows hold under that handoff and sequence;
+- `check_timers`: a handoff's log holds at most one `TimedOut`, and no worker published one
+  before the handoff's deadline by its own clock (the clock its timers read);
+- `check_final_states`: replaying each handoff's logged inputs through the conformance core
+  (`HandoffCoordinator`, by `events.replay`) re-derives its logged actions, and ends in the
+  state its last row says; none is left open; and the frontend's count of handoffs by final
+  state is the log's.
+
+The log's rows are what the tier says it did; the checks hold the history against them, and
+them against the core. Determinism: the checks iterate lists and dicts in insertion order only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from uuid import UUID
+
+import msgspec
+
+from kvhandoff.events.codec import decode_action, decode_input, decode_record, join_record
+from kvhandoff.events.errors import LogCorrupt, ReplayDivergence
+from kvhandoff.events.messages import Action, HandoffCompletion, TimedOut
+from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
+from kvhandoff.events.replay import find_divergence, rebuild
+from kvhandoff.events.subjects import (
+    DEFAULT_STREAM,
+    Subjects,
+    log_stream_of,
+    partition_prefix,
+)
+from kvhandoff.worker.commands.verify import verify_log
+from kvhandoff.worker.config import TierConfig
+from kvhandoff.worker.errors import NewerLogVersion, StoreError
+from kvhandoff.worker.loadgen.generator import LoadReport
+from kvhandoff.worker.log.reader import SqliteLog
+from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.sim.history import History, StoredMessage
+from kvhandoff.worker.tier.entries import (
+    MARK_KEY,
+    Appended,
+    Claimed,
+    Entry,
+    HandedOver,
+    LoggedRows,
+    Snapshot,
+    SnapshotPart,
+    decode_entry,
+    decode_rows,
+    decode_snapshot,
+    decode_state,
+)
+
+_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+
+
+@dataclass(frozen=True)
+class Names:
+    """Where the tier keeps what the checks read: its subject prefix and its streams."""
+
+    prefix: str = Subjects().prefix
+    input_stream: str = DEFAULT_STREAM
+    log_stream: str = log_stream_of(DEFAULT_STREAM)
+
+    @classmethod
+    def of(cls, tier: TierConfig, prefix: str) -> Names:
+        return cls(prefix, tier.stream, tier.log_stream)
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One entry of a partition's log, as stored (a snapshot's: its last part)."""
+
+    partition: int
+    stored: StoredMessage
+    entry: Entry
+    rows: LoggedRows | None = None  # an `Appended`'s, decoded
+    first: StoredMessage | None = None  # a snapshot of many parts: its first part
+
+    def where(self) -> str:
+        kind, stored = type(self.entry).__name__, self.stored
+        return f"partition {self.partition}: {kind} at seq {stored.seq} of {stored.subject}"
+
+
+@dataclass(frozen=True)
+class LoggedEvent:
+    """One event of a handoff's log, as an `Appended` entry's rows hold it."""
+
+    seq: int
+    record: LogRecord
+    encoded: bytes  # the record's self-contained form (`events.codec.encode_record`)
+    entry: LogEntry
+
+
+@dataclass
+class ReplicatedLog:
+    """Every partition's log, decoded from the history (module docstring)."""
+
+    entries: list[LogEntry] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # what did not decode
+    # By handoff: its events by sequence (the first entry to log each), its rows in log order.
+    events: dict[UUID, dict[int, LoggedEvent]] = field(default_factory=dict)
+    rows: dict[UUID, list[HandoffRow]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, history: History, names: Names) -> ReplicatedLog:
+        log = cls()
+        head = f"{names.prefix}.log."
+        parts: dict[str, list[tuple[StoredMessage, bytes]]] = {}
+        for stored in history.stored:
+            if stored.stream != names.log_stream or not stored.subject.startswith(head):
+                continue
+            partition = _int(stored.subject.removeprefix(head))
+            where = f"partition {partition}: seq {stored.seq} of {stored.subject}"
+            first = None
+            try:
+                entry = decode_entry(stored.payload, where)
+                if isinstance(entry, SnapshotPart):
+                    held = parts.setdefault(stored.subject, [])
+                    held.append((stored, entry.data))
+                    if entry.index + 1 < entry.count:
+                        continue
+                    del parts[stored.subject]
+                    first = held[0][0]
+                    entry = decode_snapshot(b"".join(data for _, data in held), where)
+                rows = None
+                if isinstance(entry, Appended):
+                    rows = decode_rows(entry.records, where)
+            except (msgspec.DecodeError, NewerLogVersion) as exc:
+                log.problems.append(f"{where} is not a log entry this build reads: {exc}")
+                continue
+            logged = LogEntry(partition, stored, entry, rows, first)
+            log.entries.append(logged)
+            if rows is not None:
+                log._take_rows(logged, rows)
+        return log
+
+    def _take_rows(self, entry: LogEntry, rows: LoggedRows) -> None:
+        for row in rows.handoffs:
+            self.rows.setdefault(row.handoff_id, []).append(row)
+        for key, seq, code, at_ms, fields in rows.events:
+            handoff_id = UUID(key)
+            encoded = join_record(handoff_id.bytes, code, at_ms, fields)
+            try:
+                record = decode_record(encoded)
+            except LogCorrupt as exc:
+                self.problems.append(f"{entry.where()}: event {seq} of handoff {key}: {exc}")
+                continue
+            self.events.setdefault(handoff_id, {}).setdefault(
+                seq, LoggedEvent(seq, record, encoded, entry)
+            )
+
+    def appended(self) -> Iterable[tuple[LogEntry, Appended]]:
+        for logged in self.entries:
+            if isinstance(logged.entry, Appended):
+                yield logged, logged.entry
+
+    def applied_at(self) -> dict[int, int]:
+        """Each input stream sequence an entry says was applied: the history index of the
+        first such entry (an `Appended`'s inputs, a snapshot's `applied`)."""
+        applied: dict[int, int] = {}
+        for logged in self.entries:
+            match logged.entry:
+                case Appended(inputs=inputs) | Snapshot(applied=inputs):
+                    for seq in inputs:
+                        applied.setdefault(seq, logged.stored.index)
+        return applied
+
+
+def check_run(
+    history: History,
+    workdir: Path | None,
+    names: Names = Names(),
+    load: LoadReport | None = None,
+) -> list[str]:
+    """Every check, on a run's history and (if given) the workers' data directories."""
+    log = ReplicatedLog.read(history, names)
+    violations = list(log.problems)
+    violations += check_chain(log)
+    violations += check_inputs_once(history, log, names)
+    violations += check_acks(history, log, names)
+    violations += check_actions(history, log, names)
+    if workdir is not None:
+        violations += check_files(workdir, log)
+    violations += check_timers(history, log, names)
+    violations += check_final_states(log, load)
+    return violations
+
+
+def check_chain(log: ReplicatedLog) -> list[str]:
+    """One chain per partition, generations that never go back, no fenced owner's append."""
+    violations: list[str] = []
+    last_seq: dict[str, int] = {}  # by subject: the seq of the last message stored on it
+    claimed: dict[str, list[int]] = {}  # by subject: the epochs claimed, in order
+    for logged in log.entries:
+        stored, entry = logged.stored, logged.entry
+        subject, where = stored.subject, logged.where()
+        # A snapshot of many parts is linked by its first part; its last ends the chain.
+        headers = (logged.first or stored).headers or {}
+        previous = last_seq.get(subject, 0)
+        expected = headers.get(_EXPECTED_LAST_SUBJECT_SEQ)
+        if expected is None:
+            violations.append(
+                f"{where} was stored without compare-and-set: it names no previous entry"
+                f" (the subject's last was seq {previous})"
+            )
+        elif expected != str(previous):
+            violations.append(
+                f"{where} names seq {expected} as its previous entry, but the subject's last"
+                f" was seq {previous}: a fork"
+            )
+        last_seq[subject] = stored.seq
+        epochs = claimed.setdefault(subject, [])
+        newest = max(epochs, default=0)
+        if isinstance(entry, Claimed):
+            if entry.epoch <= newest:
+                violations.append(
+                    f"{where} claims epoch {entry.epoch}, not above epoch {newest} claimed"
+                    " before: the generation went back"
+                )
+            epochs.append(entry.epoch)
+        elif isinstance(entry, Appended | HandedOver | Snapshot):
+            if entry.epoch < newest:
+                violations.append(
+                    f"{where} is epoch {entry.epoch}'s, stored after epoch {newest} claimed the"
+                    " partition: a fenced owner's append succeeded"
+                )
+            elif entry.epoch not in epochs:
+                violations.append(f"{where} is of epoch {entry.epoch}, which nobody claimed")
+    return violations
+
+
+def check_inputs_once(history: History, log: ReplicatedLog, names: Names) -> list[str]:
+    """No input in two `Appended` entries; each in its own partition's log."""
+    violations: list[str] = []
+    subjects = {
+        stored.seq: stored.subject
+        for stored in history.stored
+        if stored.stream == names.input_stream
+    }
+    first: dict[int, LogEntry] = {}
+    for logged, entry in log.appended():
+        for seq in entry.inputs:
+            earlier = first.setdefault(seq, logged)
+            if earlier is not logged:
+                violations.append(
+                    f"input {seq} is applied twice: by {earlier.where()} and by {logged.where()}"
+                )
+            subject = subjects.get(seq)
+            if subject is None:
+                violations.append(f"{logged.where()} applies input {seq}, which was never stored")
+            elif not subject.startswith(partition_prefix(names.prefix, logged.partition)):
+                violations.append(
+                    f"{logged.where()} applies input {seq} of {subject}, another partition's"
+                )
+    return violations
+
+
+def check_acks(history: History, log: ReplicatedLog, names: Names) -> list[str]:
+    """Every acknowledged input was appended before its ack."""
+    violations: list[str] = []
+    applied = log.applied_at()
+    for ack in history.acked:
+        if ack.stream != names.input_stream:
+            continue
+        at = applied.get(ack.seq)
+        if at is None:
+            violations.append(
+                f"input {ack.seq} was acknowledged (by {ack.consumer} at {ack.at:.3f}s) but no"
+                " log entry applied it"
+            )
+        elif at > ack.index:
+            violations.append(
+                f"input {ack.seq} was acknowledged (by {ack.consumer} at {ack.at:.3f}s) before"
+                " the log entry that applied it was stored"
+            )
+    return violations
+
+
+def check_actions(history: History, log: ReplicatedLog, names: Names) -> list[str]:
+    """Every action published is one an appended entry logged before, sent where it goes."""
+    violations: list[str] = []
+    subjects = Subjects(names.prefix)
+    logged: dict[tuple[UUID, int], LoggedEvent] = {}
+    for events in log.events.values():
+        for event in events.values():
+            if isinstance(event.record, ActionRecord):
+                issued = event.record.action
+                logged.setdefault((issued.handoff_id, issued.action_id), event)
+    engine_head, done_head = f"{names.prefix}.engine.", f"{names.prefix}.done."
+    for published in history.published:
+        subject = published.subject
+        to_engine = subject.startswith(engine_head) and subject.endswith(".actions")
+        if not (to_engine or subject.startswith(done_head)) or not published.payload:
+            continue  # not an action's subject, or a probe of who listens (no payload)
+        by = f"published by {published.publisher or 'an unknown process'} at {published.at:.3f}s"
+        try:
+            action: Action = decode_action(published.payload)
+        except msgspec.DecodeError as exc:
+            violations.append(f"{subject}: a message {by} is no action: {exc}")
+            continue
+        what = f"handoff {action.handoff_id}: action {action.action_id} ({type(action).__name__})"
+        found = logged.get((action.handoff_id, action.action_id))
+        if found is None:
+            violations.append(f"{what} {by} is in no appended entry")
+            continue
+        assert isinstance(found.record, ActionRecord)
+        if found.record.action != action:
+            violations.append(f"{what} {by} differs from the logged {found.record.action!r}")
+        elif found.entry.stored.index > published.index:
+            violations.append(f"{what} {by} before {found.entry.where()} logged it")
+        rows = log.rows.get(action.handoff_id)
+        if rows:
+            row = rows[0]
+            wanted = subjects.action(action, row.source, row.destination)
+            if wanted != subject:
+                violations.append(f"{what} {by} went to {subject}, not to {wanted}")
+    return violations
+
+
+def check_files(workdir: Path, log: ReplicatedLog) -> list[str]:
+    """Every partition file under `workdir` passes `verify` and is a prefix of the log."""
+    violations: list[str] = []
+    marks: dict[int, set[str]] = {}  # by partition: the marks its log's entries leave
+    for logged in log.entries:
+        found = marks.setdefault(logged.partition, set())
+        if logged.rows is not None and logged.rows.inputs:
+            found.add(str(logged.rows.inputs[0]))
+        elif isinstance(logged.entry, Snapshot):
+            try:
+                state = decode_state(logged.entry.records, logged.where())
+            except (msgspec.DecodeError, NewerLogVersion):
+                continue  # its entry was reported already, if it is the one the file took
+            if state.mark is not None:
+                found.add(str(state.mark))
+    for path in sorted(workdir.rglob("partition-*.db")):
+        partition = _int(path.stem.removeprefix("partition-"))
+        name = str(path.relative_to(workdir))
+        try:
+            with SqliteLog(path) as file:
+                report = verify_log(file)
+                mark = _meta(path, MARK_KEY)
+                stored = {row.handoff_id: file.stored(row.handoff_id) for row in file.handoffs()}
+        except (StoreError, LogCorrupt) as exc:
+            violations.append(f"{name}: unreadable: {exc}")
+            continue
+        for finding in report.findings:
+            at = "" if finding.seq is None else f" at seq {finding.seq}"
+            violations.append(
+                f"{name}: verify: handoff {finding.handoff_id}: {finding.kind.value}{at}:"
+                f" {finding.detail}"
+            )
+        if mark is not None and mark not in marks.get(partition, set()):
+            violations.append(
+                f"{name}: its mark, input {mark}, begins no entry of partition {partition}'s log"
+            )
+        for handoff_id, records in stored.items():
+            events = log.events.get(handoff_id, {})
+            for seq, _, blob in records:
+                event = events.get(seq)
+                if event is None:
+                    violations.append(
+                        f"{name}: handoff {handoff_id}: event {seq} is in no entry of the log"
+                    )
+                elif event.encoded != blob:
+                    violations.append(
+                        f"{name}: handoff {handoff_id}: event {seq} differs from the one"
+                        f" {event.entry.where()} holds"
+                    )
+    return violations
+
+
+def check_timers(history: History, log: ReplicatedLog, names: Names) -> list[str]:
+    """A handoff's deadline fires once at most, and never before it is due."""
+    violations: list[str] = []
+    for handoff_id, events in log.events.items():
+        fired = [
+            event.seq
+            for event in events.values()
+            if isinstance(event.record, InputRecord) and isinstance(event.record.input, TimedOut)
+        ]
+        if len(fired) > 1:
+            violations.append(
+                f"handoff {handoff_id}: TimedOut is logged {len(fired)} times, at seqs {fired}"
+            )
+    subjects = Subjects(names.prefix)
+    for published in history.published:
+        timed_out = subjects.input_handoff(published.subject)
+        if timed_out is None or published.wall_ms is None or b"timed_out" not in published.payload:
+            continue
+        try:
+            message = decode_input(published.payload)
+        except msgspec.DecodeError:
+            continue  # not the tier's: the worker rejects it, logged as a rejection
+        rows = log.rows.get(timed_out)
+        if not isinstance(message, TimedOut) or not rows:
+            continue
+        due_ms = rows[0].deadline_at_ms
+        if published.wall_ms < due_ms:
+            violations.append(
+                f"handoff {timed_out}: {published.publisher} published TimedOut at"
+                f" {published.at:.3f}s, {due_ms - published.wall_ms} ms before its deadline by"
+                " its own clock"
+            )
+    return violations
+
+
+def check_final_states(log: ReplicatedLog, load: LoadReport | None = None) -> list[str]:
+    """Each handoff's logged inputs, replayed through the core, re-derive its logged actions
+    and end in the state its last row says; none is left open."""
+    violations: list[str] = []
+    ended: Counter[str] = Counter()
+    for handoff_id, events in log.events.items():
+        records = [(seq, events[seq].record) for seq in sorted(events)]
+        rows = log.rows.get(handoff_id)
+        if not rows:
+            violations.append(f"handoff {handoff_id}: events logged without its row")
+            continue
+        state = rows[-1].state
+        try:
+            divergence = find_divergence(records)
+            if divergence is not None:
+                violations.append(
+                    f"handoff {handoff_id}: replayed through the core, it diverges at step"
+                    f" {divergence.step}: {divergence.detail}"
+                )
+                continue
+            _, coordinator = rebuild(records)
+        except (LogCorrupt, ReplayDivergence) as exc:
+            violations.append(f"handoff {handoff_id}: its logged events do not replay: {exc}")
+            continue
+        completion = coordinator.completion if coordinator.is_complete else None
+        expected = {
+            HandoffCompletion.SUCCESS: HandoffState.SUCCEEDED,
+            HandoffCompletion.CANCELED: HandoffState.CANCELED,
+            None: HandoffState.OPEN,
+        }[completion]
+        if state is not expected:
+            violations.append(
+                f"handoff {handoff_id}: its last row says {rows[-1].state_name}, the core says"
+                f" {expected.value} after its {len(records)} logged events"
+            )
+        if state is HandoffState.OPEN or state is HandoffState.QUARANTINED:
+            violations.append(f"handoff {handoff_id}: is {rows[-1].state_name} at the end")
+        ended[rows[-1].state_name] += 1
+    if load is not None and not load.unreported and not load.timed_out:
+        seen = (load.final.succeeded, load.final.canceled)
+        logged = (ended[HandoffState.SUCCEEDED.value], ended[HandoffState.CANCELED.value])
+        if seen != logged:
+            violations.append(
+                f"the frontend saw {seen[0]} handoffs succeed and {seen[1]} canceled; the log"
+                f" ends {logged[0]} succeeded and {logged[1]} canceled"
+            )
+    return violations
+
+
+def _meta(path: Path, key: str) -> str | None:
+    """A partition file's meta value, read-only (`StoreError` if the file cannot say)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)) as db:
+            row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    except sqlite3.Error as exc:
+        raise StoreError(f"{path}: cannot read its meta {key!r}: {exc}") from exc
+    return None if row is None else str(row[0])
+
+
+def _int(text: str) -> int:
+    return int(text) if text.isdigit() else -1

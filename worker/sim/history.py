@@ -1,0 +1,124 @@
+"""The history of one simulated run: what the model of NATS saw, in the order it saw it.
+
+Theory of operation. The checkers (worker.sim.checks) judge a run after it ended, from what
+happened rather than from what the tier says of itself, so the model records three kinds of
+event as they happen, through hooks that cost nothing when no `History` is attached
+(`SimCluster.record`):
+
+- `StoredMessage`: every message a stream stored (the JetStream model's store path, delete
+  markers and atomic batches' messages included), even one that a later roll-up, limit or
+  acknowledgement removed: the checkers must see a zombie's append that a snapshot rolled up;
+- `AckedMessage`: every acknowledgement a consumer settled (`+ACK`, `+TERM`, `+NXT`), of one
+  stream sequence each (an ack policy `all` settles several: one record each), and whether it
+  removed the message from a work-queue stream;
+- `Published`: every publish a client made (core or JetStream, as the server parsed it), with
+  the name and wall clock of the publishing process.
+
+Order. Each record gets the next `index` of one counter shared by the three kinds: "stored
+before acknowledged" is a comparison of indexes, exact even between records of one virtual
+instant. `at` is the loop's (virtual) time, for the messages that report a violation.
+
+Who published. The server parses a client's bytes in a callback the network scheduled when
+the client wrote them (worker.sim.network: `loop.call_at` copies the writer's context), so the
+ambient current at the server's parse is the publishing process's (worker.sim.process): its
+name and its own, possibly skewed, wall clock, which is the clock its timers read.
+
+Determinism: nothing here draws, reads a wall clock of the machine or iterates a set; the
+records are plain values in lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvhandoff.worker import ambient
+from kvhandoff.worker.sim.nats.jetstream.api import Stored
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    """A message a stream stored."""
+
+    index: int
+    at: float
+    stream: str
+    subject: str
+    seq: int
+    headers: Mapping[str, str] | None
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class AckedMessage:
+    """A stream sequence a consumer's acknowledgement settled."""
+
+    index: int
+    at: float
+    stream: str
+    consumer: str
+    seq: int
+    removed: bool  # it removed the message from its (work-queue) stream
+
+
+@dataclass(frozen=True)
+class Published:
+    """A client's publish, as the server read it."""
+
+    index: int
+    at: float
+    subject: str
+    reply: str
+    header: bytes | None  # the header block as published
+    payload: bytes
+    publisher: str | None  # the publishing process's name, if it was a simulated one
+    wall_ms: int | None  # the publishing process's wall clock then, likewise
+
+
+@dataclass
+class History:
+    """Every `StoredMessage`, `AckedMessage` and `Published` of a run, each list in order."""
+
+    stored: list[StoredMessage] = field(default_factory=list)
+    acked: list[AckedMessage] = field(default_factory=list)
+    published: list[Published] = field(default_factory=list)
+    _next: int = 0
+
+    def _index(self) -> tuple[int, float]:
+        index = self._next
+        self._next += 1
+        return index, asyncio.get_running_loop().time()
+
+    def on_stored(self, stream: str, stored: Stored) -> None:
+        """The JetStream model stored `stored` in `stream`."""
+        index, at = self._index()
+        self.stored.append(
+            StoredMessage(
+                index, at, stream, stored.subject, stored.seq, stored.headers, stored.payload
+            )
+        )
+
+    def on_acked(self, stream: str, consumer: str, seq: int, *, removed: bool) -> None:
+        """`consumer` of `stream` settled `seq`."""
+        index, at = self._index()
+        self.acked.append(AckedMessage(index, at, stream, consumer, seq, removed))
+
+    def on_published(self, subject: str, reply: str, header: bytes | None, payload: bytes) -> None:
+        """A client published to `subject`; the current ambient is the publisher's."""
+        index, at = self._index()
+        process = ambient.current()
+        name = getattr(process, "name", None)
+        wall_ms = process.wall_ns() // 1_000_000 if isinstance(name, str) else None
+        self.published.append(
+            Published(
+                index,
+                at,
+                subject,
+                reply,
+                header,
+                payload,
+                name if isinstance(name, str) else None,
+                wall_ms,
+            )
+        )
