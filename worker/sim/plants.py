@@ -298,7 +298,8 @@ _PLANTS: Sequence[Plant] = (
         bus_publish.Publishing,
         "append_expecting",
         _append_without_cas,
-        f"{_FORK}; the log chain check (a fork: two entries after one)",
+        "any run: the chain check reads each entry's expected sequence (with two owners at "
+        "once, a fork too)",
     ),
     Plant(
         "ack-before-append",
@@ -314,7 +315,7 @@ _PLANTS: Sequence[Plant] = (
         owner.PartitionOwner,
         "_finish",
         _act_when_fenced,
-        f"{_FORK}; the actions-only-from-appended-entries check",
+        f"{_FORK}, or a fence after an election or lost acks; the actions check",
     ),
     Plant(
         "ignore-423",
