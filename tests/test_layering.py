@@ -286,6 +286,11 @@ def test_the_mock_engines_and_the_load_generator_use_the_client_not_the_bus() ->
     assert not bad, "go through client.Connection:\n" + "\n".join(bad)
 
 
+# The simulation's pins of nats-py: it imports nats-py's modules to replace their clock and
+# randomness for a simulated run (worker.sim.natspy), never to talk to NATS.
+NATS_PINS = "kvhandoff.worker.sim.natspy"
+
+
 def test_only_the_nats_seam_imports_nats() -> None:
     # bench.load drives the worker as a user would; bench.pull and bench.drain set
     # nats-py itself beside the bus as their baseline.
@@ -293,11 +298,26 @@ def test_only_the_nats_seam_imports_nats() -> None:
     bad = [
         f"{imp}: only {NATS_SEAM}.* may import nats; go through worker.bus"
         for module in users
-        if not within(module, {NATS_SEAM})
+        if not within(module, {NATS_SEAM, NATS_PINS})
         for imp in imports_of(module)
         if top(imp.module) == "nats"
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_only_the_sim_command_runs_the_simulation() -> None:
+    # The simulation runs the tier on a model of NATS; nothing of the product may depend on it.
+    sim = "kvhandoff.worker.sim"
+    users = [*modules_of("worker"), *modules_of("client"), *modules_of("events")]
+    bad = [
+        f"{imp}: only the simulation itself and `kvhandoff sim` may import {sim}"
+        for module in users
+        if not within(module, {sim, "kvhandoff.worker.commands.sim"})
+        for imp in imports_of(module)
+        if within(imp.module, {sim})
+    ]
+    assert not bad, "\n".join(bad)
+    assert any(within(i.module, {sim}) for i in imports_of("kvhandoff.worker.commands.sim"))
 
 
 def with_packages(module: str) -> list[str]:

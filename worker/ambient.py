@@ -11,7 +11,9 @@ How it is swapped. The functions below read the `Ambient` of the current context
 (`contextvars`), the machine's by default. A simulated worker runs in a context whose `Ambient`
 is the simulation's (`using`): asyncio copies the context into every task it creates, so the
 worker's tasks, and the tasks theirs create, read that one, its skewed wall clock and its own
-stream of ids, while the next worker in the same loop reads its own.
+stream of ids, while the next worker in the same loop reads its own. The same object tells the
+simulation's loop whose code a callback is (`in_context`), so that it can crash or pause one
+simulated process among many.
 
 The monotonic clock is the running loop's when there is one: asyncio times `sleep`,
 `wait_for` and `call_later` by `loop.time()`, so a deadline computed from `monotonic_s` and
@@ -83,6 +85,11 @@ def using(ambient: Ambient) -> Iterator[None]:
 def current() -> Ambient:
     """The `Ambient` this context reads."""
     return _current.get() or _MACHINE
+
+
+def in_context(context: contextvars.Context) -> Ambient | None:
+    """The `Ambient` code run in `context` reads, or None if it reads the machine's default."""
+    return context.get(_current)
 
 
 def now_ms() -> int:

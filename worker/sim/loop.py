@@ -36,6 +36,37 @@ they schedule goes through it. It keeps a ready queue and a heap of timers and n
   network supplies; nats-py's `asyncio.open_connection` reaches it through `create_connection`.
 - *Errors.* What a callback raises reaches `call_exception_handler`, which keeps each context on
   `loop.errors` (so a simulation can fail its seed on them) before handing it to the handler.
+- *Processes.* A simulated process is the `Ambient` its code runs under (`ambient.using`,
+  worker/sim/process.py). Every callback runs in a context (`call_soon(context=)`, else a copy
+  of the caller's); its process is the `Ambient` that context holds when it comes up to run
+  (`ambient.in_context`), keyed by identity, or none for the machine's: the simulated servers,
+  the network and the loop itself, which nothing stops. `crash(process)` is a SIGKILL: from the
+  next callback on, none of the process's callbacks runs again, neither those ready, nor its
+  timers, nor those scheduled later (the step of one of its tasks woken by a future another
+  process completes is one: asyncio schedules a task's step in the task's context). Each is
+  dropped as it comes up: not run, not counted, not traced. `pause(process)` is a SIGSTOP: its
+  callbacks are held as they come up, in that order, while time goes on for everyone else;
+  `resume(process)` puts them back in the ready queue ahead of any of the process's callbacks
+  queued since, so they run in the order they became ready and before anything the process
+  schedules afterwards. Each crash, pause and resume is a line of the trace
+  (`note crash <name>`). When nothing stops, the check costs one truth test per callback;
+  while some process is stopped, one context read and one dict lookup.
+- *The loop stops a process's code; the network kills its connections.* What the network and
+  the simulated servers run belongs to no process, so they must schedule it in a context of
+  their own: a callback scheduled in the context current when some process wrote would be that
+  process's, and its crash would stop a delivery to someone else, or a server's timer. Run so,
+  the network still delivers bytes to a crashed process's stream reader, which only fills
+  buffers and wakes futures whose waiters, the process's tasks, never run. A crash is thus
+  `loop.crash(process)` and `Network.down(process.name)`, which resets its connections as the
+  peer's kernel would; the world does both.
+- *A crashed process's tasks* stay pending forever, and the loop keeps holding them as it holds
+  every pending task: dropped, one would be collected whenever the garbage collector came by,
+  and collecting a suspended coroutine closes it, which runs its `finally` blocks (what a
+  SIGKILL never does) inside someone else's callback. `finish` cancels only the tasks of
+  running processes: a process crashed or still paused when the run ends stays as it is (a
+  machine switched off), its tasks pending, its async generators open; and a cancelled task
+  that waits on such a process's task is left waiting too, instead of being a stall. Waiting in
+  `run_until_complete` on what only a stopped process could give is still a stall.
 
 Why `AbstractEventLoop` and not `BaseEventLoop`. BaseEventLoop's constructor, `run_forever`,
 `close`, `call_soon_threadsafe`, `run_in_executor` and `create_connection` all assume a selector,
@@ -55,16 +86,22 @@ whenever the garbage collector happens to run.
 Limits. Time stands still while callbacks are ready, so a task that polls with `sleep(0)` until
 a timer fires never lets it fire (a livelock; nothing in nats-py or the tier polls so). An async
 generator dropped inside a reference cycle is finalized when the collector runs, as on any loop,
-and that moment is not the seed's.
+and that moment is not the seed's. Python offers no way to let go of a suspended coroutine
+without running its `finally` blocks: when the loop itself is collected, so are the tasks of the
+processes it left stopped, and their `finally` blocks run then, outside any run. A program that
+runs many seeds in one interpreter should let go of each finished run and `gc.collect()` before
+the next, so that this happens between runs and never inside another seed's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import hashlib
 import heapq
+import inspect
 import logging
 import random
 import sys
@@ -75,6 +112,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Gene
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Generic, NoReturn, TypeVar, TypeVarTuple, Unpack, cast
+
+from kvhandoff.worker.ambient import Ambient, in_context
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +167,33 @@ class _Timer(asyncio.TimerHandle):
     waiting: bool
 
 
-# A ready callback: the handle (which may be cancelled before it runs), and what it calls, which
-# names it in the trace.
-_Ready = tuple[asyncio.Handle, Callable[..., object], Sequence[Any]]
+# A ready callback: the handle (which may be cancelled before it runs), what it calls, which
+# names it in the trace, and the context it runs in, which says whose it is.
+_Ready = tuple[asyncio.Handle, Callable[..., object], Sequence[Any], contextvars.Context]
 # A waiting timer, by when it fires (its `when` plus its lateness), then its place among its
 # ties drawn from the seed, then the order it was set in (so a comparison never reaches the
 # handle).
-_Waiting = tuple[float, int, int, _Timer, Callable[..., object], Sequence[Any]]
+_Waiting = tuple[float, int, int, _Timer, Callable[..., object], Sequence[Any], contextvars.Context]
+
+
+class _Stopped:
+    """A process the loop runs no more of: crashed for good, or paused and holding the callbacks
+    that came up meanwhile. It holds the process, so that the `id` it is keyed by stays its."""
+
+    __slots__ = ("held", "process")
+
+    def __init__(self, process: Ambient, held: list[_Ready] | None) -> None:
+        self.process = process
+        self.held = held
+        """The paused process's callbacks in the order they came up; None once it crashed."""
+
+    @property
+    def state(self) -> str:
+        return "paused" if self.held is not None else "crashed"
+
+
+def _name(process: Ambient) -> str:
+    return str(getattr(process, "name", "?"))
 
 
 class SimLoop(asyncio.AbstractEventLoop):
@@ -158,6 +217,11 @@ class SimLoop(asyncio.AbstractEventLoop):
         self._connect = connect
         self._now = 0.0
         self._ready: deque[_Ready] = deque()
+        # How many callbacks at the head of `_ready` the current iteration still runs.
+        self._batch = 0
+        # The processes crashed or paused, by the `id` of their `Ambient`.
+        self._stopped: dict[int, _Stopped] = {}
+        self._buried = False
         self._timers: list[_Waiting] = []
         self._timers_set = 0
         self._cancelled_waiting = 0
@@ -178,13 +242,15 @@ class SimLoop(asyncio.AbstractEventLoop):
         # weakly referenced as asyncio holds them: a pending task nothing else reaches would
         # otherwise vanish whenever the garbage collector came by, and with it its part in the
         # run's end (`finish`), so the trace would depend on the collector's timing.
-        self._tasks: dict[int, asyncio.Task[Any]] = {}
+        # Each with the context it runs in, which says whose it is.
+        self._tasks: dict[int, tuple[asyncio.Task[Any], contextvars.Context]] = {}
         self._tasks_created = 0
         self._tasks_pruned_at = _MIN_TASKS_TO_PRUNE
-        # The async generators started and not finalized, by start. Weakly referenced, as
-        # BaseEventLoop does: one dropped is finalized at once (by reference counting) and
-        # closed by the task `_asyncgen_done` schedules, as on a real loop.
-        self._asyncgens: weakref.WeakKeyDictionary[AsyncGenerator[Any, Any], None] = (
+        # The async generators started and not finalized, by start, each with the process
+        # that started it. Weakly referenced, as BaseEventLoop does: one dropped is finalized at
+        # once (by reference counting) and closed by the task `_asyncgen_done` schedules, as on
+        # a real loop.
+        self._asyncgens: weakref.WeakKeyDictionary[AsyncGenerator[Any, Any], Ambient | None] = (
             weakref.WeakKeyDictionary()
         )
         self._asyncgens_shut_down = False
@@ -220,6 +286,54 @@ class SimLoop(asyncio.AbstractEventLoop):
         self._hash.update(b"\n")
         if self._lines is not None:
             self._lines.append(line)
+
+    # Processes.
+
+    def crash(self, process: Ambient) -> None:
+        """Kill `process` between two callbacks, for good (SIGKILL): none of its callbacks runs
+        again, and nothing of it runs to end it. Killing a paused process drops what it held.
+        Its connections are the network's to reset (`Network.down(name)`)."""
+        stopped = self._stopped.get(id(process))
+        if stopped is not None and stopped.held is None:
+            raise RuntimeError(f"crash of {_name(process)} refused: it has crashed already")
+        self._stopped[id(process)] = _Stopped(process, None)
+        self.note(f"crash {_name(process)}")
+
+    def pause(self, process: Ambient) -> None:
+        """Stop `process` between two callbacks (SIGSTOP): hold its callbacks, in the order they
+        come up, until `resume`."""
+        stopped = self._stopped.get(id(process))
+        if stopped is not None:
+            raise RuntimeError(f"pause of {_name(process)} refused: it is {stopped.state}")
+        self._stopped[id(process)] = _Stopped(process, [])
+        self.note(f"pause {_name(process)}")
+
+    def resume(self, process: Ambient) -> None:
+        """Let a paused `process` go on (SIGCONT): what it held runs in the order it became
+        ready, before any callback of the process queued since and all it schedules from now."""
+        stopped = self._stopped.get(id(process))
+        if stopped is None or stopped.held is None:
+            state = "running" if stopped is None else stopped.state
+            raise RuntimeError(f"resume of {_name(process)} refused: it is {state}, not paused")
+        del self._stopped[id(process)]
+        held = stopped.held
+        ready = self._ready
+        # The process's callbacks still queued became ready after all it held (each held one
+        # came up first), so the held ones go just before the first of them.
+        position = next(
+            (at for at, entry in enumerate(ready) if in_context(entry[3]) is process), len(ready)
+        )
+        ready.rotate(-position)
+        ready.extendleft(reversed(held))
+        ready.rotate(position)
+        if position < self._batch:  # they joined the current iteration's callbacks
+            self._batch += len(held)
+        self.note(f"resume {_name(process)}")
+
+    def _stopped_in(self, context: contextvars.Context) -> _Stopped | None:
+        """The stopped process whose code `context` runs, if it runs one's."""
+        process = in_context(context)
+        return None if process is None else self._stopped.get(id(process))
 
     # Running.
 
@@ -288,17 +402,32 @@ class SimLoop(asyncio.AbstractEventLoop):
     def finish(self) -> None:
         """End a run as `asyncio.Runner` does, in an order of the loop's own: cancel the tasks
         still pending in the order they were created and wait for them, close the async
-        generators still open in the order they started, then close the loop."""
+        generators still open in the order they started, then close the loop.
+
+        A process crashed or paused is left as it is: its tasks are neither cancelled nor
+        closed and its generators stay open, so none of its `finally` blocks runs; a cancelled
+        task that waits on one of its tasks is left waiting (the trace notes how many). The
+        loop goes on holding all of them (see the module's docstring)."""
         if self._closed:
             return
         try:
-            leftovers = [task for task in self._tasks.values() if not task.done()]
+            leftovers = [
+                task
+                for task, context in self._tasks.values()
+                if not task.done() and self._stopped_in(context) is None
+            ]
             for task in leftovers:
                 task.cancel()
             if leftovers:
-                self.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+                try:
+                    self.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+                except SimStalled:
+                    if not self._stopped:
+                        raise
+                    stuck = sum(not task.done() for task in leftovers)
+                    self.note(f"finish leaves {stuck} tasks waiting on stopped processes")
             for task in leftovers:
-                if not task.cancelled() and task.exception() is not None:
+                if task.done() and not task.cancelled() and task.exception() is not None:
                     self.call_exception_handler(
                         {
                             "message": "unhandled exception while the simulation ended",
@@ -307,8 +436,29 @@ class SimLoop(asyncio.AbstractEventLoop):
                         }
                     )
             self.run_until_complete(self.shutdown_asyncgens())
+            for task, _ in self._tasks.values():
+                if not task.done():
+                    _abandon(task)
         finally:
             self.close()
+
+    def bury(self) -> None:
+        """Close the coroutines of the tasks a finished run still holds (a crashed or paused
+        process's), suppressing whatever their `finally` blocks raise on a closed loop.
+
+        Python runs a suspended coroutine's `finally` blocks when it lets go of it: left to the
+        garbage collector, that would happen at a moment of its choosing, perhaps in the next
+        seed's run, with errors reported as unraisable. A run buries its dead once it has read
+        what it wanted from them (its checks), so that none of their code runs any later."""
+        if not self._closed:
+            raise RuntimeError("bury the tasks of a finished run: this SimLoop is not closed")
+        self._buried = True
+        tasks, self._tasks = list(self._tasks.values()), {}
+        for task, _ in tasks:
+            coro = task.get_coro()
+            if not task.done() and inspect.iscoroutine(coro):
+                with contextlib.suppress(BaseException):
+                    coro.close()
 
     def _run_once(self) -> None:
         self._drop_cancelled_timers()
@@ -317,16 +467,29 @@ class SimLoop(asyncio.AbstractEventLoop):
                 raise SimStalled(self._stall_report())
             self._now = max(self._now, self._timers[0][0])
         while self._timers and self._timers[0][0] <= self._now:
-            _, _, _, timer, callback, args = heapq.heappop(self._timers)
+            _, _, _, timer, callback, args, context = heapq.heappop(self._timers)
             timer.waiting = False
             if timer.cancelled():
                 self._cancelled_waiting -= 1
             else:
-                self._ready.append((timer, callback, args))
-        for _ in range(len(self._ready)):
-            handle, callback, args = self._ready.popleft()
+                self._ready.append((timer, callback, args, context))
+        ready = self._ready
+        stopped = self._stopped
+        self._batch = len(ready)
+        while self._batch:
+            self._batch -= 1
+            entry = ready.popleft()
+            handle, callback, args, context = entry
             if handle.cancelled():
                 continue
+            if stopped:
+                process = in_context(context)
+                if process is not None:
+                    halted = stopped.get(id(process))
+                    if halted is not None:
+                        if halted.held is not None:
+                            halted.held.append(entry)
+                        continue
             self.steps += 1
             self._record(f"run {_stable_name(callback, args)}")
             handle._run()
@@ -353,15 +516,22 @@ class SimLoop(asyncio.AbstractEventLoop):
             if self._awaited is not None
             else "run_forever waits for stop()"
         )
-        others = [
-            repr(task)
-            for task in self._tasks.values()
-            if not task.done() and task is not self._awaited
-        ]
+        others: list[str] = []
+        stopped: list[str] = []
+        for task, context in self._tasks.values():
+            if task.done() or task is self._awaited:
+                continue
+            halted = self._stopped_in(context)
+            if halted is None:
+                others.append(repr(task))
+            else:
+                stopped.append(f"{task!r} of {_name(halted.process)}, {halted.state}")
         return (
             f"{waiting}, but at virtual time {self._now} s nothing is ready and no timer is "
             f"pending, so nothing can ever happen again (seed {self.seed}). Other tasks pending: "
             + ("; ".join(others) or "none")
+            + ". Tasks of stopped processes: "
+            + ("; ".join(stopped) or "none")
         )
 
     def _check_closed(self) -> None:
@@ -383,8 +553,9 @@ class SimLoop(asyncio.AbstractEventLoop):
         self._check_closed()
         if self._debug:
             _check_callback(callback, "call_soon")
+        context = contextvars.copy_context() if context is None else context
         handle = asyncio.Handle(callback, args, self, context)
-        self._ready.append((handle, callback, args))
+        self._ready.append((handle, callback, args, context))
         return handle
 
     def call_soon_threadsafe(
@@ -420,13 +591,15 @@ class SimLoop(asyncio.AbstractEventLoop):
         self._check_closed()
         if self._debug:
             _check_callback(callback, "call_at")
+        context = contextvars.copy_context() if context is None else context
         timer = _Timer(when, callback, args, self, context)
         timer.waiting = True
         lateness = self._timer_chance.random() * self._timer_jitter_s if self._timer_jitter_s else 0
         place = self._timer_chance.getrandbits(64)
         self._timers_set += 1
         heapq.heappush(
-            self._timers, (when + lateness, place, self._timers_set, timer, callback, args)
+            self._timers,
+            (when + lateness, place, self._timers_set, timer, callback, args, context),
         )
         return timer
 
@@ -448,11 +621,14 @@ class SimLoop(asyncio.AbstractEventLoop):
         context: contextvars.Context | None = None,
     ) -> asyncio.Task[T]:
         self._check_closed()
+        context = contextvars.copy_context() if context is None else context
         task = asyncio.Task(coro, loop=self, name=name, context=context)
         self._tasks_created += 1
-        self._tasks[self._tasks_created] = task
+        self._tasks[self._tasks_created] = (task, context)
         if len(self._tasks) >= self._tasks_pruned_at:
-            self._tasks = {number: kept for number, kept in self._tasks.items() if not kept.done()}
+            self._tasks = {
+                number: kept for number, kept in self._tasks.items() if not kept[0].done()
+            }
             self._tasks_pruned_at = max(_MIN_TASKS_TO_PRUNE, 2 * len(self._tasks))
         return task
 
@@ -483,17 +659,25 @@ class SimLoop(asyncio.AbstractEventLoop):
     def _asyncgen_firstiter(self, agen: AsyncGenerator[Any, Any]) -> None:
         if self._asyncgens_shut_down:
             logger.warning("async generator %s started after shutdown_asyncgens", agen)
-        self._asyncgens[agen] = None
+        self._asyncgens[agen] = in_context(contextvars.copy_context())
 
     def _asyncgen_done(self, agen: AsyncGenerator[Any, Any]) -> None:
-        self._asyncgens.pop(agen, None)
-        if not self._closed:
-            self.call_soon_threadsafe(self.create_task, agen.aclose())
+        process = self._asyncgens.pop(agen, None)
+        # A stopped process's generator is let go unclosed, as its process would leave it:
+        # closing it would run its `finally` blocks.
+        if self._closed or (process is not None and id(process) in self._stopped):
+            return
+        self.call_soon_threadsafe(self.create_task, agen.aclose())
 
     async def shutdown_asyncgens(self) -> None:
-        """Close every async generator still open, in the order they started."""
+        """Close every async generator still open, in the order they started, but those of
+        stopped processes: a crashed or paused process's code does not run."""
         self._asyncgens_shut_down = True
-        closing = list(self._asyncgens)
+        closing = [
+            agen
+            for agen, process in self._asyncgens.items()
+            if process is None or id(process) not in self._stopped
+        ]
         self._asyncgens.clear()
         results = await asyncio.gather(*(agen.aclose() for agen in closing), return_exceptions=True)
         for result, agen in zip(results, closing, strict=True):
@@ -566,8 +750,12 @@ class SimLoop(asyncio.AbstractEventLoop):
         )
 
     def call_exception_handler(self, context: ExceptionContext) -> None:
-        """Keep the context on `errors`, then hand it to the handler (by default: log it)."""
+        """Keep the context on `errors`, then hand it to the handler (by default: log it).
+        Once buried, a run's errors are the garbage collector's findings among its dead (a
+        future of a crashed process that failed and that nobody read): kept, not reported."""
         self.errors.append(context)
+        if self._buried:
+            return
         try:
             self._exception_handler(self, context)
         except (SystemExit, KeyboardInterrupt):
@@ -642,6 +830,17 @@ def _stable_name(callback: Callable[..., object], args: Sequence[Any]) -> str:
         return _stable_name(args[0], args[1:])
     name = getattr(callback, "__qualname__", None)
     return name if isinstance(name, str) else type(callback).__qualname__
+
+
+def _abandon(task: asyncio.Task[Any]) -> None:
+    """Let go of a task the run ends with still pending, without running any of its code."""
+    # asyncio would report its collection ("Task was destroyed but it is pending!") to a loop
+    # long closed; a coroutine that never started is closed now, which runs none of it, rather
+    # than warned about as never awaited when collected.
+    task._log_destroy_pending = False  # type: ignore[attr-defined]
+    coro = task.get_coro()
+    if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+        coro.close()
 
 
 def _stop_when_done(future: asyncio.Future[Any]) -> None:

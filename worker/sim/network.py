@@ -42,12 +42,19 @@ another counter), where `origin` names the simulated process that connects (by d
 `note(text)` method, the network notes each connection, arrival and loss on it, with the
 connection's number, the byte count and a crc32 of the bytes, so the loop's trace hash covers
 the traffic.
+
+The network belongs to no simulated process: its arrivals and losses run in a context of its
+own (`context`, which holds no `Ambient`), and so does the server code an arrival runs, with
+the timers that code sets. Scheduled in the context current when some process wrote, a
+delivery would be that process's, and the simulation's loop, which stops a crashed or paused
+process's callbacks (worker/sim/loop.py), would stop a delivery to someone else with it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import enum
 import random
 import zlib
@@ -77,6 +84,8 @@ class Network:
     ) -> None:
         self._chance = chance
         self._origin = origin
+        self.context = contextvars.Context()
+        """Where the network's callbacks run: in no simulated process."""
         self._min_delay_s = 0.0
         self._max_delay_s = 0.0
         self.set_delay(min_delay_s, max_delay_s)
@@ -344,8 +353,11 @@ class _End(asyncio.Transport):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._connection.loop.call_soon(self._protocol.connection_lost, exc)
-        self._connection.check_forgotten()
+        connection = self._connection
+        connection.loop.call_soon(
+            self._protocol.connection_lost, exc, context=connection.network.context
+        )
+        connection.check_forgotten()
 
     # Reading: what the peer sent arrives here.
 
@@ -384,7 +396,10 @@ class _End(asyncio.Transport):
         """Make sure a callback will deliver the head of the queue when it is due."""
         if self._timer is not None or not self._inbound or self.lost:
             return
-        self._timer = self._connection.loop.call_at(self._inbound[0][0], self._arrive)
+        connection = self._connection
+        self._timer = connection.loop.call_at(
+            self._inbound[0][0], self._arrive, context=connection.network.context
+        )
 
     def _arrive(self) -> None:
         self._timer = None
