@@ -37,7 +37,7 @@ from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.config import TierConfig, WorkerConfig
 from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
-from kvhandoff.worker.sim import faults, natspy
+from kvhandoff.worker.sim import faults, natspy, plants
 from kvhandoff.worker.sim import loop as simloop
 from kvhandoff.worker.sim.checks import check_run
 from kvhandoff.worker.sim.faults import Fault, FaultPlan
@@ -330,6 +330,7 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         tempfile.TemporaryDirectory(prefix="kvhandoff-sim-") as workdir,
         natspy.pinned(),
         _quiet_logs(),
+        plants.planted(scenario.plant),
     ):
         finished = simloop.run(
             lambda: _run(scenario, plan, cluster, Path(workdir)),

@@ -1,0 +1,210 @@
+"""The simulation finds each planted bug (worker.sim.plants) within the CI budget of seeds.
+
+For each plant that the simulation can expose today, seeds are run from `SEEDS`, in order,
+until one run has violations; one of them must be of the kind that plant breaks, and
+the seeds it took are recorded. The table (plant, seeds to find, violation) and the median are
+printed, so CI's output shows them. The same seeds pass with no plant, so a violation is the
+plant's. A plant that waits for a fault or a check the simulation does not have yet says what
+(`Expect.waits_for`); for those, what can be asserted today is: the plant goes in and comes
+out, and where the first seed's run reaches its broken line, that it does.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import pytest
+
+from kvhandoff.worker.sim import plants
+from kvhandoff.worker.sim.world import Scenario, simulate
+
+SEEDS = tuple(range(1, 21))  # the CI budget: a plant not found within these is a failure
+
+
+def _scenario(seed: int, plant: str | None = None) -> Scenario:
+    """Small, for speed: a run takes about two seconds."""
+    return Scenario(seed, duration_s=20.0, rate_per_s=2.0, plant=plant)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What finds a plant: a phrase of the violation its first failing run reports, and what
+    the simulation lacks before any seed can (empty: nothing, it is found today)."""
+
+    violation: str
+    waits_for: str = ""
+
+
+EXPECTED: dict[str, Expect] = {
+    "append-without-cas": Expect("was stored without compare-and-set"),
+    "ack-before-append": Expect("before the log entry that applied it was stored"),
+    # "handoff h: action n (Kind) published by w at t before <entry> logged it"
+    "publish-before-append": Expect("logged it"),
+    # The fenced batch's actions: published before the new owner's entry logged them, or
+    # logged by none.
+    "act-when-fenced": Expect("published by"),
+    # The stale pin is never dropped: the partition's inputs wait for ever.
+    "ignore-423": Expect("did not end within the quiet phase"),
+    "claim-forgets-applied": Expect("is applied twice"),
+    "orphans-in-stream-order": Expect(
+        "at the end",
+        waits_for="a failover that leaves enough orphans of one handoff that its early inputs "
+        "run out of deferrals (or a check that a handoff's inputs apply in stream order)",
+    ),
+    "timer-fires-twice": Expect(
+        "TimedOut",
+        waits_for="deadlines that fire (no run's handoff outlives its 10 s deadline), and a "
+        "check that a worker publishes one TimedOut per handoff per claim (the log's digest "
+        "dedup hides the second)",
+    ),
+    "timer-fires-early": Expect(
+        "before its deadline",
+        waits_for="a handoff still active a retry interval (5 s) after a claim adopted it: an "
+        "engine that stalls or dies",
+    ),
+    "no-outbox-barrier": Expect(
+        "did not end within the quiet phase",
+        waits_for="a node loss that drops a connection while a Complete is in flight (and a "
+        "world that survives it: seed 3 ends in CancelledError out of stop_worker)",
+    ),
+    "snapshot-without-tombstones": Expect(
+        "handoff",
+        waits_for="a claim from a snapshot by a worker without the file, then a late input of "
+        "a handoff that ended (a duplicate answer after a retry)",
+    ),
+    "lease-expiry-ignored": Expect(
+        "did not end within the quiet phase",
+        waits_for="an engine that dies, so that its lease expires (no engine fault yet)",
+    ),
+}
+
+FOUND_TODAY = [name for name, expect in EXPECTED.items() if not expect.waits_for]
+# Waiting plants whose broken line the first seed's run reaches (it changes what the run does).
+REACHED = [
+    "orphans-in-stream-order",
+    "timer-fires-early",
+    "no-outbox-barrier",
+    "snapshot-without-tombstones",
+]
+
+
+@dataclass(frozen=True)
+class Found:
+    plant: str
+    seeds: int  # runs it took, the failing one included
+    violations: list[str]  # the failing run's
+
+    @property
+    def violation(self) -> str:
+        """The one of the expected kind if any (a fault may break more than the plant's own
+        invariant first), else the first."""
+        wanted = EXPECTED[self.plant].violation
+        return next((v for v in self.violations if wanted in v), self.violations[0])
+
+
+def _hunt(plant: str) -> Found | None:
+    """Run `SEEDS` in order with `plant` planted, through `Scenario.plant`, until one fails."""
+    for tried, seed in enumerate(SEEDS, start=1):
+        outcome = simulate(_scenario(seed, plant))
+        if outcome.violations:
+            return Found(plant, tried, outcome.violations)
+    return None
+
+
+@pytest.fixture(scope="module")
+def campaign() -> dict[str, Found | None]:
+    return {plant: _hunt(plant) for plant in FOUND_TODAY}
+
+
+def test_every_plant_has_an_expectation() -> None:
+    assert set(EXPECTED) == set(plants.PLANTS)
+    assert len(plants.PLANTS) >= 10
+
+
+@pytest.mark.parametrize("plant", FOUND_TODAY)
+def test_plant_is_found(plant: str, campaign: dict[str, Found | None]) -> None:
+    found = campaign[plant]
+    assert found is not None, f"{plant}: no violation in {len(SEEDS)} seeds"
+    assert EXPECTED[plant].violation in found.violation, (
+        f"{plant}: found at seed {SEEDS[found.seeds - 1]}, but by another violation than "
+        f"expected ({EXPECTED[plant].violation!r}): {found.violation}"
+    )
+
+
+def test_the_same_seeds_pass_unplanted(campaign: dict[str, Found | None]) -> None:
+    """Every seed a plant was found at, and those before it, passes with no plant."""
+    used = max((found.seeds for found in campaign.values() if found is not None), default=1)
+    for seed in SEEDS[:used]:
+        outcome = simulate(_scenario(seed))
+        assert outcome.ok, f"seed {seed} fails with no plant: {outcome.violations[:3]}"
+
+
+def test_seeds_to_find(
+    campaign: dict[str, Found | None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The table CI prints: each plant, the seeds it took to find, and the violation."""
+    lines = [f"{'plant':<30} {'seeds':>5}  violation"]
+    for plant in plants.PLANTS:
+        found = campaign.get(plant)
+        if found is not None:
+            lines.append(f"{plant:<30} {found.seeds:>5}  {found.violation[:100]}")
+        elif plant in campaign:
+            lines.append(f"{plant:<30} {'>' + str(len(SEEDS)):>5}  not found")
+        else:
+            lines.append(f"{plant:<30} {'-':>5}  waits for {EXPECTED[plant].waits_for}")
+    taken = [found.seeds for found in campaign.values() if found is not None]
+    median = statistics.median(taken) if taken else None
+    lines.append(
+        f"median seeds to find: {median} ({len(taken)} of {len(plants.PLANTS)} plants found)"
+    )
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert taken and median is not None and median <= len(SEEDS)
+
+
+@pytest.mark.parametrize("plant", REACHED)
+def test_waiting_plant_is_reached(plant: str) -> None:
+    """Its broken line runs, so a fault that makes it matter will find it."""
+    with plants.planted(plant) as planting:
+        simulate(_scenario(SEEDS[0]))
+    assert planting.hits > 0
+
+
+@pytest.mark.parametrize("plant", list(plants.PLANTS))
+def test_plant_goes_in_and_comes_out(plant: str) -> None:
+    spec = plants.PLANTS[plant]
+    original = vars(spec.target)[spec.attribute]
+    with plants.planted(plant) as planting:
+        assert vars(spec.target)[spec.attribute] is not original
+        assert planting.plant is spec
+    assert vars(spec.target)[spec.attribute] is original
+
+
+def test_an_error_inside_still_takes_the_plant_out() -> None:
+    spec = plants.PLANTS["ack-before-append"]
+    original = vars(spec.target)[spec.attribute]
+    with pytest.raises(KeyError), plants.planted(spec.name):
+        raise KeyError("boom")
+    assert vars(spec.target)[spec.attribute] is original
+
+
+def test_unknown_plant_is_refused_with_the_names() -> None:
+    with pytest.raises(ValueError, match="ack-before-append"), plants.planted("no-such-bug"):
+        pass
+
+
+def test_one_plant_at_a_time() -> None:
+    with (
+        plants.planted("ack-before-append"),
+        pytest.raises(RuntimeError, match="ack-before-append"),
+        plants.planted("ignore-423"),
+    ):
+        pass
+
+
+def test_no_plant_is_the_tier_as_it_is() -> None:
+    with plants.planted(None) as planting:
+        assert planting.plant is None
+    for spec in plants.PLANTS.values():
+        assert getattr(vars(spec.target)[spec.attribute], "__module__", "") != plants.__name__
