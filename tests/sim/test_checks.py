@@ -318,9 +318,14 @@ def _copy(run: _Run, tmp_path: Path) -> Path:
     return files
 
 
+def _marked(path: Path) -> bool:
+    with sqlite3.connect(path) as db:
+        return db.execute("SELECT 1 FROM meta WHERE key = ?", (MARK_KEY,)).fetchone() is not None
+
+
 def test_a_file_whose_mark_the_log_lacks_is_caught(run: _Run, tmp_path: Path) -> None:
     files = _copy(run, tmp_path)
-    path = sorted(files.rglob("partition-*.db"))[0]
+    path = next(p for p in sorted(files.rglob("partition-*.db")) if _marked(p))
     with sqlite3.connect(path) as db:
         db.execute("UPDATE meta SET value = '999999' WHERE key = ?", (MARK_KEY,))
     found = checks.check_files(files, checks.ReplicatedLog.read(run.history, NAMES))
@@ -331,9 +336,14 @@ def test_a_file_whose_mark_the_log_lacks_is_caught(run: _Run, tmp_path: Path) ->
     ]
 
 
+def _holds_events(path: Path) -> bool:
+    with sqlite3.connect(path) as db:
+        return db.execute("SELECT 1 FROM events LIMIT 1").fetchone() is not None
+
+
 def test_a_file_that_is_no_prefix_of_the_log_is_caught(run: _Run, tmp_path: Path) -> None:
     files = _copy(run, tmp_path)
-    path = sorted(files.rglob("partition-*.db"))[0]
+    path = next(p for p in sorted(files.rglob("partition-*.db")) if _holds_events(p))
     with sqlite3.connect(path) as db:
         handoff_key, seq, at_ms = db.execute(
             "SELECT handoff_key, seq, at_ms FROM events ORDER BY handoff_key, seq LIMIT 1"

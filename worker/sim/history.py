@@ -18,10 +18,11 @@ Order. Each record gets the next `index` of one counter shared by the three kind
 before acknowledged" is a comparison of indexes, exact even between records of one virtual
 instant. `at` is the loop's (virtual) time, for the messages that report a violation.
 
-Who published. The server parses a client's bytes in a callback the network scheduled when
-the client wrote them (worker.sim.network: `loop.call_at` copies the writer's context), so the
-ambient current at the server's parse is the publishing process's (worker.sim.process): its
-name and its own, possibly skewed, wall clock, which is the clock its timers read.
+Who published. The server knows each client by the host it connects from, which on the
+simulated network is its process's name (worker.sim.network); the run registers its processes
+here by name (`processes`), so a publish is stamped with its publisher's name and its own,
+possibly skewed, wall clock, which is the clock its timers read. (The server cannot ask the
+ambient: it parses a client's bytes in the network's context, not the publisher's.)
 
 Determinism: nothing here draws, reads a wall clock of the machine or iterates a set; the
 records are plain values in lists.
@@ -33,7 +34,7 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvhandoff.worker import ambient
+from kvhandoff.worker.ambient import Ambient
 from kvhandoff.worker.sim.nats.jetstream.api import Stored
 
 
@@ -83,6 +84,9 @@ class History:
     stored: list[StoredMessage] = field(default_factory=list)
     acked: list[AckedMessage] = field(default_factory=list)
     published: list[Published] = field(default_factory=list)
+    # The simulated processes by name (the host they connect from), so that a publish is
+    # stamped with its publisher's own clock; the run registers each one it starts.
+    processes: dict[str, Ambient] = field(default_factory=dict)
     _next: int = 0
 
     def _index(self) -> tuple[int, float]:
@@ -104,12 +108,14 @@ class History:
         index, at = self._index()
         self.acked.append(AckedMessage(index, at, stream, consumer, seq, removed))
 
-    def on_published(self, subject: str, reply: str, header: bytes | None, payload: bytes) -> None:
-        """A client published to `subject`; the current ambient is the publisher's."""
+    def on_published(
+        self, subject: str, reply: str, header: bytes | None, payload: bytes, *, publisher: str
+    ) -> None:
+        """The client on host `publisher` (a simulated process's name) published to `subject`."""
         index, at = self._index()
-        process = ambient.current()
-        name = getattr(process, "name", None)
-        wall_ms = process.wall_ns() // 1_000_000 if isinstance(name, str) else None
+        process = self.processes.get(publisher)
+        name = publisher if process is not None else None
+        wall_ms = process.wall_ns() // 1_000_000 if process is not None else None
         self.published.append(
             Published(
                 index,
@@ -118,7 +124,7 @@ class History:
                 reply,
                 header,
                 payload,
-                name if isinstance(name, str) else None,
+                name,
                 wall_ms,
             )
         )

@@ -104,9 +104,15 @@ class _Run:
     """The processes of one run on the loop, and the faults that befall them."""
 
     def __init__(
-        self, scenario: Scenario, plan: FaultPlan, cluster: SimCluster, workdir: Path
+        self,
+        scenario: Scenario,
+        plan: FaultPlan,
+        cluster: SimCluster,
+        history: History,
+        workdir: Path,
     ) -> None:
         self.scenario = scenario
+        self.history = history
         self.plan = plan
         self.cluster = cluster
         self.workdir = workdir
@@ -121,11 +127,13 @@ class _Run:
             for name in [*worker_names(scenario), "joiner"]
         }
         self.paused: set[str] = set()
-
+        self.failures: list[str] = []  # what the run saw go wrong besides the checks
     def process(self, name: str, skew_s: float = 0.0) -> SimProcess:
         """A new simulated process, with its own stream of the seed."""
         chance = random.Random(self.loop.chance.getrandbits(64))
-        return SimProcess(name, chance, pid=next(self._pids), skew_s=skew_s)
+        process = SimProcess(name, chance, pid=next(self._pids), skew_s=skew_s)
+        self.history.processes[name] = process  # its latest incarnation's clock
+        return process
 
     def spawn(self, process: SimProcess, work: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
         """Run `work` as `process`: its tasks read the process's ambient."""
@@ -202,10 +210,17 @@ class _Run:
     async def stop_worker(self, slot: _Slot) -> None:
         """A clean stop (SIGTERM): it hands its partitions over."""
         self.resume(slot)
-        if slot.task is not None:
+        task = slot.task
+        if task is not None:
             slot.stop.set()
-            await slot.task
+            await asyncio.wait([task])
             slot.process, slot.task = None, None
+            # A worker that ended by itself, not by the stop, failed as `kvhandoff run`
+            # would have exited 1: that is for the checks to report.
+            if task.cancelled():
+                self.failures.append(f"{slot.name}: its worker was cancelled")
+            elif (failure := task.exception()) is not None:
+                self.failures.append(f"{slot.name}: its worker failed: {failure!r}")
 
     # Faults.
 
@@ -275,9 +290,9 @@ def worker_names(scenario: Scenario) -> list[str]:
 
 
 async def _run(
-    scenario: Scenario, plan: FaultPlan, cluster: SimCluster, workdir: Path
-) -> LoadReport:
-    run = _Run(scenario, plan, cluster, workdir)
+    scenario: Scenario, plan: FaultPlan, cluster: SimCluster, history: History, workdir: Path
+) -> tuple[LoadReport, list[str]]:
+    run = _Run(scenario, plan, cluster, history, workdir)
     for name in worker_names(scenario):
         run.start_worker(run.slots[name])
     engines_process = run.process("engines")
@@ -305,7 +320,7 @@ async def _run(
     with ambient.using(engines_process):
         await engines.stop()
         await connection.close()
-    return report
+    return report, run.failures
 
 
 def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
@@ -333,17 +348,19 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         plants.planted(scenario.plant),
     ):
         finished = simloop.run(
-            lambda: _run(scenario, plan, cluster, Path(workdir)),
+            lambda: _run(scenario, plan, cluster, history, Path(workdir)),
             chance.getrandbits(64),
             keep_trace=keep_trace,
             connect=cluster.network.create_connection,
         )
+        loop = finished.loop
+        report, failures = finished.result
+        # The run's own errors, before burying its dead adds the collector's findings.
+        violations = [f"unhandled error in the loop: {e.get('message')}" for e in loop.errors]
+        violations += failures
         # While the workers' files are still there.
-        checked = check_run(history, Path(workdir), load=finished.result)
-        finished.loop.bury()
-    loop = finished.loop
-    report = finished.result
-    violations = [f"unhandled error in the loop: {e.get('message')}" for e in loop.errors]
+        checked = check_run(history, Path(workdir), load=report)
+        loop.bury()
     if report.timed_out or report.unreported:
         violations.append(
             f"{report.timed_out} handoffs did not end within the quiet phase"

@@ -147,7 +147,7 @@ class NatsServer:
     ) -> None:
         """Route a client's publish, let JetStream see it, and answer a request nobody took."""
         if self.history is not None:
-            self.history.on_published(subject, reply, header, payload)
+            self.history.on_published(subject, reply, header, payload, publisher=client.host)
         delivered = self._route(subject, reply, header, payload, publisher=client)
         taken = False
         if self._extension is not None:
@@ -279,6 +279,7 @@ class _Client(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         peer = transport.get_extra_info("peername") or ("", 0)
+        self.host: str = peer[0]  # the client's host: on the simulated network, its process
         info = {
             "server_id": "NSIM" + self._node.name.upper().replace("-", ""),
             "server_name": self._node.name,
