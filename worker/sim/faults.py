@@ -17,12 +17,16 @@ then draws the faults of those kinds over the run's fault phase (`Scenario.durat
                was asked meanwhile times out, and may have landed
     delay      the network is slow for a while: every message takes up to 50 ms
     churn      one more worker joins the tier, and later leaves it cleanly
+    engines    the engines' host dies (its leases lapse, and the workers answer for its
+               engines) and comes back after a while
 
 and, for the whole fault phase, these properties of the server: a share of publish acks lost
 after the message was stored (`lost_acks`), late acks accepted after their ack wait
 (nats-server#4786: `late_acks`), and a window after a pin changes in which the old pin is still
 served (ADR-42 promises no exclusivity: `pin_overlap_s`). Each worker's wall clock is skewed by
-up to two seconds either way (`skews_s`).
+up to two seconds either way (`skews_s`). The engines misbehave as the mock engines can
+(`engines`, worker.engines.faults: actions failed, dropped or answered twice, answers late,
+an engine silent for long enough that deadlines fire), for the whole run.
 
 Then the quiet phase: every fault heals (the crashed and the paused run again, the node and
 JetStream are back, the server keeps its promises) and the tier must converge.
@@ -35,7 +39,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-KINDS = ("crash", "pause", "node", "election", "delay", "churn")
+from kvhandoff.worker.engines.faults import Faults as EngineFaults
+
+KINDS = ("crash", "pause", "node", "election", "delay", "churn", "engines")
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class FaultPlan:
     late_acks: bool = False
     pin_overlap_s: float = 0.0
     skews_s: dict[str, float] = field(default_factory=dict)
+    engines: EngineFaults = field(default_factory=EngineFaults)
 
     def describe(self) -> list[str]:
         """One line per fault and per property, for a report."""
@@ -74,6 +81,8 @@ class FaultPlan:
         if self.pin_overlap_s:
             lines.append(f"old pins served for {self.pin_overlap_s:.2f}s after a change")
         lines.extend(f"{name}'s clock {skew:+.2f}s" for name, skew in self.skews_s.items() if skew)
+        if self.engines != EngineFaults(seed=self.engines.seed):
+            lines.append(f"engines: {self.engines}")
         return lines
 
 
@@ -113,10 +122,32 @@ def draw(
     if enabled["churn"]:
         at = chance.uniform(start, end)
         faults.append(Fault("churn", "joiner", at, chance.uniform(2.0, 30.0)))
+    for at in times("engines", 2):
+        faults.append(Fault("engines", "engines", at, chance.uniform(1.0, 15.0)))
     return FaultPlan(
         faults=tuple(sorted(faults, key=lambda fault: fault.at_s)),
         lost_acks=chance.uniform(0.0, 0.05) if chance.random() < 0.5 else 0.0,
         late_acks=chance.random() < 0.5,
         pin_overlap_s=chance.uniform(0.0, 0.5) if chance.random() < 0.5 else 0.0,
         skews_s={name: chance.uniform(-2.0, 2.0) for name in workers},
+        engines=_engine_faults(chance),
+    )
+
+
+def _engine_faults(chance: random.Random) -> EngineFaults:
+    """How the engines misbehave in this run: each way with even odds, at a drawn rate."""
+
+    def maybe(high: float) -> float:
+        return chance.uniform(0.0, high) if chance.random() < 0.5 else 0.0
+
+    silent = chance.random() < 0.3
+    return EngineFaults(
+        seed=chance.getrandbits(32),
+        fail_rate=maybe(0.1),
+        drop_rate=maybe(0.1),
+        duplicate_rate=maybe(0.1),
+        delay_ms=maybe(200.0),
+        # One engine of each type and role silent past a handoff's deadline (10 s by default).
+        silent=1 if silent else 0,
+        silent_ms=chance.uniform(5_000.0, 20_000.0) if silent else 0.0,
     )

@@ -128,6 +128,8 @@ class _Run:
         }
         self.paused: set[str] = set()
         self.failures: list[str] = []  # what the run saw go wrong besides the checks
+        self.engines: tuple[SimProcess, Connection, MockEngines] | None = None
+
     def process(self, name: str, skew_s: float = 0.0) -> SimProcess:
         """A new simulated process, with its own stream of the seed."""
         chance = random.Random(self.loop.chance.getrandbits(64))
@@ -252,6 +254,7 @@ class _Run:
                 self.resume(slot)
             elif slot.name != "joiner" and slot.process is None:
                 self.restart(slot, keep_files=True)
+        await self.start_engines()
 
     async def _befall(self, fault: Fault) -> None:
         """One fault, from its start to its end (or the quiet phase, which cancels it)."""
@@ -280,6 +283,39 @@ class _Run:
                 self.start_worker(slot)
                 await asyncio.sleep(fault.for_s)
                 await self.stop_worker(slot)
+            case "engines":
+                self.crash_engines()
+                await asyncio.sleep(fault.for_s)
+                await self.start_engines()
+
+    # The engines: one host of every engine of the roster, restarted after a crash.
+
+    async def start_engines(self) -> None:
+        if self.engines is not None:
+            return
+        self.cluster.network.up("engines")
+        process = self.process("engines")
+        with ambient.using(process):
+            connection = await Connection.open(self.nats, "engines")
+            engines = MockEngines(connection, EnginesConfig(faults=self.plan.engines))
+            await engines.start()
+        self.engines = (process, connection, engines)
+
+    def crash_engines(self) -> None:
+        """SIGKILL: its engines hold nothing any more, and their leases lapse."""
+        if self.engines is not None:
+            process, _, _ = self.engines
+            self.loop.crash(process)
+            self.cluster.network.down("engines")
+            self.engines = None
+
+    async def stop_engines(self) -> None:
+        if self.engines is not None:
+            process, connection, engines = self.engines
+            with ambient.using(process):
+                await engines.stop()
+                await connection.close()
+            self.engines = None
 
 
 _DELAY_S = (0.0005, 0.002)  # the network's delays when nothing is wrong with it
@@ -295,11 +331,7 @@ async def _run(
     run = _Run(scenario, plan, cluster, history, workdir)
     for name in worker_names(scenario):
         run.start_worker(run.slots[name])
-    engines_process = run.process("engines")
-    with ambient.using(engines_process):
-        connection = await Connection.open(run.nats, "engines")
-        engines = MockEngines(connection, EnginesConfig())
-        await engines.start()
+    await run.start_engines()
     director = asyncio.create_task(run.direct())
     handoffs = max(1, round(scenario.rate_per_s * scenario.duration_s))
     load = LoadConfig(
@@ -317,9 +349,7 @@ async def _run(
     await director
     for slot in run.slots.values():
         await run.stop_worker(slot)
-    with ambient.using(engines_process):
-        await engines.stop()
-        await connection.close()
+    await run.stop_engines()
     return report, run.failures
 
 
