@@ -27,6 +27,7 @@ from kvhandoff.events.messages import Canceled, EngineType, Input, StartHandoff
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.log.rows import Batch, HandoffLog, HandoffRow, Loaded, LoggedEvent
+from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.tier.planner import Planner
 
 SUBJECTS = Subjects()
@@ -236,3 +237,53 @@ def test_a_late_input_for_a_handoff_known_by_its_tombstone_is_answered_as_its_lo
     plan = planner.plan(again, planner.decode(again), {}, later_ms, later_ms / 1000)
     assert start.handoff_id not in planner.tombstones
     assert [type(action).__name__ for _, _, action in plan.publish] == ["SubmitPrefill"]
+
+
+def test_a_handoff_whose_file_holds_its_log_only_up_to_another_owner_is_not_reopened() -> None:
+    """A claim that caught a file up from a snapshot ended what the file held open as the
+    snapshot's tombstones say, and kept the prefix of each one's history the file had
+    (worker.log.store). Loaded for a late input, that prefix rebuilds the handoff unfinished: it
+    is answered by its tombstone instead, as if the file lacked its rows, and never reopened.
+    (Seed 5 of `kvhandoff sim` reopened one: an engine's answer to an action that the claim
+    published again became the handoff's next event, and its row in the log said open.)"""
+    start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+    inputs = success_inputs(start, cancel_at=None)
+    subject = SUBJECTS.input(start.handoff_id)
+    ttl_ms = 300_000
+
+    def deliveries(messages: list[Input], first_seq: int) -> list[Delivery]:
+        return [Delivery(encode(m), subject, 1, first_seq + n) for n, m in enumerate(messages)]
+
+    # The file's owner took the start and lost the partition; another owner ended the handoff.
+    held = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+    file = MemoryLog()
+    stream = deliveries(inputs[:1], 0)
+    file.commit(held.plan(stream, held.decode(stream), {}, NOW_MS, NOW_MS / 1000).batch)
+    ender = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+    stream = deliveries(inputs, 0)
+    ender.plan(stream, ender.decode(stream), {}, NOW_MS, NOW_MS / 1000)
+    tombstone = ender.tombstones[start.handoff_id]
+    # The catch-up from a snapshot that knows it by that tombstone alone.
+    row = file.rows[start.handoff_id]
+    row.state = HandoffState.SUCCEEDED
+    row.completed_at_ms = row.updated_at_ms = tombstone.completed_at_ms
+    prefix = {start.handoff_id: HandoffLog(row, list(file.events[start.handoff_id]))}
+    assert [e.seq for e in prefix[start.handoff_id].events] == [0, 1]
+
+    restart = StartHandoff(start.handoff_id, EngineType.SGLANG, "prefill-1", "decode-1", 60_000)
+    # The answer to the first action (what an engine sends again when that action comes
+    # again), a retried start, and the same id started differently.
+    late = deliveries([inputs[1], start, restart], 100)
+    later_ms = NOW_MS + 1_000
+    for tombstones, duplicates in [(dict(ender.tombstones), [0, 1]), ({}, [1])]:
+        # With the tombstone the claim read, and past its life without it: then the row's
+        # own, which knows the digests of the prefix only.
+        planner = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+        planner.tombstones = dict(tombstones)
+        plan = planner.plan(late, planner.decode(late), prefix, later_ms, later_ms / 1000)
+        rejected = [index for index, _ in plan.rejections]
+        assert plan.duplicates == len(duplicates) and not plan.naks
+        assert sorted([*duplicates, *rejected]) == [0, 1, 2]
+        assert all("ended (succeeded)" in r.reason for _, r in plan.rejections)
+        assert not plan.batch.events and not plan.batch.handoffs and not plan.publish
+        assert not planner.open and planner.tombstones == tombstones

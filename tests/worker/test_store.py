@@ -42,8 +42,10 @@ from kvhandoff.worker.log.rows import (
     CorruptHandoff,
     HandoffLog,
     HandoffRow,
+    LiveState,
     Loaded,
     LoggedEvent,
+    Tombstone,
 )
 from kvhandoff.worker.log.schema import RECORD_TYPES, HandoffState
 from kvhandoff.worker.log.store import Compacted, EventLog, UnpublishedAction, WriterLock
@@ -388,6 +390,43 @@ async def test_unpublished_actions_are_the_outbox_backlog(log: EventLog) -> None
             handoff.publish(marks, seq, 4_000)
     await log.commit(marks)
     assert await log.unpublished_actions() == []
+
+
+async def test_a_snapshot_ends_what_the_file_held_open_and_closes_its_outbox(
+    log: EventLog, db: Path
+) -> None:
+    """A claim catches a file up from a snapshot (`Batch.merge`): a handoff the file held open
+    that the snapshot knows by its tombstone alone ended under another owner. Its row ends as
+    the tombstone says and keeps the prefix of its history the file had, and none of its actions
+    is in the backlog a claim publishes again: the owner that ended it published them, and a
+    claim that published its `SubmitPrefill` again (seed 5 of `kvhandoff sim`) started work at
+    an engine for a handoff that had ended. One the snapshot does not know is dropped; one it
+    holds open keeps its backlog."""
+    ended, first = started(1_000)
+    forgotten, second = started(1_000)
+    live, third = started(2_000)
+    await log.commit(merged(first, second, third))
+    tombstone = Tombstone(ended.id, HandoffState.SUCCEEDED.value, 5_000, [])
+    snapshot = LiveState([live.row], [(live.id, -1, None)], batch_of(live, third).events)
+    snapshot.tombstones.append(tombstone)
+    await log.commit(Batch(merge=snapshot))
+
+    assert await log.unpublished_actions() == [
+        UnpublishedAction(live.row, e.seq, e.record)
+        for e in live.events
+        if isinstance(e.record, ActionRecord)
+    ]
+    assert set(readable(await log.open_handoffs())) == {live.id}
+    loaded = readable(await log.load([ended.id, forgotten.id]))
+    assert set(loaded) == {ended.id}
+    row = loaded[ended.id].handoff
+    assert (row.state, row.completed_at_ms, row.last_seq) == (HandoffState.SUCCEEDED, 5_000, 1)
+    assert [(e.seq, e.record) for e in loaded[ended.id].events] == [
+        (e.seq, e.record) for e in ended.events
+    ]
+    assert all(e.published_at_ms == 5_000 for e in loaded[ended.id].events if e.seq > 0)
+    with open_log(db) as reader:
+        assert reader.disagreeing_tombstones() == []
 
 
 async def test_open_handoffs_are_the_open_ones_with_their_logs(log: EventLog) -> None:

@@ -174,8 +174,9 @@ class Batch:
     meta: dict[str, str] = field(default_factory=dict)
     # A snapshot's live state, written first: its handoffs' rows and events are added where
     # the file lacks them, and what the file holds open that the snapshot does not is ended
-    # (as its tombstone says) or, if the snapshot does not know it, dropped: it ended where
-    # the file never saw, more than a tombstone's life ago.
+    # (as its tombstone says, its outbox closed: the owner that ended it published its
+    # actions) or, if the snapshot does not know it, dropped: it ended where the file never
+    # saw, more than a tombstone's life ago.
     merge: LiveState | None = None
 
     def append_input(self, seq: int, record: InputRecord, key: str | None = None) -> None:

@@ -159,10 +159,16 @@ _PUT_TOMBSTONE = """
 INSERT INTO tombstones (handoff_id, state, completed_at_ms, digests) VALUES (?, ?, ?, ?)
 ON CONFLICT (handoff_id) DO NOTHING
 """
-# A handoff the file holds open that ended in entries it never had.
+# A handoff the file holds open that ended in entries it never had. Its outbox closes: the owner
+# that ended it published its actions, and what the file holds unmarked of them would, published
+# again by a claim, start work at an engine for a handoff that has ended (its answer would come
+# back as a late input). Its events stay, a prefix of its history that rebuilds it unfinished:
+# the planner knows it by its tombstone (worker.tier.planner, `Planner.plan`).
 _END_BY_TOMBSTONE = """
-UPDATE handoffs SET state = ?, completed_at_ms = ?, updated_at_ms = ?
-WHERE handoff_id = ? AND state = 'open'
+UPDATE handoffs SET state = ?1, completed_at_ms = ?2, updated_at_ms = ?2,
+    published_at_ms = CASE WHEN published_seq < last_seq THEN ?2 ELSE published_at_ms END,
+    published_seq = max(published_seq, last_seq)
+WHERE handoff_id = ?3 AND state = 'open'
 """
 _QUARANTINE = (
     f"UPDATE handoffs SET state = '{HandoffState.QUARANTINED}', updated_at_ms = ?"
@@ -921,8 +927,7 @@ def _merge(db: sqlite3.Connection, state: LiveState) -> None:
     for hid in stale:
         tombstone = ended.get(hid)
         if tombstone is not None:
-            at = tombstone.completed_at_ms
-            db.execute(_END_BY_TOMBSTONE, (tombstone.state, at, at, hid))
+            db.execute(_END_BY_TOMBSTONE, (tombstone.state, tombstone.completed_at_ms, hid))
             continue
         db.execute(
             "DELETE FROM events WHERE handoff_key = "

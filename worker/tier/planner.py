@@ -40,6 +40,9 @@ Invariants
 - Early inputs (a fact before the input it depends on, or for a handoff not started yet) wait
   for a redelivery, but at most `defer_budget` at once and for at most `DEFER_LIMIT` deliveries:
   each one holds an unacknowledged slot of the consumer while it waits.
+- A handoff that ended is never reopened from a prefix of its history: one whose file row
+  ended by a snapshot's tombstone (its end is in entries the file never had) is answered by
+  that tombstone, as if the file lacked its rows (`Planner._ended_elsewhere`).
 - If the plan's rows are not appended (fenced, or in doubt), memory is ahead of the log: the
   service rebuilds the handoffs from the log (`adopt`) at the next claim, before it plans again.
 """
@@ -79,6 +82,7 @@ REJECTED_PAYLOAD_LIMIT = 2048  # bytes of a refused input quoted in its publishe
 # Bytes of a refused input kept in the log: any more, and one input of the bus's largest size
 # (a megabyte by default) would make a log entry larger than the bus carries (worker.tier.service).
 LOGGED_PAYLOAD_LIMIT = 64 * 1024
+_ENDED = (HandoffState.SUCCEEDED, HandoffState.CANCELED)
 
 
 class Delivery(Protocol):
@@ -154,6 +158,9 @@ class _Round:
     deliveries: Sequence[Delivery]
     now_ms: int
     now_s: float
+    # Handoffs loaded for this plan that ended in entries their file never had, by the
+    # tombstone they are known by (see `_ended_elsewhere`).
+    ended: dict[UUID, Tombstone] = field(default_factory=dict)
 
 
 class Planner:
@@ -173,8 +180,8 @@ class Planner:
         self.open: dict[UUID, OpenHandoff] = {}
         self.quarantined: set[UUID] = set()
         # Handoffs that ended lately, for a late input that names one whose rows the local
-        # file lacks (it was caught up from a snapshot): see `_too_late`. The worker cuts it to
-        # its --tombstone-ttl (None: keeps none), oldest first.
+        # file lacks, or holds in part (it was caught up from a snapshot): see `_too_late`.
+        # The worker cuts it to its --tombstone-ttl (None: keeps none), oldest first.
         self.tombstone_ttl_ms = tombstone_ttl_ms
         self.tombstones: dict[UUID, Tombstone] = {}
         # Early inputs waiting for their redelivery: stream sequence -> when it is due back.
@@ -226,7 +233,13 @@ class Planner:
         r = _Round(Plan(), deliveries, now_ms, now_s)
         self._forget_tombstones(now_ms)
         # Handoffs loaded only to check an input against their log leave memory again.
-        visiting = self.adopt(loaded.values(), r.plan.batch, now_ms)
+        visiting = []
+        for adopted in self.adopt(loaded.values(), r.plan.batch, now_ms):
+            if (tombstone := self._ended_elsewhere(adopted)) is None:
+                visiting.append(adopted)
+            else:
+                del self.open[tombstone.handoff_id]
+                r.ended[tombstone.handoff_id] = tombstone
         touched: dict[UUID, OpenHandoff] = {}
         for index, item in enumerate(decoded.items):
             if isinstance(item, Refusal):
@@ -242,6 +255,25 @@ class Planner:
                     r.plan.left_memory.append(handoff_id)
                 self._entomb(handoff, r.plan, now_ms)
         return r.plan
+
+    def _ended_elsewhere(self, handoff: OpenHandoff) -> Tombstone | None:
+        """The tombstone a loaded handoff is known by if it ended in entries its file never had
+        (its row says it ended, but its events rebuild it unfinished), else None. A claim that
+        caught the file up from a snapshot ended the row the file held open as the snapshot's
+        tombstone says, and kept the prefix of its history the file had (`Batch.merge`,
+        worker.log.store). Rebuilt from that prefix, it would take a late input (a redelivered
+        outcome) as new and reopen; so its tombstone answers instead (`_too_late`): the
+        planner's, which holds the digests of all its inputs, or, past its life, one made from
+        its row, which holds those of the prefix."""
+        row = handoff.row
+        if row.state not in _ENDED or handoff.coordinator.is_complete:
+            return None
+        handoff_id = handoff.start.handoff_id
+        tombstone = self.tombstones.get(handoff_id)
+        if tombstone is None:
+            ended_ms = row.completed_at_ms or row.updated_at_ms
+            tombstone = Tombstone(handoff_id, row.state_name, ended_ms, sorted(handoff.digests))
+        return tombstone
 
     def _entomb(self, handoff: OpenHandoff, plan: Plan, now_ms: int) -> None:
         """Keep the tombstone of a handoff that ended, for its life (see `tombstones`), and
@@ -314,7 +346,10 @@ class Planner:
             self._reject(r, index, handoff_id, "handoff is quarantined", label="quarantined")
             return None
         handoff = self.open.get(handoff_id)
-        if handoff is None and (tombstone := self.tombstones.get(handoff_id)) is not None:
+        if (
+            handoff is None
+            and (tombstone := r.ended.get(handoff_id, self.tombstones.get(handoff_id))) is not None
+        ):
             self._too_late(r, index, message, tombstone)
             return None
         if handoff is None:
