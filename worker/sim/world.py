@@ -36,6 +36,7 @@ from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.config import TierConfig, WorkerConfig
 from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
+from kvhandoff.worker.engines.report import EnginesReport, settled
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
 from kvhandoff.worker.sim import faults, natspy, plants
 from kvhandoff.worker.sim import loop as simloop
@@ -290,9 +291,10 @@ class _Run:
 
     # The engines: one host of every engine of the roster, restarted after a crash.
 
-    async def start_engines(self) -> None:
+    async def start_engines(self) -> MockEngines:
+        """The engines' host, started if it is down."""
         if self.engines is not None:
-            return
+            return self.engines[2]
         self.cluster.network.up("engines")
         process = self.process("engines")
         with ambient.using(process):
@@ -300,6 +302,7 @@ class _Run:
             engines = MockEngines(connection, EnginesConfig(faults=self.plan.engines))
             await engines.start()
         self.engines = (process, connection, engines)
+        return engines
 
     def crash_engines(self) -> None:
         """SIGKILL: its engines hold nothing any more, and their leases lapse."""
@@ -308,6 +311,18 @@ class _Run:
             self.loop.crash(process)
             self.cluster.network.down("engines")
             self.engines = None
+
+    async def settle_engines(self, within_s: float) -> EnginesReport:
+        """The engines' report once they hold blocks only for decodes still running, or after
+        `within_s`: what they leaked (the frontend's own report misses a host that was down
+        when it asked)."""
+        engines = await self.start_engines()
+        give_up_at = self.loop.time() + within_s
+        while True:
+            report = engines.report()
+            if settled([report]) or self.loop.time() >= give_up_at:
+                return report
+            await asyncio.sleep(0.1)  # decodes end in their own time
 
     async def stop_engines(self) -> None:
         if self.engines is not None:
@@ -347,6 +362,9 @@ async def _run(
     )
     report = await run.spawn(run.process("frontend"), lambda: run_load(load))
     await director
+    engines = await run.settle_engines(within_s=10.0)
+    if engines.leaks:
+        run.failures.append(f"the engines leaked {len(engines.leaks)} blocks: {engines.leaks}")
     for slot in run.slots.values():
         await run.stop_worker(slot)
     await run.stop_engines()
@@ -391,13 +409,8 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         # While the workers' files are still there.
         checked = check_run(history, Path(workdir), load=report)
         loop.bury()
-    if report.timed_out or report.unreported:
-        violations.append(
-            f"{report.timed_out} handoffs did not end within the quiet phase"
-            f" ({len(report.unreported)} unreported)"
-        )
-    if report.leaks:
-        violations.append(f"the engines leaked {report.leaks} blocks: {report.leak_details}")
+    if report.timed_out:
+        violations.append(f"{report.timed_out} handoffs did not end within the quiet phase")
     violations += checked
     return Outcome(
         seed=scenario.seed,
