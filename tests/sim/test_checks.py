@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 from kvhandoff.events.codec import encode
+from kvhandoff.events.leases import EngineLease
 from kvhandoff.events.messages import EngineType, StartHandoff, TimedOut
 from kvhandoff.events.records import InputRecord
 from kvhandoff.worker.log.rows import Batch, HandoffRow
@@ -50,6 +51,7 @@ class _Builder:
         self.history = History()
         self._index = 0
         self._seq: dict[str, int] = {}
+        self.later_s = 0.0  # added to each record's time (`index / 10`): a wait, by hand
 
     def _next(self) -> int:
         self._index += 1
@@ -60,7 +62,8 @@ class _Builder:
     ) -> StoredMessage:
         seq = self._seq[stream] = self._seq.get(stream, 0) + 1
         index = self._next()
-        stored = StoredMessage(index, index / 10, stream, subject, seq, headers, payload)
+        at = index / 10 + self.later_s
+        stored = StoredMessage(index, at, stream, subject, seq, headers, payload)
         self.history.stored.append(stored)
         return stored
 
@@ -237,6 +240,73 @@ def test_a_timer_published_before_its_deadline_is_caught() -> None:
     ]
 
 
+LEASES = f"KV_{NAMES.lease_bucket}"
+
+
+def _lease(built: _Builder, engine: str, *, ttl_s: float = 5.0) -> None:
+    lease = EngineLease(engine_id=engine, incarnation="i", ttl_ms=int(ttl_s * 1000))
+    headers = {"Nats-TTL": f"{ttl_s:g}s"}
+    built.store(LEASES, f"$KV.{NAMES.lease_bucket}.{engine}", msgspec.json.encode(lease), headers)
+
+
+def _expired(built: _Builder, engine: str) -> None:
+    headers = {"Nats-Marker-Reason": "MaxAge", "Nats-Rollup": "sub", "Nats-TTL": "86400s"}
+    built.store(LEASES, f"$KV.{NAMES.lease_bucket}.{engine}", b"", headers)
+
+
+def _started(built: _Builder, cas: int, *, source: str = "a", destination: str = "b") -> None:
+    batch = Batch()
+    start = StartHandoff(HANDOFF, EngineType.VLLM, source, destination, deadline_ms=10_000)
+    batch.append_input(0, InputRecord(0, start))
+    batch.upsert_handoff(
+        HandoffRow(HANDOFF, "vllm", source, destination, 0, 10_000, HandoffState.OPEN, None, 0, 0)
+    )
+    built.entry(0, _appended(1, [], batch), cas=cas)
+
+
+def _leases(built: _Builder) -> list[str]:
+    return checks.check_leases(
+        built.history, checks.ReplicatedLog.read(built.history, NAMES), NAMES
+    )
+
+
+def test_a_start_naming_an_engine_expired_for_a_lease_ttl_is_caught() -> None:
+    built = _Builder()
+    _lease(built, "a")
+    _lease(built, "b")
+    built.entry(0, _claimed(1), cas=0)
+    _expired(built, "b")  # at 0.4s
+    built.later_s = 5.0  # the start comes 5.1s later: past the TTL of 5s
+    _started(built, cas=1)
+    assert _leases(built) == [
+        f"handoff {HANDOFF}: partition 0: Appended at seq 2 of kvhandoff.log.0 accepted its"
+        " start naming b at 5.500s, 5.100s after that engine's lease expired (its delete marker,"
+        f" seq 3 of $KV.{NAMES.lease_bucket}.b, at 0.400s), more than a lease TTL (5s): a start"
+        " naming an engine whose lease expired is rejected"
+    ]
+
+
+def test_a_start_within_a_lease_ttl_of_the_expiry_or_after_a_new_lease_passes() -> None:
+    # The watch may deliver the marker late, by up to a TTL: a start meanwhile is no breach.
+    built = _Builder()
+    _lease(built, "a")
+    _lease(built, "b")
+    built.entry(0, _claimed(1), cas=0)
+    _expired(built, "b")
+    built.later_s = 4.9
+    _started(built, cas=1)
+    assert _leases(built) == []
+    # Nor is one after the engine took its lease again, however long after.
+    built = _Builder()
+    _lease(built, "b")
+    built.entry(0, _claimed(1), cas=0)
+    _expired(built, "b")
+    built.later_s = 60.0
+    _lease(built, "b")
+    _started(built, cas=1, source="b", destination="b")
+    assert _leases(built) == []
+
+
 # --- A real run, and its mutations -----------------------------------------------------------
 
 
@@ -272,7 +342,10 @@ def test_a_real_run_breaks_no_invariant(run: _Run) -> None:
     # What it checked: every kind of entry, every handoff, every partition's file.
     kinds = {type(logged.entry).__name__ for logged in log.entries}
     assert kinds == {"Claimed", "Appended", "HandedOver", "Snapshot"}
-    assert run.outcome.load is not None and len(log.events) == run.outcome.load.handoffs
+    # Every handoff but those whose start was rejected (an engine whose lease expired): those
+    # leave a rejection, no events.
+    load = run.outcome.load
+    assert load is not None and len(log.events) == load.handoffs - load.rejected
     assert len(list(run.files.rglob("partition-*.db"))) == world.Scenario(1).partitions
     assert checks.check_run(run.history, run.files, load=run.outcome.load) == []
 

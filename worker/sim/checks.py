@@ -26,6 +26,11 @@ each, naming the partition, the handoff, the input or the sequence, and what bro
   is, byte for byte, the one the log's rows hold under that handoff and sequence;
 - `check_timers`: a handoff's log holds at most one `TimedOut`, and no worker published one
   before the handoff's deadline by its own clock (the clock its timers read);
+- `check_leases`: no start naming an engine is accepted (logged as an input) once that engine's
+  lease has been expired, by the lease bucket's delete marker, for longer than one lease TTL with
+  no new lease since (docs/leases.md: "a start naming an engine whose lease expired is rejected
+  at once"; the TTL is the time allowed for the workers' watch to deliver the marker, as the tier
+  "learns within one lease TTL that an engine is gone");
 - `check_final_states`: replaying each handoff's logged inputs through the conformance core
   (`HandoffCoordinator`, by `events.replay`) re-derives its logged actions, and ends in the
   state its last row says; none is left open; and the frontend's count of handoffs by final
@@ -49,7 +54,8 @@ import msgspec
 
 from kvhandoff.events.codec import decode_action, decode_input, decode_record, join_record
 from kvhandoff.events.errors import LogCorrupt, ReplayDivergence
-from kvhandoff.events.messages import Action, HandoffCompletion, TimedOut
+from kvhandoff.events.leases import EngineLease
+from kvhandoff.events.messages import Action, HandoffCompletion, StartHandoff, TimedOut
 from kvhandoff.events.records import ActionRecord, InputRecord, LogRecord
 from kvhandoff.events.replay import find_divergence, rebuild
 from kvhandoff.events.subjects import (
@@ -82,6 +88,9 @@ from kvhandoff.worker.tier.entries import (
 )
 
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+# What marks a key's deletion in a KV bucket's stream: an expiry's delete marker, or a delete.
+_MARKER_REASON, _KV_OPERATION = "Nats-Marker-Reason", "KV-Operation"
+_LEASE = msgspec.json.Decoder(EngineLease)
 
 
 @dataclass(frozen=True)
@@ -91,10 +100,11 @@ class Names:
     prefix: str = Subjects().prefix
     input_stream: str = DEFAULT_STREAM
     log_stream: str = log_stream_of(DEFAULT_STREAM)
+    lease_bucket: str = Subjects().lease_bucket
 
     @classmethod
     def of(cls, tier: TierConfig, prefix: str) -> Names:
-        return cls(prefix, tier.stream, tier.log_stream)
+        return cls(prefix, tier.stream, tier.log_stream, Subjects(prefix).lease_bucket)
 
 
 @dataclass(frozen=True)
@@ -213,6 +223,7 @@ def check_run(
     if workdir is not None:
         violations += check_files(workdir, log)
     violations += check_timers(history, log, names)
+    violations += check_leases(history, log, names)
     violations += check_final_states(log, load)
     return violations
 
@@ -432,6 +443,55 @@ def check_timers(history: History, log: ReplicatedLog, names: Names) -> list[str
                 f" {published.at:.3f}s, {due_ms - published.wall_ms} ms before its deadline by"
                 " its own clock"
             )
+    return violations
+
+
+@dataclass(frozen=True)
+class _Expiry:
+    """An engine's lease gone: the bucket's delete marker, and the TTL of the lease before it."""
+
+    stored: StoredMessage
+    ttl_s: float
+
+
+def check_leases(history: History, log: ReplicatedLog, names: Names) -> list[str]:
+    """No start naming an engine is accepted a lease TTL after that engine's lease expired."""
+    stream, head = f"KV_{names.lease_bucket}", f"$KV.{names.lease_bucket}."
+    # By engine: its lease's TTL as last stored, and its changes in history order (None: a
+    # lease stored, so live; an `_Expiry`: gone).
+    ttl_s: dict[str, float] = {}
+    changes: dict[str, list[tuple[int, _Expiry | None]]] = {}
+    for stored in history.stored:
+        if stored.stream != stream or not stored.subject.startswith(head):
+            continue
+        engine = stored.subject.removeprefix(head)
+        headers = stored.headers or {}
+        if stored.payload and _MARKER_REASON not in headers and _KV_OPERATION not in headers:
+            with contextlib.suppress(msgspec.DecodeError):
+                ttl_s[engine] = _LEASE.decode(stored.payload).ttl_ms / 1000
+            changes.setdefault(engine, []).append((stored.index, None))
+        elif engine in ttl_s:
+            changes.setdefault(engine, []).append((stored.index, _Expiry(stored, ttl_s[engine])))
+    violations: list[str] = []
+    for handoff_id, events in log.events.items():
+        for event in events.values():
+            record = event.record
+            if not (isinstance(record, InputRecord) and isinstance(record.input, StartHandoff)):
+                continue
+            accepted = event.entry.stored
+            for engine in dict.fromkeys((record.input.source, record.input.destination)):
+                before = [c for at, c in changes.get(engine, []) if at < accepted.index]
+                expiry = before[-1] if before else None
+                if expiry is None or accepted.at - expiry.stored.at <= expiry.ttl_s:
+                    continue
+                violations.append(
+                    f"handoff {handoff_id}: {event.entry.where()} accepted its start naming"
+                    f" {engine} at {accepted.at:.3f}s, {accepted.at - expiry.stored.at:.3f}s"
+                    f" after that engine's lease expired (its delete marker, seq"
+                    f" {expiry.stored.seq} of {expiry.stored.subject}, at"
+                    f" {expiry.stored.at:.3f}s), more than a lease TTL ({expiry.ttl_s:g}s): a"
+                    " start naming an engine whose lease expired is rejected"
+                )
     return violations
 
 

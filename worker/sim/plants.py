@@ -262,7 +262,8 @@ def _snapshot_without_tombstones(original: Any, planting: Planting) -> Any:
 
 def _lease_expiry_ignored(original: Any, planting: Planting) -> Any:
     """`EngineLeases._on_entry` skipping a key without a value ("nothing to decode"): an
-    engine whose lease expired stays live to the tier, which never answers for it."""
+    engine whose lease expired stays live to the tier, which admits starts naming it and never
+    answers for it (until a new incarnation replaces it)."""
 
     def _on_entry(self: leases.EngineLeases, engine_id: str, value: bytes | None) -> None:
         if value is None:
@@ -384,7 +385,8 @@ _PLANTS: Sequence[Plant] = (
         leases.EngineLeases,
         "_on_entry",
         _lease_expiry_ignored,
-        "an engine that dies (its lease expires); liveness, and the engines' leaked blocks",
+        "the engines' host down past a lease TTL (its leases expire) while starts still name "
+        "its engines; the lease check: a start accepted a TTL after its engine's lease expired",
     ),
     Plant(
         "claim-forgets-applied",
