@@ -7,9 +7,14 @@ in a temporary directory), one host of the mock engines (`worker.engines.MockEng
 load generator as the frontend (`worker.loadgen`): the very code of the product, each in its own
 `SimProcess` (its clock, its ids, its host name), with nats-py pinned to the simulation
 (`worker.sim.natspy`). The load starts handoffs at `rate_per_s` for `duration_s` of virtual
-time, while the faults the seed drew happen (`worker.sim.faults`); then every fault heals, and the
-tier has `quiet_s` for every handoff to end. Then the workers stop, and the checkers
-(`worker.sim.checks`) read the history the model recorded and the workers' files.
+time, while the faults the seed drew happen (`worker.sim.faults`: `_Run.direct`); then every
+fault heals, and the tier has `quiet_s` for every handoff to end. The run then asks the engines
+what they still hold, stops the workers cleanly, and the checkers (`worker.sim.checks`) read
+the history the model recorded (`worker.sim.history`) and the workers' files.
+
+A worker that crashes is gone for good: the next incarnation of its slot (`_Slot`) is a new
+process under the same name, in a new directory holding a copy of its predecessor's files (or
+none: a new disk), since the dead one's file locks are never released in this process.
 
 Everything a run does follows from the seed: the same seed gives the same trace, byte for byte
 (`Outcome.trace_hash`), which is what makes a failure worth having: `kvhandoff sim --seed S`
