@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
 from kvhandoff.worker.clock import DURATION_HELP, duration_arg
+from kvhandoff.worker.sim import faults
 from kvhandoff.worker.sim.world import Outcome, Scenario, simulate
 
 _DEFAULTS = Scenario(seed=0)
@@ -60,6 +61,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="handoffs started per virtual second",
     )
     parser.add_argument("--no-faults", action="store_true", help="run without faults")
+    parser.add_argument(
+        "--faults",
+        metavar="KINDS",
+        type=_kinds,
+        help="give every seed these fault kinds and no others, comma-separated (one of: "
+        f"{', '.join(faults.KINDS)}); default: each seed draws its own",
+    )
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -84,7 +92,19 @@ def _scenario(args: argparse.Namespace, seed: int) -> Scenario:
         rate_per_s=args.rate,
         faults=not args.no_faults,
         plant=args.plant,
+        fault_kinds=args.faults,
     )
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(kind.strip() for kind in text.split(",") if kind.strip())
+    unknown = [kind for kind in kinds if kind not in faults.KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"no fault kind {', '.join(map(repr, unknown))}; the kinds are: "
+            f"{', '.join(faults.KINDS)}"
+        )
+    return kinds
 
 
 def _run_seeds(args: argparse.Namespace) -> int:
@@ -139,6 +159,8 @@ def replay_command(args: argparse.Namespace, seed: int) -> str:
     parts = ["kvhandoff sim", f"--seed {seed}"]
     if args.plant:
         parts.append(f"--plant {args.plant}")
+    if args.faults is not None:
+        parts.append(f"--faults {','.join(args.faults)}")
     for flag, value, default in [
         ("--workers", args.workers, _DEFAULTS.workers),
         ("--partitions", args.partitions, _DEFAULTS.partitions),

@@ -71,6 +71,8 @@ class Scenario:
     deadline_ms: int = 10_000  # each handoff's deadline, which the workers' timers keep
     faults: bool = True
     plant: str | None = None  # a planted bug (worker.sim.plants), by name
+    # The fault kinds every seed has, the others none (worker.sim.faults); None: drawn.
+    fault_kinds: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -391,6 +393,7 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
             workers=worker_names(scenario),
             nodes=cluster.hosts,
             duration_s=scenario.duration_s,
+            kinds=scenario.fault_kinds,
         )
     history = History()
     cluster.record(history)
