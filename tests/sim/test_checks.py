@@ -471,3 +471,29 @@ def test_a_last_row_the_core_disagrees_with_is_caught(run: _Run) -> None:
         f"the frontend saw {seen.succeeded} handoffs succeed and {seen.canceled} canceled; the"
         f" log ends {seen.succeeded - 1} succeeded and {seen.canceled + 1} canceled",
     ]
+
+
+def _unclaimed(built: _Builder, until_s: float) -> list[str]:
+    log = checks.ReplicatedLog.read(built.history, NAMES)
+    return checks.check_hand_overs_claimed(log, until_s=until_s, within_s=15.0)
+
+
+def test_a_partition_handed_over_and_never_claimed_again_is_caught() -> None:
+    built = _Builder()
+    built.entry(0, _claimed(1), cas=0)  # at 0.1 s
+    built.entry(0, HandedOver(epoch=1, owner="worker-1/i", at_ms=0), cas=1)  # at 0.2 s
+    built.entry(1, _claimed(1), cas=0)
+    [broke] = _unclaimed(built, until_s=30.0)
+    assert broke.startswith("partition 0: HandedOver at seq 2 of kvhandoff.log.0, at 0.20s")
+    # Within its time to be claimed again, a hand-over is not a breach yet.
+    assert _unclaimed(built, until_s=15.1) == []
+
+
+def test_a_hand_over_claimed_again_or_after_the_workers_began_to_stop_passes() -> None:
+    built = _Builder()
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, HandedOver(epoch=1, owner="worker-1/i", at_ms=0), cas=1)
+    built.entry(0, _claimed(2), cas=2)
+    built.later_s = 40.0  # the workers' own hand-overs as they stop, after `until_s`
+    built.entry(0, HandedOver(epoch=2, owner="worker-2/i", at_ms=0), cas=3)
+    assert _unclaimed(built, until_s=30.0) == []

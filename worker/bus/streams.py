@@ -9,7 +9,7 @@ changes the settings a spec names and keeps the others.
 Consumers. `create_pull_consumer` makes a durable pull consumer with explicit acks through the
 raw `$JS.API.CONSUMER.CREATE` request (nats-py has no priority groups), optionally with one
 priority group pinned to one client (ADR-42; see worker.bus.pull for how a Pull speaks it);
-`unpin` releases a group's pin, `pinned` tells whether a client holds it.
+`unpin` releases a group's pin, `pinned` tells whether a client holds it, `pin_of` whose it is.
 
 Reading. `last_message`/`last_sequence` read a subject's last message; `read_subject` reads
 every message of a subject through an ephemeral consumer, again until it reaches the last one
@@ -240,7 +240,9 @@ async def capture_unless_captured(bus: Bus, stream: str, subjects: str, max_age_
 
 async def unpin(bus: Bus, stream: str, consumer: str, group: str) -> None:
     """Release the pin of `group` on `consumer`, so the next puller is pinned at once
-    instead of after the priority timeout (a clean hand-over)."""
+    instead of after the priority timeout (a clean hand-over). Whoever holds it: the server
+    takes no pin id (ADR-42), so a caller that means to release its own pin reads whose it is
+    first (`pin_of`)."""
     await js_api(
         bus,
         f"$JS.API.CONSUMER.UNPIN.{stream}.{consumer}",
@@ -253,14 +255,22 @@ async def pinned(bus: Bus, stream: str, consumer: str, group: str) -> bool:
     """Whether a client holds the pin of `group` on `consumer` now (its consumer info names
     one). The server pins a client only when it delivers to it: a consumer with nothing to
     deliver has no pinned client, whoever pulls it."""
+    return await pin_of(bus, stream, consumer, group) is not None
+
+
+async def pin_of(bus: Bus, stream: str, consumer: str, group: str) -> str | None:
+    """The pin id of the client that holds the pin of `group` on `consumer` now, as its
+    consumer info names it; None if nobody holds it."""
     info = await js_api(
         bus,
         f"$JS.API.CONSUMER.INFO.{stream}.{consumer}",
         {},
         f"cannot read the pin of group {group!r} of {stream} / {consumer}",
     )
-    groups = info.get("priority_groups") or []
-    return any(g.get("group") == group and g.get("pinned_client_id") for g in groups)
+    for g in info.get("priority_groups") or []:
+        if g.get("group") == group and g.get("pinned_client_id"):
+            return str(g["pinned_client_id"])
+    return None
 
 
 async def ack_floor(bus: Bus, stream: str, consumer: str) -> int:

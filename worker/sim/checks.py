@@ -31,6 +31,10 @@ each, naming the partition, the handoff, the input or the sequence, and what bro
   no new lease since (docs/leases.md: "a start naming an engine whose lease expired is rejected
   at once"; the TTL is the time allowed for the workers' watch to deliver the marker, as the tier
   "learns within one lease TTL that an engine is gone");
+- `check_hand_overs_claimed`: a partition handed over (`HandedOver`) is claimed again
+  (docs/tier.md, "Vacant partitions": a partition that gets no input is claimed once nobody
+  has been pinned to it for the priority timeout), judged on the log as it stood when the
+  workers began to stop, for the hand-overs stored long enough before that;
 - `check_final_states`: replaying each handoff's logged inputs through the conformance core
   (`HandoffCoordinator`, by `events.replay`) re-derives its logged actions, and ends in the
   state its last row says; none is left open; and the frontend's count of handoffs by final
@@ -493,6 +497,22 @@ def check_leases(history: History, log: ReplicatedLog, names: Names) -> list[str
                     " start naming an engine whose lease expired is rejected"
                 )
     return violations
+
+
+def check_hand_overs_claimed(log: ReplicatedLog, until_s: float, within_s: float) -> list[str]:
+    """Every partition whose log, up to `until_s`, ends with a `HandedOver` stored more than
+    `within_s` before it: nobody claimed it since, so nobody times out or retries its open
+    handoffs (the owner's "Vacant partitions")."""
+    last: dict[int, LogEntry] = {}
+    for logged in log.entries:
+        if logged.stored.at <= until_s:
+            last[logged.partition] = logged
+    return [
+        f"{logged.where()}, at {logged.stored.at:.2f}s: nobody claimed the partition in the "
+        f"{until_s - logged.stored.at:.2f}s after it"
+        for logged in last.values()
+        if isinstance(logged.entry, HandedOver) and logged.stored.at < until_s - within_s
+    ]
 
 
 def check_final_states(log: ReplicatedLog, load: LoadReport | None = None) -> list[str]:

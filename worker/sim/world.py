@@ -45,7 +45,7 @@ from kvhandoff.worker.engines.report import EnginesReport, settled
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
 from kvhandoff.worker.sim import faults, natspy, plants
 from kvhandoff.worker.sim import loop as simloop
-from kvhandoff.worker.sim.checks import check_run
+from kvhandoff.worker.sim.checks import Names, ReplicatedLog, check_hand_overs_claimed, check_run
 from kvhandoff.worker.sim.faults import Fault, FaultPlan
 from kvhandoff.worker.sim.history import History
 from kvhandoff.worker.sim.nats.cluster import SimCluster
@@ -341,6 +341,10 @@ class _Run:
 
 
 _DELAY_S = (0.0005, 0.002)  # the network's delays when nothing is wrong with it
+# How soon after a hand-over its partition must be claimed again, once faults healed: the
+# priority timeout (3 s), a second for the vacancy poll, a membership key's TTL (5 s) for a
+# worker that woke or restarted at the heal, a round (1 s), and the claim's catch-up.
+_CLAIMED_WITHIN_S = 15.0
 
 
 def worker_names(scenario: Scenario) -> list[str]:
@@ -372,6 +376,10 @@ async def _run(
     engines = await run.settle_engines(within_s=10.0)
     if engines.leaks:
         run.failures.append(f"the engines leaked {len(engines.leaks)} blocks: {engines.leaks}")
+    # Before the workers stop: each hands its partitions over as it goes.
+    log = ReplicatedLog.read(history, Names())
+    now = asyncio.get_running_loop().time()
+    run.failures += check_hand_overs_claimed(log, until_s=now, within_s=_CLAIMED_WITHIN_S)
     for slot in run.slots.values():
         await run.stop_worker(slot)
     await run.stop_engines()

@@ -78,7 +78,9 @@ Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.tier.bala
 partition to another worker), the owner finishes the batch in hand, gives back what it holds
 (nak: redelivered at once), logs `HandedOver` if it had claimed (so that the next claim counts
 as a hand-over, not a takeover) and releases the pin (`Bus.unpin`), so the next owner is
-pinned at once rather than after the priority timeout.
+pinned at once rather than after the priority timeout; only its own pin, as the server's unpin
+drops whoever holds it (see `_release_pin`: an owner stopped while it waited would unpin the
+worker that owns the partition).
 
 Snapshots. Given a `SnapshotPolicy`, the owner replaces the partition's log by a snapshot of
 its state (`PartitionLog.snapshot`: a fenced roll-up) once after each claim, whenever
@@ -128,7 +130,7 @@ from typing import Literal, Protocol
 from kvhandoff.worker.ambient import monotonic_s
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.pull import Inbound, Pull
-from kvhandoff.worker.bus.streams import ack_floor, pinned, unacknowledged, unpin
+from kvhandoff.worker.bus.streams import ack_floor, pin_of, pinned, unacknowledged, unpin
 from kvhandoff.worker.errors import BusError, Fenced, PinMismatch, StoreError
 from kvhandoff.worker.tier.input_order import InputOrder
 from kvhandoff.worker.tier.metrics import TierMetrics
@@ -462,7 +464,7 @@ class PartitionOwner:
                 if self._since_snapshot:
                     await self._snapshot_handing_over()
                 await self.log.hand_over()  # before the unpin: before the next claim
-            await unpin(self._bus, self._stream, self._consumer, PRIORITY_GROUP)
+            await self._release_pin(pull.pin_id)
         except BusError as exc:
             logger.warning(
                 "partition %d: hand-over incomplete (%s); the next owner waits for the "
@@ -481,6 +483,21 @@ class PartitionOwner:
             self.log.owner,
             len(in_hand),
         )
+
+    async def _release_pin(self, pin_id: str | None) -> None:
+        """Unpin, if the pin is its own: the server's unpin drops whoever holds the pin. An
+        owner stopped while it waited for the pin (another worker's, whose pulls keep it), or
+        whose pin lapsed while it stalled, would otherwise unpin the worker that owns the
+        partition; that one would learn it only from a 423 on the next message, so if another
+        worker is pinned by that message, claims, and hands over in turn, the owner goes on
+        owning an idle partition on a claim the log has left behind, and the handoffs opened
+        since are never timed out. Between the read and the unpin its own pin could lapse and
+        another be given: after a priority timeout without its pulls, which a prompt stop
+        does not wait out."""
+        if pin_id is None:
+            return
+        if await pin_of(self._bus, self._stream, self._consumer, PRIORITY_GROUP) == pin_id:
+            await unpin(self._bus, self._stream, self._consumer, PRIORITY_GROUP)
 
     async def _snapshot_handing_over(self) -> None:
         """The snapshot of a clean hand-over, which the next owner reads and no more. A local

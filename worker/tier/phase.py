@@ -13,7 +13,7 @@ phase alone says what it may do next (see worker.tier.owner for each step):
                    came since: as OWNING, except that a pull refused with 423 means another
                    worker is pinned, and whose claim fences this one; it stops at once.
     HANDING_OVER   stopped, and the batch in hand finished: it gives back what it holds,
-                   logs `HandedOver` if it had claimed, and unpins.
+                   logs `HandedOver` if it had claimed, and unpins if pinned.
     HANDED_OVER    ended with a clean hand-over: the next claim counts as a hand-over.
     FENCED         ended because another worker's claim refused an append: it acts no more.
     RELEASED       ended otherwise: it failed, another worker was pinned to a partition it
