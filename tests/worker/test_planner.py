@@ -239,6 +239,44 @@ def test_a_late_input_for_a_handoff_known_by_its_tombstone_is_answered_as_its_lo
     assert [type(action).__name__ for _, _, action in plan.publish] == ["SubmitPrefill"]
 
 
+def test_a_handoff_that_reopens_is_known_by_no_tombstone_until_it_ends_again() -> None:
+    """A late `Canceled` reopens a handoff that succeeded (docs/handoff.md): from then on it is
+    open, and its tombstone says an ending it no longer has. A snapshot of the partition takes
+    the planner's tombstones: one taken while it was reopened carried the tombstone of its first
+    ending beside its open row (seed 200 of `kvhandoff sim`), and a file merged from it kept
+    that tombstone after the handoff ended canceled. The tombstone goes at the reopen, and the
+    ending after it leaves the tombstone of that ending, the newest, last."""
+    start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+    inputs = success_inputs(start, cancel_at=None)
+    subject = SUBJECTS.input(start.handoff_id)
+    ttl_ms = 300_000
+    planner = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+    log = MemoryLog()
+    other = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+    stream = [Delivery(encode(m), subject, 1, n) for n, m in enumerate(inputs)]
+    stream += [
+        Delivery(encode(m), SUBJECTS.input(other.handoff_id), 1, 100 + n)
+        for n, m in enumerate(success_inputs(other, cancel_at=None))
+    ]
+    log.commit(planner.plan(stream, planner.decode(stream), {}, NOW_MS, NOW_MS / 1000).batch)
+    assert planner.tombstones[start.handoff_id].state == "succeeded"
+
+    late = [Delivery(encode(Canceled(start.handoff_id)), subject, 1, 200)]
+    decoded = planner.decode(late)
+    loaded = log.load(planner.missing(decoded))
+    plan = planner.plan(late, decoded, loaded, NOW_MS + 1_000, NOW_MS / 1000 + 1)
+    log.commit(plan.batch)
+    assert log.rows[start.handoff_id].state == "open" and start.handoff_id in planner.open
+    assert start.handoff_id not in planner.tombstones and not plan.ended
+
+    # The engines answer the cleanup: it ends canceled, its tombstone the newest.
+    answers = [m for _, _, action in plan.publish for m in success_script(action)]
+    done = [Delivery(encode(m), subject, 1, 300 + n) for n, m in enumerate(answers)]
+    plan = planner.plan(done, planner.decode(done), {}, NOW_MS + 2_000, NOW_MS / 1000 + 2)
+    assert [t.state for t in plan.ended] == ["canceled"]
+    assert list(planner.tombstones) == [other.handoff_id, start.handoff_id]
+
+
 def test_a_handoff_whose_file_holds_its_log_only_up_to_another_owner_is_not_reopened() -> None:
     """A claim that caught a file up from a snapshot ended what the file held open as the
     snapshot's tombstones say, and kept the prefix of each one's history the file had

@@ -429,6 +429,40 @@ async def test_a_snapshot_ends_what_the_file_held_open_and_closes_its_outbox(
         assert reader.disagreeing_tombstones() == []
 
 
+async def test_a_snapshot_replaces_the_tombstones_of_a_handoff_that_reopened(
+    log: EventLog, db: Path
+) -> None:
+    """A handoff that succeeded may reopen on a late `Canceled` (docs/handoff.md) and end again,
+    canceled. A snapshot is the partition's state at its point in the log, newer than anything
+    a file it is merged into holds: a tombstone of a handoff it holds open is stale, and its
+    own tombstones replace the file's. A file that kept a tombstone of the first ending (seed
+    200 of `kvhandoff sim`: a snapshot taken while the handoff was reopened still carried it)
+    contradicted its own rows once the handoff ended canceled, and would answer a claim that
+    reads its tombstones (one without a snapshot) from the stale ending."""
+    reopened, batch = completed(1_000)
+    succeeded = Tombstone(reopened.id, HandoffState.SUCCEEDED.value, 1_000, [])
+    cleanup = reopened.feed(batch, Canceled(reopened.id), 2_000)
+    assert not reopened.coordinator.is_complete  # cleaning up after the reopen
+    reopened.row.state, reopened.row.completed_at_ms = HandoffState.OPEN, None
+    other, _ = completed(1_000)
+    stale = Tombstone(other.id, HandoffState.SUCCEEDED.value, 1_000, [])
+    snapshot = LiveState([reopened.row], [(reopened.id, -1, None)], batch.events, [succeeded])
+    await log.commit(Batch(merge=LiveState(tombstones=[stale])))
+    await log.commit(Batch(merge=snapshot))
+    assert await log.tombstones(0) == [stale]
+
+    later = Tombstone(other.id, HandoffState.CANCELED.value, 3_000, [])
+    await log.commit(Batch(merge=LiveState(tombstones=[later])))
+    assert await log.tombstones(0) == [later]
+
+    ending = Batch()
+    reopened.drive(ending, 3_000, *(i for a in cleanup for i in success_script(a)))
+    assert reopened.row.state is HandoffState.CANCELED
+    await log.commit(ending)
+    with open_log(db) as reader:
+        assert reader.disagreeing_tombstones() == []
+
+
 async def test_open_handoffs_are_the_open_ones_with_their_logs(log: EventLog) -> None:
     done, first = completed(1_000)
     gone, second = canceled(1_000)

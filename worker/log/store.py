@@ -155,9 +155,13 @@ _MERGE_EVENT = """
 INSERT OR IGNORE INTO events (handoff_key, seq, type, at_ms, record)
 VALUES ((SELECT handoff_key FROM handoffs WHERE handoff_id = ?), ?, ?, ?, ?)
 """
+# A snapshot is newer than whatever the file it is merged into holds (a claim merges one only
+# into a file behind it), so its tombstone replaces the file's: a handoff that reopened on a
+# late `Canceled` and ended again ended as the newer one says.
 _PUT_TOMBSTONE = """
 INSERT INTO tombstones (handoff_id, state, completed_at_ms, digests) VALUES (?, ?, ?, ?)
-ON CONFLICT (handoff_id) DO NOTHING
+ON CONFLICT (handoff_id) DO UPDATE SET
+    state = excluded.state, completed_at_ms = excluded.completed_at_ms, digests = excluded.digests
 """
 # A handoff the file holds open that ended in entries it never had. Its outbox closes: the owner
 # that ended it published its actions, and what the file holds unmarked of them would, published
@@ -947,13 +951,18 @@ def _merge(db: sqlite3.Connection, state: LiveState) -> None:
     db.executemany(
         _MARK_PUBLISHED, [(seq, at, str(h)) for h, seq, at in state.marks if at is not None]
     )
+    # A handoff the snapshot holds as a row has not ended (it may have reopened since the
+    # tombstone the file or the snapshot has of it): a tombstone kept beside its row would,
+    # once it ended again, say the earlier ending, to a claim that reads the file's tombstones.
     db.executemany(
         _PUT_TOMBSTONE,
         [
             (str(t.handoff_id), t.state, t.completed_at_ms, _DIGESTS_ENCODER.encode(t.digests))
             for t in state.tombstones
+            if str(t.handoff_id) not in known
         ],
     )
+    db.executemany("DELETE FROM tombstones WHERE handoff_id = ?", [(hid,) for hid in known])
 
 
 def _compact(db: sqlite3.Connection, before_ms: int) -> Compacted:

@@ -246,8 +246,12 @@ class Planner:
                 self._reject(r, index, item.handoff_id, item.reason, label=item.label)
             elif (handoff := self._apply(r, index, item)) is not None:
                 touched[item.handoff_id] = handoff
-        for handoff in touched.values():
+        for handoff_id, handoff in touched.items():
             r.plan.batch.upsert_handoff(handoff.row)  # its row as this batch leaves it
+            if not handoff.coordinator.is_complete:
+                # Reopened (a late `Canceled` after it succeeded), its tombstone says an ending
+                # it no longer has: a snapshot would carry it beside the open row (seed 200).
+                self.tombstones.pop(handoff_id, None)
         for handoff in [*touched.values(), *visiting]:
             if handoff.coordinator.is_complete:
                 handoff_id = handoff.start.handoff_id
@@ -286,6 +290,8 @@ class Planner:
             tombstone = Tombstone(
                 handoff.start.handoff_id, row.state_name, ended_ms, sorted(handoff.digests)
             )
+            # Last, as the newest: `_forget_tombstones` drops them in the order they ended.
+            self.tombstones.pop(tombstone.handoff_id, None)
             self.tombstones[tombstone.handoff_id] = tombstone
             plan.ended.append(tombstone)
 
