@@ -226,15 +226,20 @@ class JetStream:
         if isinstance(outcome, Refusal):
             self._refuse_publish(stream, reply, outcome)
         elif isinstance(outcome, Duplicate):
+            if self.history is not None and reply:
+                self.history.on_pub_acked(reply, stream.name, outcome.seq, duplicate=True)
             answer(self._hub, reply, {"stream": stream.name, "seq": outcome.seq, "duplicate": True})
         else:
             stored = stream.store(subject, headers, payload)
             self._ack(reply, {"stream": stream.name, "seq": stored.seq})
 
     def _ack(self, reply: str, body: Mapping[str, Any]) -> None:
-        """Acknowledge a stored message, unless the fault of a lost ack drops it."""
+        """Acknowledge a stored message, unless the fault of a lost ack drops it (the history
+        hears of the acks sent)."""
         if self.faults.lost_ack_rate and self._chance.random() < self.faults.lost_ack_rate:
             return
+        if self.history is not None and reply:
+            self.history.on_pub_acked(reply, body["stream"], body["seq"], duplicate=False)
         answer(self._hub, reply, body)
 
     def _refuse_publish(self, stream: Stream, reply: str, refusal: Refusal) -> None:
