@@ -23,7 +23,13 @@ from kvhandoff.events.records import InputRecord
 from kvhandoff.worker.log.rows import Batch, HandoffRow
 from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.sim import checks, world
-from kvhandoff.worker.sim.history import AckedMessage, History, Published, StoredMessage
+from kvhandoff.worker.sim.history import (
+    AckedMessage,
+    History,
+    PubAcked,
+    Published,
+    StoredMessage,
+)
 from kvhandoff.worker.tier.entries import (
     MARK_KEY,
     Appended,
@@ -81,10 +87,24 @@ class _Builder:
             AckedMessage(index, index / 10, NAMES.input_stream, "kvhandoff-worker-p0", seq, True)
         )
 
-    def publish(self, subject: str, payload: bytes, *, wall_ms: int) -> None:
+    def publish(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        wall_ms: int,
+        reply: str = "",
+        header: bytes | None = None,
+    ) -> None:
         index = self._next()
         self.history.published.append(
-            Published(index, index / 10, subject, "", None, payload, "worker-0", wall_ms)
+            Published(index, index / 10, subject, reply, header, payload, "worker-0", wall_ms)
+        )
+
+    def pub_ack(self, reply: str, stream: str, seq: int) -> None:
+        index = self._next()
+        self.history.pub_acked.append(
+            PubAcked(index, index / 10, reply, stream, seq, duplicate=False)
         )
 
 
@@ -237,6 +257,59 @@ def test_a_timer_published_before_its_deadline_is_caught() -> None:
     assert found == [
         f"handoff {HANDOFF}: worker-0 published TimedOut at 0.300s, 1 ms before its deadline by"
         " its own clock"
+    ]
+
+
+def _timed_out_by(built: _Builder, msg_id: str, reply: str, *, acked: bool) -> None:
+    """worker-0 publishes the handoff's TimedOut under `msg_id`, acknowledged or not."""
+    subject = f"kvhandoff.in.{HANDOFF}"
+    header = f"NATS/1.0\r\nNats-Msg-Id: {msg_id}\r\n\r\n".encode()
+    built.publish(
+        subject, encode(TimedOut(handoff_id=HANDOFF)), wall_ms=0, reply=reply, header=header
+    )
+    if acked:
+        built.pub_ack(reply, NAMES.input_stream, 1)
+
+
+def _timed_out_again(built: _Builder) -> list[str]:
+    return checks.check_timed_out_again(
+        built.history, checks.ReplicatedLog.read(built.history, NAMES), NAMES
+    )
+
+
+def _handoff_in_partition_0(built: _Builder) -> None:
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, _appended(1, [], _timed_out_rows([1])), cas=1)
+
+
+def test_a_timed_out_published_again_after_its_ack_is_caught() -> None:
+    built = _Builder()
+    _handoff_in_partition_0(built)
+    _timed_out_by(built, "a", "_INBOX.1", acked=True)
+    _timed_out_by(built, "b", "_INBOX.2", acked=False)
+    assert _timed_out_again(built) == [
+        f"handoff {HANDOFF}: worker-0 published TimedOut again at 0.500s (Nats-Msg-Id b),"
+        " though its previous TimedOut, at 0.300s, was acknowledged (the attempt at 0.300s),"
+        " and it did not claim partition 0 in between"
+    ]
+
+
+def test_a_timed_out_published_again_after_no_ack_or_a_claim_passes() -> None:
+    built = _Builder()
+    _handoff_in_partition_0(built)
+    # Two attempts of one publish, neither acknowledged: one publish, then a new one.
+    _timed_out_by(built, "a", "_INBOX.1", acked=False)
+    _timed_out_by(built, "a", "_INBOX.2", acked=False)
+    _timed_out_by(built, "b", "_INBOX.3", acked=True)
+    # Acknowledged, but worker-0 claimed the partition again before it fired again.
+    built.entry(0, Claimed(epoch=2, owner="worker-0/j", at_ms=0), cas=2)
+    _timed_out_by(built, "c", "_INBOX.4", acked=True)
+    assert _timed_out_again(built) == []
+    # Another worker's claim is no claim of worker-0's.
+    built.entry(0, _claimed(3), cas=3)
+    _timed_out_by(built, "d", "_INBOX.5", acked=False)
+    assert [v.split(" (Nats")[0] for v in _timed_out_again(built)] == [
+        f"handoff {HANDOFF}: worker-0 published TimedOut again at 1.100s"
     ]
 
 

@@ -26,6 +26,8 @@ each, naming the partition, the handoff, the input or the sequence, and what bro
   is, byte for byte, the one the log's rows hold under that handoff and sequence;
 - `check_timers`: a handoff's log holds at most one `TimedOut`, and no worker published one
   before the handoff's deadline by its own clock (the clock its timers read);
+- `check_timed_out_again`: a worker publishes a handoff's `TimedOut` again only if its previous
+  one went unacknowledged, or if it claimed the handoff's partition in between (below);
 - `check_leases`: no start naming an engine is accepted (logged as an input) once that engine's
   lease has been expired, by the lease bucket's delete marker, for longer than one lease TTL with
   no new lease since (docs/leases.md: "a start naming an engine whose lease expired is rejected
@@ -47,6 +49,7 @@ them against the core. Determinism: the checks iterate lists and dicts in insert
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sqlite3
 from collections import Counter
 from collections.abc import Iterable
@@ -75,7 +78,9 @@ from kvhandoff.worker.loadgen.generator import LoadReport
 from kvhandoff.worker.log.reader import SqliteLog
 from kvhandoff.worker.log.rows import HandoffRow
 from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.sim.history import History, StoredMessage
+from kvhandoff.worker.sim.history import History, Published, StoredMessage
+from kvhandoff.worker.sim.nats.jetstream.streams import MSG_ID
+from kvhandoff.worker.sim.nats.server import decode_header
 from kvhandoff.worker.tier.entries import (
     MARK_KEY,
     Appended,
@@ -227,6 +232,7 @@ def check_run(
     if workdir is not None:
         violations += check_files(workdir, log)
     violations += check_timers(history, log, names)
+    violations += check_timed_out_again(history, log, names)
     violations += check_leases(history, log, names)
     violations += check_final_states(log, load)
     return violations
@@ -446,6 +452,67 @@ def check_timers(history: History, log: ReplicatedLog, names: Names) -> list[str
                 f"handoff {timed_out}: {published.publisher} published TimedOut at"
                 f" {published.at:.3f}s, {due_ms - published.wall_ms} ms before its deadline by"
                 " its own clock"
+            )
+    return violations
+
+
+def check_timed_out_again(history: History, log: ReplicatedLog, names: Names) -> list[str]:
+    """A worker publishes a handoff's `TimedOut` again only when its previous one was not
+    acknowledged, or after it claimed the handoff's partition again.
+
+    What worker.tier.timers promises: "A deadline that passes while its handoff is still active
+    publishes `TimedOut` durably", and "A deadline whose `TimedOut` cannot be published (NATS
+    away) fires again a second later"; and a claim `rearm`s: "each adopted handoff's deadline is
+    its row's". So a deadline fires again only after its publish failed, or after a claim.
+
+    One publish is one `Nats-Msg-Id` (worker.bus.publish `publish_durable`: its retries carry
+    the same id, so the stream stores it once); it was acknowledged if JetStream sent a
+    `PubAck` to one of its attempts (`History.pub_acked`, by reply subject), a stored
+    message's or a duplicate's: the publish then returned, and its deadline is not put back.
+    A claim is a `Claimed` entry of the partition the handoff's events are logged in, whose
+    owner's label is the publisher's name, stored between the two publishes. An ack sent is
+    taken as received: the network's losses between them are those of a connection reset."""
+    subjects = Subjects(names.prefix)
+    answered = {acked.reply for acked in history.pub_acked}  # membership only, never iterated
+    claims: dict[tuple[str, int], list[int]] = {}  # (label, partition): their Claimed indexes
+    for logged in log.entries:
+        if isinstance(logged.entry, Claimed):
+            label = logged.entry.owner.rpartition("/")[0]
+            claims.setdefault((label, logged.partition), []).append(logged.stored.index)
+    # By publisher and handoff, its TimedOut publishes: by msg id, each one's attempts in order.
+    publishes: dict[tuple[str, UUID], dict[str, list[Published]]] = {}
+    for published in history.published:
+        handoff_id = subjects.input_handoff(published.subject)
+        if handoff_id is None or published.publisher is None:
+            continue
+        if b"timed_out" not in published.payload or published.header is None:
+            continue
+        try:
+            message = decode_input(published.payload)
+        except msgspec.DecodeError:
+            continue  # not the tier's: the worker rejects it, logged as a rejection
+        if not isinstance(message, TimedOut):
+            continue
+        msg_id = decode_header(published.header).get(MSG_ID, "")
+        by_id = publishes.setdefault((published.publisher, handoff_id), {})
+        by_id.setdefault(msg_id, []).append(published)
+    violations: list[str] = []
+    for (publisher, handoff_id), by_id in publishes.items():
+        events = log.events.get(handoff_id, {})
+        partition = next(iter(events.values())).entry.partition if events else None
+        claimed = claims.get((publisher, partition), []) if partition is not None else []
+        for (_, previous), (msg_id, again) in itertools.pairwise(by_id.items()):
+            acked = next((p for p in previous if p.reply and p.reply in answered), None)
+            if acked is None:
+                continue
+            since, until = previous[0].index, again[0].index
+            if any(since < index < until for index in claimed):
+                continue
+            violations.append(
+                f"handoff {handoff_id}: {publisher} published TimedOut again at"
+                f" {again[0].at:.3f}s (Nats-Msg-Id {msg_id}), though its previous TimedOut, at"
+                f" {previous[0].at:.3f}s, was acknowledged (the attempt at {acked.at:.3f}s), and"
+                f" it did not claim partition {partition} in between"
             )
     return violations
 

@@ -3,7 +3,7 @@
 Theory of operation. The checkers (worker.sim.checks) judge a run after it ended, from what
 happened rather than from what the tier says of itself, so the model records three kinds of
 event as they happen, through hooks that cost nothing when no `History` is attached
-(`SimCluster.record`):
+(`SimCluster.record`), and what JetStream answered a publish with:
 
 - `StoredMessage`: every message a stream stored (the JetStream model's store path, delete
   markers and atomic batches' messages included), even one that a later roll-up, limit or
@@ -12,9 +12,14 @@ event as they happen, through hooks that cost nothing when no `History` is attac
   stream sequence each (an ack policy `all` settles several: one record each), and whether it
   removed the message from a work-queue stream;
 - `Published`: every publish a client made (core or JetStream, as the server parsed it), with
-  the name and wall clock of the publishing process.
+  the name and wall clock of the publishing process;
+- `PubAcked`: every `PubAck` JetStream sent for a publish (a stored message's, a duplicate's,
+  an atomic batch commit's), by the reply subject the publish named (`Published.reply`: nats-py
+  asks each attempt on a reply subject of its own). A publish whose ack the lost-ack fault
+  dropped, that an election left unanswered, or that was refused has none. Sent is not
+  received: the network may still lose it on its way (a node's connection reset).
 
-Order. Each record gets the next `index` of one counter shared by the three kinds: "stored
+Order. Each record gets the next `index` of one counter shared by the four kinds: "stored
 before acknowledged" is a comparison of indexes, exact even between records of one virtual
 instant. `at` is the loop's (virtual) time, for the messages that report a violation.
 
@@ -77,13 +82,27 @@ class Published:
     wall_ms: int | None  # the publishing process's wall clock then, likewise
 
 
+@dataclass(frozen=True)
+class PubAcked:
+    """A `PubAck` JetStream sent, on the reply subject of the publish it answers."""
+
+    index: int
+    at: float
+    reply: str
+    stream: str
+    seq: int
+    duplicate: bool  # the publish was a duplicate of one already stored (its `Nats-Msg-Id`)
+
+
 @dataclass
 class History:
-    """Every `StoredMessage`, `AckedMessage` and `Published` of a run, each list in order."""
+    """Every `StoredMessage`, `AckedMessage`, `Published` and `PubAcked` of a run, each list in
+    order."""
 
     stored: list[StoredMessage] = field(default_factory=list)
     acked: list[AckedMessage] = field(default_factory=list)
     published: list[Published] = field(default_factory=list)
+    pub_acked: list[PubAcked] = field(default_factory=list)
     # The simulated processes by name (the host they connect from), so that a publish is
     # stamped with its publisher's own clock; the run registers each one it starts.
     processes: dict[str, Ambient] = field(default_factory=dict)
@@ -107,6 +126,11 @@ class History:
         """`consumer` of `stream` settled `seq`."""
         index, at = self._index()
         self.acked.append(AckedMessage(index, at, stream, consumer, seq, removed))
+
+    def on_pub_acked(self, reply: str, stream: str, seq: int, *, duplicate: bool) -> None:
+        """JetStream sent a `PubAck` (of `seq` in `stream`) to `reply`."""
+        index, at = self._index()
+        self.pub_acked.append(PubAcked(index, at, reply, stream, seq, duplicate))
 
     def on_published(
         self, subject: str, reply: str, header: bytes | None, payload: bytes, *, publisher: str

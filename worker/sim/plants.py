@@ -351,8 +351,8 @@ _PLANTS: Sequence[Plant] = (
         timers.HandoffTimers,
         "_expire",
         _timer_fires_twice,
-        "deadlines that fire (handoffs slower than their deadline: message delay or loss, a "
-        "short deadline); the timers-fire-once check",
+        "a deadline that fires while its handoff's TimedOut, published and acknowledged, waits "
+        "a second to be applied (silent engines, a backlog); the timed-out-again check",
     ),
     Plant(
         "timer-fires-early",

@@ -33,7 +33,9 @@ Faults (`Faults`, consulted on every publish): while `unavailable_until` (loop t
 passed, JetStream takes every message on its subjects and answers none and stores none (a
 stream's leader election, as a client sees it: its requests time out); and with
 `lost_ack_rate`, a stored message's acknowledgement is dropped by chance (the publish landed,
-its ack did not).
+its ack did not). An attached history hears of each message stored and each `PubAck` sent (a
+stored message's or a duplicate's), so that a check can tell an acknowledged publish from one
+whose ack was dropped.
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ class JetStream:
         self._api_errors = 0
         self.faults = Faults()
         self.consumers = consumers(hub, chance, self._streams)
-        self.history: History | None = None  # records every message stored (worker.sim.history)
+        self.history: History | None = None  # records what is stored and acked (worker.sim.history)
 
     @property
     def streams(self) -> Mapping[str, Stream]:
@@ -226,15 +228,20 @@ class JetStream:
         if isinstance(outcome, Refusal):
             self._refuse_publish(stream, reply, outcome)
         elif isinstance(outcome, Duplicate):
+            if self.history is not None and reply:
+                self.history.on_pub_acked(reply, stream.name, outcome.seq, duplicate=True)
             answer(self._hub, reply, {"stream": stream.name, "seq": outcome.seq, "duplicate": True})
         else:
             stored = stream.store(subject, headers, payload)
             self._ack(reply, {"stream": stream.name, "seq": stored.seq})
 
     def _ack(self, reply: str, body: Mapping[str, Any]) -> None:
-        """Acknowledge a stored message, unless the fault of a lost ack drops it."""
+        """Acknowledge a stored message, unless the fault of a lost ack drops it (the history
+        hears of the acks sent)."""
         if self.faults.lost_ack_rate and self._chance.random() < self.faults.lost_ack_rate:
             return
+        if self.history is not None and reply:
+            self.history.on_pub_acked(reply, body["stream"], body["seq"], duplicate=False)
         answer(self._hub, reply, body)
 
     def _refuse_publish(self, stream: Stream, reply: str, refusal: Refusal) -> None:
