@@ -200,8 +200,8 @@ class Steps(Protocol):
         was acted on (see "Snapshots"); asked only with a `SnapshotPolicy`."""
 
     def released(self) -> None:
-        """Told that the owner stopped owning the partition (handed over, fenced, or failed):
-        nothing of the coordinator may act for it after."""
+        """Told that the owner stopped owning the partition (handed over, fenced, its pin
+        lost, or failed): nothing of the coordinator may act for it after."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -637,6 +637,7 @@ class PartitionOwner:
             "another pin" if pin_id else "none",
         )
         self.phase.move(Event.PIN_LOST)
+        self._steps.released()  # another worker may apply its inputs: nothing acts on a stale claim
         pull.pin_id = None  # its pulls ask to be pinned anew, as after a 423
         # Nobody is pinned now: the vacancy counts from this read.
         self._vacant_since = None if pin_id else now
