@@ -74,6 +74,15 @@ If instead a pull is refused with 423 (another worker is pinned), the owner stop
 fenced at its next append anyway. The wait keeps a clean hand-over clean: the old owner logs
 `HandedOver` and unpins within a round of the balance rule, well inside the priority timeout.
 
+Lapsed pins. An owner learns that it lost its pin from a 423 or from a batch under another pin
+id, both of which need a delivery. If its pin lapses (it stalled, or NATS heard none of its
+pulls, past the priority timeout) and another worker is pinned by an input, claims, and hands
+back, a partition that gets no more input leaves it owning on a claim the log has left behind,
+and the handoffs opened since are never timed out. So an owner that has owned under its pin
+with no delivery for `claim_vacant_after_s` asks whose the pin is, once per that time (one
+consumer info per idle partition per period); if the consumer names another pin or none, it
+goes back to claiming (`pin_lost`): it waits for a pin, or claims once the partition is vacant.
+
 Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.tier.balance giving the
 partition to another worker), the owner finishes the batch in hand, gives back what it holds
 (nak: redelivered at once), logs `HandedOver` if it had claimed (so that the next claim counts
@@ -191,8 +200,8 @@ class Steps(Protocol):
         was acted on (see "Snapshots"); asked only with a `SnapshotPolicy`."""
 
     def released(self) -> None:
-        """Told that the owner stopped owning the partition (handed over, fenced, or failed):
-        nothing of the coordinator may act for it after."""
+        """Told that the owner stopped owning the partition (handed over, fenced, its pin
+        lost, or failed): nothing of the coordinator may act for it after."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +292,8 @@ class PartitionOwner:
         self._claim_vacant_after_s = claim_vacant_after_s  # see "Vacant partitions"
         self._vacant_since: float | None = None  # since when nobody was seen pinned (monotonic)
         self._vacancy_checked = 0.0
+        # The last delivery, claim or pin check while owning (monotonic): see "Lapsed pins".
+        self._pin_checked = 0.0
         self._metrics = metrics
         self._stream = stream
         self._consumer = consumer
@@ -393,9 +404,12 @@ class PartitionOwner:
                             continue
                         if self.phase.now is Phase.CLAIMING:
                             await self._claim_if_vacant()
+                        elif self.phase.now is Phase.OWNING:
+                            await self._check_pin(pull)
                         await self._snapshot_if_due()
                         await self._forget()
                         continue
+                    self._pin_checked = monotonic_s()
                     if self.phase.now is Phase.OWNING_UNPINNED:
                         # A claim made while vacant holds under the first pin: a claim by
                         # whoever was pinned in between would fence this owner at its next
@@ -598,6 +612,37 @@ class PartitionOwner:
             )
             await self._claim(None, vacant=True)
 
+    async def _check_pin(self, pull: Pull) -> None:
+        """Go back to claiming if, idle under its pin for `claim_vacant_after_s`, the owner
+        reads that the consumer names another pin or none (see "Lapsed pins")."""
+        now = monotonic_s()
+        if (
+            self._claim_vacant_after_s is None
+            or now - self._pin_checked < self._claim_vacant_after_s
+        ):
+            return
+        self._pin_checked = now
+        try:
+            pin_id = await pin_of(self._bus, self._stream, self._consumer, PRIORITY_GROUP)
+        except BusError as exc:
+            logger.info("partition %d: %s; checking the pin later", self.log.partition, exc)
+            return
+        if pin_id == self._pin_id:
+            return
+        logger.warning(
+            "partition %d: %s owns it under pin %s, but the consumer names %s; claiming anew",
+            self.log.partition,
+            self.log.owner,
+            self._pin_id,
+            "another pin" if pin_id else "none",
+        )
+        self.phase.move(Event.PIN_LOST)
+        self._steps.released()  # another worker may apply its inputs: nothing acts on a stale claim
+        pull.pin_id = None  # its pulls ask to be pinned anew, as after a 423
+        # Nobody is pinned now: the vacancy counts from this read.
+        self._vacant_since = None if pin_id else now
+        self._vacancy_checked = now
+
     async def _claim(
         self,
         pin_id: str | None,
@@ -616,6 +661,7 @@ class PartitionOwner:
         caught = await self.log.claim()
         self._applied = caught.applied
         self._pin_id = pin_id
+        self._pin_checked = monotonic_s()
         self._since_snapshot, self._snapshot_due = 0, True
         # Only now, with the old owner fenced, is what it left for good.
         left = await unacknowledged(self._bus, self._stream, self._consumer, held)

@@ -5,7 +5,8 @@ phase alone says what it may do next (see worker.tier.owner for each step):
 
     CLAIMING       it pulls and waits: for a pin (the first batch under a pin id it has not
                    claimed under), or for the partition to be vacant. It appends nothing,
-                   acts on nothing. Where every owner starts, and where a doubt sends it back.
+                   acts on nothing. Where every owner starts, and where a doubt or a lost
+                   pin sends it back.
     CATCHING_UP    it claims the partition's log (`PartitionLog.claim`), reads who left what
                    unacknowledged, and has the partition caught up (`Partition.claimed`).
     OWNING         claimed under the pin it pulls with: it decides, appends, acts, snapshots.
@@ -29,7 +30,8 @@ The moves (`Event`, a fact, past tense) and where each leads, per phase, are `MO
                      failed -> RELEASED
     OWNING           claim_began -> CATCHING_UP (pinned anew: someone may have owned it since)
                      doubted -> CLAIMING              fenced -> FENCED
-                     stopped -> HANDING_OVER          failed -> RELEASED
+                     pin_lost -> CLAIMING             stopped -> HANDING_OVER
+                     failed -> RELEASED
     OWNING_UNPINNED  pinned -> OWNING                 pin_taken -> RELEASED
                      doubted -> CLAIMING              fenced -> FENCED
                      stopped -> HANDING_OVER          failed -> RELEASED
@@ -39,7 +41,10 @@ The moves (`Event`, a fact, past tense) and where each leads, per phase, are `MO
 
 `doubted`: an append, a claim or a read of the bus failed without an answer (NATS out of
 reach): whether it landed is unknown, so the owner claims anew, which reads the log and learns
-it. `incomplete`: a step of the hand-over failed (a refused `HandedOver` included). `failed`:
+it. `pin_lost`: idle for a while, the owner read that the consumer names another pin than the
+one it claimed under, or none, so no delivery will tell it (see "Lapsed pins" in
+worker.tier.owner); it waits for a pin, or for the partition to be vacant, as at its start.
+`incomplete`: a step of the hand-over failed (a refused `HandedOver` included). `failed`:
 an error the owner does not handle ended it; its caller learns the error, the tier logs it and
 starts a new owner at its next round.
 
@@ -88,6 +93,7 @@ class Event(enum.Enum):
     CLAIMED_VACANT = "claimed_vacant"
     PINNED = "pinned"
     PIN_TAKEN = "pin_taken"
+    PIN_LOST = "pin_lost"
     DOUBTED = "doubted"
     FENCED = "fenced"
     STOPPED = "stopped"
@@ -119,6 +125,7 @@ MOVES: Mapping[Phase, Mapping[Event, Phase]] = _moves(
             Event.CLAIM_BEGAN: Phase.CATCHING_UP,
             Event.DOUBTED: Phase.CLAIMING,
             Event.FENCED: Phase.FENCED,
+            Event.PIN_LOST: Phase.CLAIMING,
             Event.STOPPED: Phase.HANDING_OVER,
             Event.FAILED: Phase.RELEASED,
         },
