@@ -71,7 +71,14 @@ class NatsServer:
         self._next_order = 1
         # Keyed by the subscription's order: iteration follows the order they were made.
         self._literal: dict[str, dict[int, _Subscription]] = {}
-        self._wildcard: dict[int, _Subscription] = {}
+        # The wildcard subscriptions by their literal prefix (the tokens before the first
+        # wildcard, joined by dots: "_INBOX.abc" for "_INBOX.abc.*"), then by order: a subject
+        # can only match those filed under one of its own prefixes, and the prefixes have few
+        # lengths (a reply inbox's is two tokens), so finding them reads a bucket or two, not
+        # every wildcard subscription (tens of reply inboxes).
+        self._wildcard: dict[str, dict[int, _Subscription]] = {}
+        # How many wildcard subscriptions have a prefix of each length, in tokens.
+        self._prefix_lengths: dict[int, int] = {}
         # The wildcard subscriptions matching a subject, by subject, as the server's sublist
         # caches them: most messages go to subjects seen before, and wildcard subscriptions
         # change rarely (each client's reply inbox, each pull's). Dropped when they change.
@@ -120,7 +127,9 @@ class NatsServer:
         if _is_literal(subscription.tokens):
             self._literal.setdefault(subject, {})[subscription.order] = subscription
         else:
-            self._wildcard[subscription.order] = subscription
+            prefix = _prefix(subscription.tokens)
+            self._wildcard.setdefault(".".join(prefix), {})[subscription.order] = subscription
+            self._prefix_lengths[len(prefix)] = self._prefix_lengths.get(len(prefix), 0) + 1
             self._wild_cache.clear()
         return subscription
 
@@ -128,12 +137,22 @@ class NatsServer:
         """Remove a subscription (again: nothing happens)."""
         if subscription.client.subscriptions.get(subscription.sid) is subscription:
             del subscription.client.subscriptions[subscription.sid]
-        literal = self._literal.get(subscription.subject)
-        if literal is not None:
-            literal.pop(subscription.order, None)
-            if not literal:
-                del self._literal[subscription.subject]
-        if self._wildcard.pop(subscription.order, None) is not None:
+        if _is_literal(subscription.tokens):
+            literal = self._literal.get(subscription.subject)
+            if literal is not None:
+                literal.pop(subscription.order, None)
+                if not literal:
+                    del self._literal[subscription.subject]
+            return
+        prefix = _prefix(subscription.tokens)
+        key = ".".join(prefix)
+        bucket = self._wildcard.get(key)
+        if bucket is not None and bucket.pop(subscription.order, None) is not None:
+            if not bucket:
+                del self._wildcard[key]
+            self._prefix_lengths[len(prefix)] -= 1
+            if not self._prefix_lengths[len(prefix)]:
+                del self._prefix_lengths[len(prefix)]
             self._wild_cache.clear()
 
     def _new_client_id(self) -> int:
@@ -162,11 +181,23 @@ class NatsServer:
         if wild is None:
             if len(self._wild_cache) >= _WILD_CACHE_SIZE:
                 self._wild_cache.clear()
-            tokens = subject.split(".")
-            wild = [s for s in self._wildcard.values() if _matches(s.tokens, tokens)]
+            wild = self._wild_matching(subject)
             self._wild_cache[subject] = wild
         if wild:
             found = sorted(found + wild, key=lambda s: s.order) if found else wild
+        return found
+
+    def _wild_matching(self, subject: str) -> list[_Subscription]:
+        """The wildcard subscriptions matching `subject`, in the order they were made."""
+        tokens = subject.split(".")
+        found: list[_Subscription] = []
+        for length in self._prefix_lengths:
+            # A wildcard stands for one token at least: a prefix is shorter than the subject.
+            bucket = self._wildcard.get(".".join(tokens[:length])) if length < len(tokens) else None
+            if bucket is not None:
+                found += [s for s in bucket.values() if _matches(s.tokens, tokens)]
+        if len(self._prefix_lengths) > 1:
+            found.sort(key=_by_order)
         return found
 
     def _route(
@@ -499,6 +530,15 @@ def _size(text: str) -> int:
 
 
 _WILD_CACHE_SIZE = 4096
+
+
+def _by_order(subscription: _Subscription) -> int:
+    return subscription.order
+
+
+def _prefix(tokens: list[str]) -> list[str]:
+    """A wildcard subscription's literal prefix: its tokens before the first wildcard."""
+    return tokens[: next(i for i, token in enumerate(tokens) if token in ("*", ">"))]
 
 
 def _is_literal(tokens: list[str]) -> bool:

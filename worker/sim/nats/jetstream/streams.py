@@ -44,6 +44,7 @@ import asyncio
 import base64
 import bisect
 import datetime
+import functools
 import heapq
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -55,6 +56,7 @@ from kvhandoff.worker.sim.nats.jetstream.api import Stored
 
 _NS = 1_000_000_000
 _DEFAULT_DUPLICATE_WINDOW_NS = 120 * _NS
+_FILTERS_KEPT = 256  # wildcard filters a stream keeps an index of (`Stream._by_filter`)
 # Headers the server reads on a publish (server/stream.go).
 MSG_ID = "Nats-Msg-Id"
 EXPECTED_STREAM = "Nats-Expected-Stream"
@@ -98,8 +100,10 @@ def subjects_collide(first: str, second: str) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4096)
 def is_literal(subject: str) -> bool:
-    return "*" not in subject.split(".") and ">" not in subject.split(".")
+    tokens = subject.split(".")
+    return "*" not in tokens and ">" not in tokens
 
 
 def partition(key: bytes, partitions: int) -> int:
@@ -323,6 +327,10 @@ class Stream:
         self._messages: dict[int, Stored] = {}  # in sequence order
         self._seqs: list[int] = []  # the held sequences, ascending
         self._by_subject: dict[str, list[int]] = {}  # each ascending
+        # For each wildcard filter read so far, the held subjects it matches with their lists
+        # (the very lists of `_by_subject`), kept as subjects come and go: a consumer's read
+        # of the next message then costs a lookup, not a match against every held subject.
+        self._by_filter: dict[str, dict[str, list[int]]] = {}
         self._bytes = 0
         self._last_seq = 0
         self._last_time_ns = 0
@@ -383,19 +391,38 @@ class Stream:
         del seqs[bisect.bisect_left(seqs, seq)]
         if not seqs:
             del self._by_subject[stored.subject]
+            for matching in self._by_filter.values():
+                matching.pop(stored.subject, None)
         self._bytes -= message_size(stored.subject, stored.headers, stored.payload)
         self._stored_at.pop(seq, None)
         self._ttls.pop(seq, None)
         return True
 
     def _subject_lists(self, filters: Sequence[str]) -> list[list[int]]:
-        if all(is_literal(f) for f in filters):
-            return [self._by_subject[f] for f in dict.fromkeys(filters) if f in self._by_subject]
-        return [
-            seqs
-            for subject, seqs in self._by_subject.items()
-            if any(subject_matches(subject, f) for f in filters)
-        ]
+        """The sequence lists of the held subjects some filter matches, each once."""
+        if len(filters) == 1:
+            return list(self._matching(filters[0]).values())
+        found: dict[str, list[int]] = {}
+        for one in filters:
+            found.update(self._matching(one))
+        return list(found.values())
+
+    def _matching(self, pattern: str) -> Mapping[str, list[int]]:
+        """The held subjects `pattern` matches, with their sequence lists."""
+        if is_literal(pattern):
+            seqs = self._by_subject.get(pattern)
+            return {} if seqs is None else {pattern: seqs}
+        matching = self._by_filter.get(pattern)
+        if matching is None:
+            if len(self._by_filter) >= _FILTERS_KEPT:
+                self._by_filter.clear()  # filters come from configurations: a bound, not a need
+            matching = {
+                subject: seqs
+                for subject, seqs in self._by_subject.items()
+                if subject_matches(subject, pattern)
+            }
+            self._by_filter[pattern] = matching
+        return matching
 
     # Configuration
 
@@ -520,7 +547,13 @@ class Stream:
         self._last_seq, self._last_time_ns = seq, stored.time_ns
         self._messages[seq] = stored
         self._seqs.append(seq)
-        self._by_subject.setdefault(subject, []).append(seq)
+        seqs = self._by_subject.get(subject)
+        if seqs is None:
+            seqs = self._by_subject[subject] = []
+            for pattern, matching in self._by_filter.items():
+                if subject_matches(subject, pattern):
+                    matching[subject] = seqs
+        seqs.append(seq)
         self._bytes += message_size(subject, held, payload)
         self._stored_at[seq] = self._clock.time()
         if ttl:
