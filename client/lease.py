@@ -14,7 +14,10 @@ Once the lease is no longer valid (the renewals failed: NATS cut off; or the pro
 and woke past it), the engine must assume that the tier has answered for it: `check` (called
 before the engine handles or publishes anything) and the renewal task both call `on_fence` once.
 The next renewal that succeeds takes a new incarnation, so that the tier tells what the engine
-held before the fence from what it takes after.
+held before the fence from what it takes after. Every attempt at a fresh lease carries the same
+new incarnation until one is stored: an attempt given up on may still be stored later (nats-py
+sends what it buffered while disconnected once it reconnects), and a next attempt under another
+incarnation would then replace it, which the tier reads as the engine gone once more.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Lease:
         self._connection = connection
         self._on_fence = on_fence
         self._valid_until = 0.0  # by monotonic_s
+        self._fresh: str | None = None  # the incarnation the next fresh lease takes
         self.fences = 0
 
     def valid(self) -> bool:
@@ -75,7 +79,9 @@ class Lease:
         while True:
             left_s = give_up_at - monotonic_s()
             try:
-                await self._renew(new_id(), give_up_s=max(left_s, _ACQUIRE_RETRY_S))
+                await self._renew(
+                    self._fresh_incarnation(), give_up_s=max(left_s, _ACQUIRE_RETRY_S)
+                )
                 return
             except Refused:
                 raise  # no later attempt would be let in
@@ -91,7 +97,7 @@ class Lease:
             await asyncio.sleep(period_s)
             self.check()
             fresh = self.incarnation is None
-            incarnation = self.incarnation or new_id()
+            incarnation = self.incarnation or self._fresh_incarnation()
             try:
                 await self._renew(incarnation)
             except BusUnavailable as exc:
@@ -117,7 +123,13 @@ class Lease:
             self._fence()
             return
         self.incarnation = incarnation
+        self._fresh = None
         self._valid_until = sent + self.ttl_s * (1.0 - FENCE_MARGIN)
+
+    def _fresh_incarnation(self) -> str:
+        if self._fresh is None:
+            self._fresh = new_id()
+        return self._fresh
 
     def _fence(self) -> None:
         logger.error(

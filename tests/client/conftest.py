@@ -10,6 +10,7 @@ import pytest
 from kvhandoff.client import Connection
 from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from tests.client.proxy import proxy  # noqa: F401  # a fixture, shared
 from tests.worker.conftest import nats_server, worker  # noqa: F401  # fixtures, reused
 
 Connect = Callable[..., Awaitable[Connection]]

@@ -5,8 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
-from kvhandoff.worker.harness.natsserver import free_port
+import pytest
+
+from kvhandoff.worker.harness.natsserver import EmbeddedNats, free_port
+
+
+@pytest.fixture
+async def proxy(nats_server: EmbeddedNats) -> AsyncIterator[CuttableProxy]:
+    """A proxy to the test's server, open; cut after the test however it ended, so that no
+    socket of it outlives the test."""
+    proxy = CuttableProxy(nats_server.port)
+    await proxy.open()
+    yield proxy
+    await proxy.cut()
 
 
 class CuttableProxy:

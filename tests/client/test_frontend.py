@@ -13,7 +13,6 @@ import pytest
 
 from kvhandoff.client import CompletionStatus, CompletionTimeout, Frontend
 from kvhandoff.events.messages import Complete, EngineType, HandoffCompletion, StartHandoff
-from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.conftest import Connect
 from tests.client.pair import DESTINATION, SOURCE, Pair
 from tests.client.proxy import CuttableProxy
@@ -97,15 +96,13 @@ async def test_a_wait_that_begins_after_the_completion_reads_it_from_the_stream(
 
 
 async def test_a_complete_that_went_by_during_a_reconnect_is_not_missed(
-    nats_server: EmbeddedNats, worker: WorkerProcess, connect: Connect
+    proxy: CuttableProxy, worker: WorkerProcess, connect: Connect
 ) -> None:
     engines = await connect()
     pair = Pair(engines)
     pair.activations.clear()  # the handoff cannot complete until the test says so
     await pair.start()
     observer = await Frontend.open(engines)
-    proxy = CuttableProxy(nats_server.port)
-    await proxy.open()
     frontend = await Frontend.open(await connect(proxy.url))
     handoff_id = await frontend.start(start_message())
     waiting = asyncio.create_task(frontend.wait(handoff_id, timeout_s=WAIT_S))
@@ -127,7 +124,6 @@ async def test_a_complete_that_went_by_during_a_reconnect_is_not_missed(
     assert isinstance(complete, Complete)
     assert complete.completion is HandoffCompletion.SUCCESS
     await pair.stop()
-    await proxy.cut()
 
 
 async def test_a_wait_with_no_completion_times_out_and_the_handoff_stays_open(

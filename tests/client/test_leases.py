@@ -46,10 +46,8 @@ def start_message(source: str = SOURCE) -> StartHandoff:
 
 
 async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answers_for_it(
-    worker: WorkerProcess, connect: Connect, nats_server: EmbeddedNats, tmp_path: Path
+    worker: WorkerProcess, connect: Connect, proxy: CuttableProxy, tmp_path: Path
 ) -> None:
-    proxy = CuttableProxy(nats_server.port)
-    await proxy.open()
     engines = Pair(
         await connect(proxy.url),
         destination_connection=await connect(),
@@ -99,7 +97,6 @@ async def test_an_engine_cut_off_past_its_lease_fences_itself_and_the_tier_answe
     assert engines.source.lease.incarnation not in (None, first_incarnation)
     assert engines.fenced == [handoff_id]  # nothing of the new incarnation's was fenced
     await engines.stop()
-    await proxy.cut()
 
 
 async def until_stuck_shows(db: Path, text: str) -> None:

@@ -18,6 +18,7 @@ from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EngineModel, EnginesConfig, Faults, MockEngines, Roster
 from kvhandoff.worker.harness.child import WorkerChild
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
+from tests.client.proxy import proxy  # noqa: F401  # a fixture, shared
 from tests.engines.harness import FAST, ONE_PAIR, WorkerSide
 
 

@@ -22,7 +22,6 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.engines import EngineModel, EnginesConfig, MockEngines
-from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from tests.client.proxy import CuttableProxy
 from tests.engines.harness import ONE_PAIR, PROMPT, SOURCE, WorkerSide, held
 from tests.eventually import until
@@ -32,10 +31,8 @@ SLOW = EngineModel(shortest_prompt=PROMPT, longest_prompt=PROMPT, prefill_tokens
 
 
 async def test_an_engine_whose_lease_lapsed_drops_its_handoffs_and_refuses_their_actions(
-    nats_server: EmbeddedNats, subjects: Subjects, worker_side: WorkerSide
+    proxy: CuttableProxy, subjects: Subjects, worker_side: WorkerSide
 ) -> None:
-    proxy = CuttableProxy(nats_server.port)
-    await proxy.open()
     bus = await Bus.connect(NatsSettings(url=proxy.url), "test-fenced-engines")
     config = EnginesConfig(roster=ONE_PAIR, model=SLOW, lease_ttl_s=1.0)
     engines = MockEngines(Connection(bus, subjects), config)
@@ -74,4 +71,3 @@ async def test_an_engine_whose_lease_lapsed_drops_its_handoffs_and_refuses_their
     await worker_side.expect(fresh, ActionOutcome(fresh, 0, SUBMITTED))
     await engines.stop()
     await bus.close()
-    await proxy.cut()

@@ -89,6 +89,20 @@ def test_an_expiry_and_a_new_incarnation_are_what_make_an_engine_gone() -> None:
     assert gone[-1] == ("prefill-1", "")
 
 
+def test_a_renewal_of_a_gone_incarnation_stored_late_does_not_revive_it() -> None:
+    # The engine was cut off: its last renewal of "a", buffered by its client, is stored once it
+    # is back, after the expiry; the engine itself fenced and renews as "b".
+    tier, _, gone = leases()
+    tier._on_entry(SOURCE, lease("a"))
+    tier._on_entry(SOURCE, None)
+    tier._on_entry(SOURCE, lease("a"))
+    assert (tier.state(SOURCE), gone) == (LeaseState.EXPIRED, [(SOURCE, "a")])
+
+    tier._on_entry(SOURCE, lease("b"))
+    tier._on_entry(SOURCE, lease("b"))
+    assert (tier.state(SOURCE), gone) == (LeaseState.LIVE, [(SOURCE, "a")])
+
+
 @pytest.mark.parametrize(
     ("require", "entry", "refusal"),
     [

@@ -8,7 +8,9 @@ its last message per key on, before the tier claims anything, so it knows at eve
 engines are live, which lost their lease (the bucket's delete marker), and which never held one.
 An engine's lease is *gone* when its key expired, or when a new incarnation replaced the one
 before it (a restarted engine, or one that fenced itself and came back): either way the engine
-that held the handoffs is no more, and it promised to drop them (`client.lease`).
+that held the handoffs is no more, and it promised to drop them (`client.lease`). A gone
+incarnation never comes back: a renewal of it stored late (sent before the engine was cut off)
+is ignored.
 
 For a gone engine, the owner of each open handoff involving it records, as ordinary inputs on
 the handoff's own input subject (so the log, replay and `verify` see them like any other):
@@ -186,6 +188,13 @@ class EngineLeases:
             lease = _DECODER.decode(value)
         except msgspec.DecodeError as exc:
             logger.warning("lease bucket: ignored the value of %s: %s", engine_id, exc)
+            return
+        if lease.incarnation == self._gone.get(engine_id):
+            # A renewal stored after its lease expired (sent before, delivered late): the engine
+            # fenced itself when it could not renew, and comes back under a new incarnation.
+            logger.info(
+                "engine %s: ignored a late renewal of gone %s", engine_id, lease.incarnation
+            )
             return
         before = self._live.get(engine_id)
         self._live[engine_id] = lease.incarnation
