@@ -80,16 +80,23 @@ async def test_a_reconnect_fails_the_acks_still_awaited(
     # A core subscriber that never answers stands in for a stream whose ack the reconnect
     # loses: the server sends no 503 (someone listens), so the ack stays awaited.
     silent = await nats.connect(nats_server.url, allow_reconnect=False)
+    subscribed = asyncio.Event()
     received = asyncio.Event()
 
-    async def never_answer(_: Msg) -> None:
-        received.set()
+    async def never_answer(msg: Msg) -> None:
+        (received if msg.data == b"its ack never comes" else subscribed).set()
 
     try:
         await silent.subscribe("silent.subject", cb=never_answer)
-        await silent.flush()
+        # Not `silent.flush()`: nats-py writes its PING ahead of the SUB still in its buffer,
+        # so the PONG does not prove that the server has the subscription, and the server may
+        # answer the publish below with a 503 (no one listens) before it reads the SUB. A
+        # message of `silent`'s own, written behind the SUB, comes back only once it has it.
+        await silent.publish("silent.subject", b"subscribed")
+        await asyncio.wait_for(subscribed.wait(), timeout=5.0)
         ack = await bus.publish_stored("silent.subject", b"its ack never comes")
         await asyncio.wait_for(received.wait(), timeout=5.0)
+        assert not ack.done(), ack  # someone listens: no 503, and no stream answers
         nats_server.stop(kill=True)
         await until_connected(bus, False)
         nats_server.start()
