@@ -206,6 +206,7 @@ class Pull:
         self.consumer = f"{stream} / {consumer}"
         self.group = group
         self.pin_id = pin_id
+        self.resets = 0  # reconnects since the Pull started (`reset`)
         self._bus = bus
         self._nc = bus._nc
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
@@ -334,7 +335,10 @@ class Pull:
 
     def reset(self) -> None:
         """Forget every open request (after a reconnect: a restarted server has none, and one
-        that stayed up resumes them, which costs at most a batch more than `max_ahead`)."""
+        that stayed up resumes them, which costs at most a batch more than `max_ahead`).
+        Counted in `resets`: what the server sent on the lost connection never arrives, and
+        comes again only after its ack wait, behind what is delivered on the new one."""
+        self.resets += 1
         self._pending = 0
         self._open.clear()
         self._changed.set()

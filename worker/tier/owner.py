@@ -60,7 +60,11 @@ claim, the owner reads what the consumer delivered and never had acknowledged
 (`Bus.unacknowledged`; what the owner holds itself is not read again, nearly all of it for a
 first batch over a backlog), keeps what the log does not say was applied (the orphans),
 and admits the inputs of each batch through `worker.tier.input_order.InputOrder`: an input waits,
-delivered but unacknowledged, until the orphans of its handoff before it are applied.
+delivered but unacknowledged, until the orphans of its handoff before it are applied. A
+reconnect orphans inputs too, without a change of owner: what the server sent on the lost
+connection comes again only after its ack wait, behind newer inputs delivered on the new one. So
+an owner whose pull was reset since its claim claims again before its next batch (a claim of its
+own: nobody else's append is fenced), and that claim reads the orphans.
 
 Vacant partitions. The server pins a client only when it delivers to it, so a partition that
 gets no input after it changed hands would wait for one before anyone claimed it, and the open
@@ -82,6 +86,10 @@ and the handoffs opened since are never timed out. So an owner that has owned un
 with no delivery for `claim_vacant_after_s` asks whose the pin is, once per that time (one
 consumer info per idle partition per period); if the consumer names another pin or none, it
 goes back to claiming (`pin_lost`): it waits for a pin, or claims once the partition is vacant.
+An owner that claimed while vacant and was never pinned since has no pin to ask about: another
+worker may have claimed the vacant partition too, and handed it back (the balance rule), which
+leaves no pin. So it reads instead, at the same pace, whether the log's last entry is still its
+own; if not, it claims anew (`doubted`).
 
 Hand-over. Stopped (a graceful shutdown, or the balance rule of worker.tier.balance giving the
 partition to another worker), the owner finishes the batch in hand, gives back what it holds
@@ -306,6 +314,7 @@ class PartitionOwner:
         self._forgot_at = 0.0  # when `_applied` was last cut to the ack floor (monotonic)
         self._floor = 0  # the ack floor read then: the next cut goes no higher (see `_forget`)
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
+        self._resets_claimed = 0  # the pull's reconnects as of the last claim (see "Order")
         # Where this owner is (worker.tier.phase): what it may do next, and how it ended.
         self.phase = PartitionPhase(log.partition)
         # The server's token for the pin the claim holds for (see "Pins" in worker.tier.streams): a
@@ -406,6 +415,8 @@ class PartitionOwner:
                             await self._claim_if_vacant()
                         elif self.phase.now is Phase.OWNING:
                             await self._check_pin(pull)
+                        elif self.phase.now is Phase.OWNING_UNPINNED:
+                            await self._check_claim(pull)
                         await self._snapshot_if_due()
                         await self._forget()
                         continue
@@ -416,8 +427,13 @@ class PartitionOwner:
                         # append.
                         self.phase.move(Event.PINNED)
                         self._pin_id = pull.pin_id
-                    if not self.phase.now.claimed or pull.pin_id != self._pin_id:
+                    if (
+                        not self.phase.now.claimed
+                        or pull.pin_id != self._pin_id
+                        or pull.resets != self._resets_claimed
+                    ):
                         await self._finish()  # a claim comes after the batch in flight
+                        self._resets_claimed = pull.resets
                         await self._claim(pull.pin_id, held=partial(_held, batch, pull))
                     await self._handle(batch)
                     if self._snapshot_due_now():
@@ -643,6 +659,34 @@ class PartitionOwner:
         self._vacant_since = None if pin_id else now
         self._vacancy_checked = now
 
+    async def _check_claim(self, pull: Pull) -> None:
+        """Claim anew if, idle since a vacant claim for `claim_vacant_after_s`, the owner reads
+        that another worker appended to the log since (see "Lapsed pins")."""
+        now = monotonic_s()
+        if (
+            self._claim_vacant_after_s is None
+            or now - self._pin_checked < self._claim_vacant_after_s
+        ):
+            return
+        self._pin_checked = now
+        try:
+            if not await self.log.superseded():
+                return
+        except BusError as exc:
+            logger.info("partition %d: %s; checking the claim later", self.log.partition, exc)
+            return
+        logger.warning(
+            "partition %d: %s claimed it while vacant, but another worker appended to its log "
+            "since; claiming anew",
+            self.log.partition,
+            self.log.owner,
+        )
+        self.phase.move(Event.DOUBTED)
+        self._steps.released()  # another worker may apply its inputs: nothing acts on a stale claim
+        pull.pin_id = None
+        self._vacant_since = None
+        self._vacancy_checked = now
+
     async def _claim(
         self,
         pin_id: str | None,
@@ -656,6 +700,9 @@ class PartitionOwner:
         delivery, so under no pin yet (see "Vacant partitions")."""
         self.phase.move(Event.CLAIM_BEGAN)
         if self.log.epoch:
+            # Claiming anew ends the claim before: its timers must not fire while the new one
+            # is on its way, or a deadline fires again once the claim rearms it.
+            self._steps.released()
             self.log = self.log.anew()  # pinned anew: someone may have owned it meanwhile
         began = monotonic_s()
         caught = await self.log.claim()

@@ -66,7 +66,7 @@ from kvhandoff.events.subjects import partition_log_subject
 from kvhandoff.worker.ambient import now_ms
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.publish import MAX_BATCH_MESSAGES
-from kvhandoff.worker.bus.streams import read_subject
+from kvhandoff.worker.bus.streams import last_sequence, read_subject
 from kvhandoff.worker.errors import BusError, Fenced
 from kvhandoff.worker.tier.entries import (
     LOG_VERSION,
@@ -281,6 +281,13 @@ class PartitionLog:
                 self.subject, parts, self._checked_last_seq(), timeout_s=self._append_timeout_s
             )
         )
+
+    async def superseded(self) -> bool:
+        """Whether another worker appended to the log since this owner's last append (one
+        read of the log's last sequence); `BusError` if it cannot be read."""
+        if self._last_seq is None or self.fenced:
+            return self.fenced
+        return await last_sequence(self._bus, self._stream, self.subject) != self._last_seq
 
     def _checked_last_seq(self) -> int:
         """The sequence the next append expects: claimed, and not fenced."""
