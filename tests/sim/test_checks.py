@@ -26,6 +26,7 @@ from kvhandoff.worker.sim import checks, world
 from kvhandoff.worker.sim.history import (
     AckedMessage,
     History,
+    NakedMessage,
     PubAcked,
     Published,
     StoredMessage,
@@ -85,6 +86,12 @@ class _Builder:
         index = self._next()
         self.history.acked.append(
             AckedMessage(index, index / 10, NAMES.input_stream, "kvhandoff-worker-p0", seq, True)
+        )
+
+    def nak(self, seq: int) -> None:
+        index = self._next()
+        self.history.naked.append(
+            NakedMessage(index, index / 10, NAMES.input_stream, "kvhandoff-worker-p0", seq)
         )
 
     def publish(
@@ -193,6 +200,29 @@ def test_an_input_applied_twice_or_in_another_partition_is_caught() -> None:
         " partition 1: Appended at seq 4 of kvhandoff.log.1",
         "partition 1: Appended at seq 4 of kvhandoff.log.1 applies input 9, which was never stored",
     ]
+
+
+def test_a_handoffs_input_applied_after_one_stored_later_is_caught() -> None:
+    built = _Builder()
+    orphan, newer = built.input(0).seq, built.input(0).seq
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, _appended(1, [newer]), cas=1)
+    built.entry(0, _appended(1, [orphan]), cas=2)
+    assert _violations(built) == [
+        f"handoff {HANDOFF}: input {orphan} is applied by partition 0: Appended at seq 3 of "
+        f"kvhandoff.log.0, after input {newer}, stored later, by partition 0: Appended at seq 2"
+        " of kvhandoff.log.0: out of stream order, and no nak gave it back"
+    ]
+
+
+def test_an_input_a_nak_gave_back_may_come_after_newer_ones() -> None:
+    built = _Builder()
+    early, newer = built.input(0).seq, built.input(0).seq
+    built.nak(early)
+    built.entry(0, _claimed(1), cas=0)
+    built.entry(0, _appended(1, [newer]), cas=1)
+    built.entry(0, _appended(1, [early]), cas=2)
+    assert _violations(built) == []
 
 
 def test_an_ack_before_the_append_or_without_one_is_caught() -> None:
@@ -419,7 +449,8 @@ def test_a_real_run_breaks_no_invariant(run: _Run) -> None:
     # leave a rejection, no events.
     load = run.outcome.load
     assert load is not None and len(log.events) == load.handoffs - load.rejected
-    assert len(list(run.files.rglob("partition-*.db"))) == world.Scenario(1).partitions
+    held = {int(path.stem.removeprefix("partition-")) for path in run.files.rglob("*.db")}
+    assert held == set(range(world.Scenario(1).partitions))  # a file of each, on some worker
     assert checks.check_run(run.history, run.files, load=run.outcome.load) == []
 
 

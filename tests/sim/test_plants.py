@@ -56,11 +56,12 @@ EXPECTED: dict[str, Expect] = {
     ),
     "claim-forgets-applied": Expect("is applied twice"),
     "orphans-in-stream-order": Expect(
-        "at the end",
-        waits_for="a failover that leaves orphans of one handoff that come back out of stream "
-        "order (redeliveries come before newer inputs, in ack-wait order), and a check that a "
-        "handoff's inputs apply in stream order, which must tell an input deferred as early "
-        "(a nak, which the history does not record) from one applied out of order",
+        "out of stream order",
+        waits_for="a failover whose orphans of one handoff come back behind a newer input of "
+        "it: in the model an old owner's unacknowledged inputs are due again before the next "
+        "owner is pinned (ack wait below priority timeout) and come back in stream order, so "
+        "the order check sees none; none in 20 seeds drawn, nor in 12 of `--faults pause` at 8 "
+        "handoffs/s, whose claims found up to 22 orphans, several of one handoff",
     ),
     # "handoff h: w published TimedOut again at t (Nats-Msg-Id m), though its previous
     # TimedOut, at t0, was acknowledged (...), and it did not claim partition p in between"

@@ -15,6 +15,13 @@ each, naming the partition, the handoff, the input or the sequence, and what bro
   succeeded, and one of an epoch nobody claimed is no owner's;
 - `check_inputs_once`: no input stream sequence is in two `Appended` entries (within a
   partition or across), and each is on its partition's input subject;
+- `check_input_order`: a handoff's inputs are applied in the order its input stream stored
+  them, but for one given back (a nak: deferred as early, or handed back at a hand-over), which
+  comes again after inputs stored later; an orphan that an old owner left unacknowledged, which
+  JetStream redelivers behind newer inputs, is waited for (docs/tier.md, "Order");
+- `check_known_handoffs`: no input is refused as of a handoff never started ("no such
+  handoff") by an entry stored after one that logged the handoff's start: the tier knows each
+  handoff it started for the run's length (its tombstones live `--tombstone-ttl`, 300 s);
 - `check_acks`: every ack the input stream's consumers settled names an input an `Appended`
   (or a snapshot's `applied`) stored before it (so an acknowledged input was applied, once,
   by the check above);
@@ -95,6 +102,7 @@ from kvhandoff.worker.tier.entries import (
     decode_snapshot,
     decode_state,
 )
+from kvhandoff.worker.tier.planner import UNKNOWN_HANDOFF
 
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 # What marks a key's deletion in a KV bucket's stream: an expiry's delete marker, or a delete.
@@ -227,6 +235,8 @@ def check_run(
     violations = list(log.problems)
     violations += check_chain(log)
     violations += check_inputs_once(history, log, names)
+    violations += check_input_order(history, log, names)
+    violations += check_known_handoffs(log)
     violations += check_acks(history, log, names)
     violations += check_actions(history, log, names)
     if workdir is not None:
@@ -303,6 +313,49 @@ def check_inputs_once(history: History, log: ReplicatedLog, names: Names) -> lis
             elif not subject.startswith(partition_prefix(names.prefix, logged.partition)):
                 violations.append(
                     f"{logged.where()} applies input {seq} of {subject}, another partition's"
+                )
+    return violations
+
+
+def check_input_order(history: History, log: ReplicatedLog, names: Names) -> list[str]:
+    """Each handoff's inputs applied in stream order, but for those a nak gave back."""
+    violations: list[str] = []
+    handoff_of = {  # the stream stores an input as `<prefix>.inp.<partition>.<handoff id>`
+        stored.seq: stored.subject.rpartition(".")[2]
+        for stored in history.stored
+        if stored.stream == names.input_stream
+    }
+    naked = {nak.seq for nak in history.naked if nak.stream == names.input_stream}
+    newest: dict[str, tuple[int, LogEntry]] = {}  # by handoff: its newest input applied
+    for logged, entry in log.appended():
+        for seq in entry.inputs:
+            handoff_id = handoff_of.get(seq)
+            if handoff_id is None:
+                continue  # never stored, or not an input subject: check_inputs_once says so
+            before = newest.get(handoff_id)
+            if before is None or seq > before[0]:
+                newest[handoff_id] = (seq, logged)
+            elif seq < before[0] and seq not in naked:  # the same twice: check_inputs_once's
+                violations.append(
+                    f"handoff {handoff_id}: input {seq} is applied by {logged.where()}, after "
+                    f"input {before[0]}, stored later, by {before[1].where()}: out of stream "
+                    "order, and no nak gave it back"
+                )
+    return violations
+
+
+def check_known_handoffs(log: ReplicatedLog) -> list[str]:
+    """No input refused for a handoff unknown once the log holds that handoff's start."""
+    violations: list[str] = []
+    for logged, _ in log.appended():
+        for _, handoff, reason, _ in logged.rows.rejections if logged.rows is not None else ():
+            if handoff is None or not reason.startswith(UNKNOWN_HANDOFF):
+                continue
+            started = log.events.get(UUID(handoff), {}).get(0)
+            if started is not None and started.entry.stored.index < logged.stored.index:
+                violations.append(
+                    f"handoff {handoff}: {logged.where()} refused an input as of a handoff never"
+                    f" started ({reason}), though {started.entry.where()} logged its start"
                 )
     return violations
 
@@ -470,15 +523,27 @@ def check_timed_out_again(history: History, log: ReplicatedLog, names: Names) ->
     `PubAck` to one of its attempts (`History.pub_acked`, by reply subject), a stored
     message's or a duplicate's: the publish then returned, and its deadline is not put back.
     A claim is a `Claimed` entry of the partition the handoff's events are logged in, whose
-    owner's label is the publisher's name, stored between the two publishes. An ack sent is
-    taken as received: the network's losses between them are those of a connection reset."""
+    owner's label is the publisher's name, which took effect (a `PubAck` for it was sent)
+    between the two publishes. An ack sent is
+    taken as received unless a connection of the publisher's was lost after it was sent and
+    before the next publish (`History.resets`): it may have been in flight on it."""
     subjects = Subjects(names.prefix)
-    answered = {acked.reply for acked in history.pub_acked}  # membership only, never iterated
-    claims: dict[tuple[str, int], list[int]] = {}  # (label, partition): their Claimed indexes
+    answered = {acked.reply: acked.index for acked in history.pub_acked}
+    resets: dict[str, list[int]] = {}
+    for reset in history.resets:
+        resets.setdefault(reset.host, []).append(reset.index)
+    # A claim takes effect when its owner learns that its `Claimed` was stored: at one of the
+    # PubAcks sent for it (a retry after a lost ack is answered as a duplicate, later).
+    acks_of: dict[tuple[str, int], list[int]] = {}
+    for pub_ack in history.pub_acked:
+        acks_of.setdefault((pub_ack.stream, pub_ack.seq), []).append(pub_ack.index)
+    claims: dict[tuple[str, int], list[int]] = {}  # (label, partition): when each took effect
     for logged in log.entries:
         if isinstance(logged.entry, Claimed):
             label = logged.entry.owner.rpartition("/")[0]
-            claims.setdefault((label, logged.partition), []).append(logged.stored.index)
+            stored = logged.stored
+            took_effect = acks_of.get((stored.stream, stored.seq), [stored.index])
+            claims.setdefault((label, logged.partition), []).extend(took_effect)
     # By publisher and handoff, its TimedOut publishes: by msg id, each one's attempts in order.
     publishes: dict[tuple[str, UUID], dict[str, list[Published]]] = {}
     for published in history.published:
@@ -508,6 +573,9 @@ def check_timed_out_again(history: History, log: ReplicatedLog, names: Names) ->
             since, until = previous[0].index, again[0].index
             if any(since < index < until for index in claimed):
                 continue
+            sent = answered[acked.reply]
+            if any(sent < index < until for index in resets.get(publisher, [])):
+                continue  # the ack may have been lost with the connection
             violations.append(
                 f"handoff {handoff_id}: {publisher} published TimedOut again at"
                 f" {again[0].at:.3f}s (Nats-Msg-Id {msg_id}), though its previous TimedOut, at"

@@ -1,7 +1,7 @@
 """The history of one simulated run: what the model of NATS saw, in the order it saw it.
 
 Theory of operation. The checkers (worker.sim.checks) judge a run after it ended, from what
-happened rather than from what the tier says of itself, so the model records three kinds of
+happened rather than from what the tier says of itself, so the model records five kinds of
 event as they happen, through hooks that cost nothing when no `History` is attached
 (`SimCluster.record`), and what JetStream answered a publish with:
 
@@ -11,15 +11,19 @@ event as they happen, through hooks that cost nothing when no `History` is attac
 - `AckedMessage`: every acknowledgement a consumer settled (`+ACK`, `+TERM`, `+NXT`), of one
   stream sequence each (an ack policy `all` settles several: one record each), and whether it
   removed the message from a work-queue stream;
+- `NakedMessage`: every `-NAK` a consumer took (of a delivery still pending): an input given
+  back, to come again later than inputs stored after it;
 - `Published`: every publish a client made (core or JetStream, as the server parsed it), with
   the name and wall clock of the publishing process;
+- `ConnectionReset`: every connection the network lost (a reset, a host gone), by the host
+  of its client: what was in flight on it, a `PubAck` among it, never arrived;
 - `PubAcked`: every `PubAck` JetStream sent for a publish (a stored message's, a duplicate's,
   an atomic batch commit's), by the reply subject the publish named (`Published.reply`: nats-py
   asks each attempt on a reply subject of its own). A publish whose ack the lost-ack fault
   dropped, that an election left unanswered, or that was refused has none. Sent is not
   received: the network may still lose it on its way (a node's connection reset).
 
-Order. Each record gets the next `index` of one counter shared by the four kinds: "stored
+Order. Each record gets the next `index` of one counter shared by the six kinds: "stored
 before acknowledged" is a comparison of indexes, exact even between records of one virtual
 instant. `at` is the loop's (virtual) time, for the messages that report a violation.
 
@@ -69,6 +73,26 @@ class AckedMessage:
 
 
 @dataclass(frozen=True)
+class NakedMessage:
+    """A stream sequence a consumer's negative acknowledgement gave back."""
+
+    index: int
+    at: float
+    stream: str
+    consumer: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class ConnectionReset:
+    """A connection lost, with what was in flight on it."""
+
+    index: int
+    at: float
+    host: str  # its client's: a simulated process's name
+
+
+@dataclass(frozen=True)
 class Published:
     """A client's publish, as the server read it."""
 
@@ -96,11 +120,13 @@ class PubAcked:
 
 @dataclass
 class History:
-    """Every `StoredMessage`, `AckedMessage`, `Published` and `PubAcked` of a run, each list in
-    order."""
+    """Every `StoredMessage`, `AckedMessage`, `NakedMessage`, `ConnectionReset`, `Published`
+    and `PubAcked` of a run, each list in order."""
 
     stored: list[StoredMessage] = field(default_factory=list)
     acked: list[AckedMessage] = field(default_factory=list)
+    naked: list[NakedMessage] = field(default_factory=list)
+    resets: list[ConnectionReset] = field(default_factory=list)
     published: list[Published] = field(default_factory=list)
     pub_acked: list[PubAcked] = field(default_factory=list)
     # The simulated processes by name (the host they connect from), so that a publish is
@@ -126,6 +152,16 @@ class History:
         """`consumer` of `stream` settled `seq`."""
         index, at = self._index()
         self.acked.append(AckedMessage(index, at, stream, consumer, seq, removed))
+
+    def on_naked(self, stream: str, consumer: str, seq: int) -> None:
+        """`consumer` of `stream` took a nak of `seq`."""
+        index, at = self._index()
+        self.naked.append(NakedMessage(index, at, stream, consumer, seq))
+
+    def on_reset(self, host: str) -> None:
+        """A connection whose client is on `host` was lost."""
+        index, at = self._index()
+        self.resets.append(ConnectionReset(index, at, host))
 
     def on_pub_acked(self, reply: str, stream: str, seq: int, *, duplicate: bool) -> None:
         """JetStream sent a `PubAck` (of `seq` in `stream`) to `reply`."""

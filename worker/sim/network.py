@@ -97,6 +97,8 @@ class Network:
         self._connections: dict[int, _Connection] = {}
         self._next_connection = 1
         self._next_client_port = 49152
+        # Told the client host of every connection reset (a run's history records them).
+        self.on_reset: Callable[[str], None] | None = None
 
     def listen(
         self, host: str, port: int, protocol_factory: Callable[[], asyncio.Protocol]
@@ -119,6 +121,13 @@ class Network:
         for connection in list(self._connections.values()):
             if host in (connection.client_host, connection.server_host):
                 connection.reset(f"{host} went down")
+
+    def reset(self, host: str) -> None:
+        """Reset every connection to or from `host` (a TCP reset): what is in flight either way
+        is lost; new connections are taken at once."""
+        for connection in list(self._connections.values()):
+            if host in (connection.client_host, connection.server_host):
+                connection.reset(f"{host}'s connection was reset")
 
     def up(self, host: str) -> None:
         """Let `host` take connections again (its listeners never went away)."""
@@ -250,6 +259,8 @@ class _Connection:
     def reset(self, why: str) -> None:
         """Lose both ends at once, dropping what is in flight."""
         _note(self.loop, f"net c{self.number} reset")
+        if self.network.on_reset is not None and not self.client.lost:
+            self.network.on_reset(self.client_host)
         for end in (self.client, self.server):
             end.lose(ConnectionResetError(f"connection {self.number} reset: {why}"))
 

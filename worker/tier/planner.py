@@ -77,6 +77,8 @@ from kvhandoff.worker.log.schema import HandoffState
 
 logger = logging.getLogger(__name__)
 
+# Why an input for a handoff the partition does not know is deferred, then refused.
+UNKNOWN_HANDOFF = "no such handoff (not started)"
 DEFER_LIMIT = 12  # deliveries before an early input is rejected: well past twice the ack wait
 REJECTED_PAYLOAD_LIMIT = 2048  # bytes of a refused input quoted in its published rejection
 # Bytes of a refused input kept in the log: any more, and one input of the bus's largest size
@@ -360,7 +362,7 @@ class Planner:
             return None
         if handoff is None:
             if not isinstance(message, StartHandoff):
-                reason = "no such handoff (not started)"
+                reason = UNKNOWN_HANDOFF
                 self._early(r, index, handoff_id, reason, label="unknown")
                 return None
             refusal = None if self.admit is None else self.admit(message)

@@ -53,7 +53,9 @@ class SimCluster:
             self.server.listen(self.network, host, PORT)
 
     def record(self, history: History) -> None:
-        """Record into `history` every message stored, ack settled and client publish."""
+        """Record into `history` every message stored, ack settled, client publish and
+        connection reset."""
+        self.network.on_reset = history.on_reset
         self.server.history = history
         self.jetstream.history = history
         self.consumers.history = history

@@ -1030,6 +1030,8 @@ class _Consumer:
         pending = self.pending.get(sseq)
         if pending is None:
             return
+        if self._owner.history is not None:
+            self._owner.history.on_naked(self.stream.name, self.name, sseq)
         argument = argument.strip()
         if argument.startswith(b"{"):
             try:
@@ -1136,7 +1138,7 @@ class Consumers:
         self._streams = streams
         self._by_stream: dict[str, dict[str, _Consumer]] = {}
         self.faults = Faults()
-        self.history: History | None = None  # records every ack settled (worker.sim.history)
+        self.history: History | None = None  # records every ack and nak (worker.sim.history)
         # The server's wall clock, not that of whichever client's publish is being served.
         self.ambient = ambient.current()
 
