@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from kvhandoff.worker.sim import world
 
+# The fault kinds the seed drew when it found the bug, forced, so that a kind added since
+# (`reset`) leaves its run as it was (worker.sim.faults).
+DREW = ("crash", "pause", "node", "election", "engines")
+
 
 def test_the_run_where_an_owner_kept_a_lapsed_pin_breaks_no_invariant() -> None:
-    outcome = world.simulate(world.Scenario(15))
+    outcome = world.simulate(world.Scenario(15, fault_kinds=DREW))
     assert outcome.violations == []
     # Still the run that found it: the election that let the pins lapse, after the crashes that
     # put the partitions' owners in place.

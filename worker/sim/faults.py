@@ -19,6 +19,10 @@ then draws the faults of those kinds over the run's fault phase (`Scenario.durat
     churn      one more worker joins the tier, and later leaves it cleanly
     engines    the engines' host dies (its leases lapse, and the workers answer for its
                engines) and comes back after a while
+    reset      a worker's connection to NATS goes dark for up to 2 s and is then reset (a
+               load balancer that lost its state): what either side wrote meanwhile, which
+               its socket took, is lost, and the client reconnects; the publishes among it are
+               what the outbox's barrier must notice
 
 and, for the whole fault phase, these properties of the server: a share of publish acks lost
 after the message was stored (`lost_acks`), late acks accepted after their ack wait
@@ -29,7 +33,9 @@ up to two seconds either way (`skews_s`). The engines misbehave as the mock engi
 an engine silent for long enough that deadlines fire), for the whole run.
 
 A scenario may force the mix (`kinds`, `Scenario.fault_kinds`, `kvhandoff sim --faults`): the
-kinds it names are all on, the others off, and only the rates and times are drawn. A hunt for a
+kinds it names are all on, the others off, and the rest is drawn as ever, so that forcing the
+kinds a seed draws anyway replays that seed (a kind added later leaves the seeds that found
+bugs before it replayable: their tests force the kinds they drew). A hunt for a
 bug that one mix makes likely runs that mix on every seed rather than on one seed in 2^7; the
 properties of the whole phase are drawn as ever.
 
@@ -47,7 +53,11 @@ from dataclasses import dataclass, field
 
 from kvhandoff.worker.engines.faults import Faults as EngineFaults
 
-KINDS = ("crash", "pause", "node", "election", "delay", "churn", "engines")
+# The kinds a seed drew from the first; a kind added later is drawn after everything else, so
+# that every seed still draws the faults it drew before (its replay tests keep their paths).
+_FIRST_KINDS = ("crash", "pause", "node", "election", "delay", "churn", "engines")
+_LATER_KINDS = ("reset",)
+KINDS = _FIRST_KINDS + _LATER_KINDS
 
 
 @dataclass(frozen=True)
@@ -103,14 +113,17 @@ def draw(
     """The faults of a run whose fault phase lasts `duration_s`, among these workers and nodes;
     of the `kinds` named, all of them, if given (else each kind with even odds). `ValueError`
     for a kind that is not one of `KINDS`."""
-    enabled = {kind: chance.random() < 0.5 for kind in KINDS}
-    if kinds is not None:
-        unknown = sorted(set(kinds) - set(KINDS))
-        if unknown:
-            raise ValueError(
-                f"no fault kind {', '.join(map(repr, unknown))}; the kinds are: {', '.join(KINDS)}"
-            )
-        enabled = {kind: kind in kinds for kind in KINDS}
+    if kinds is not None and (unknown := sorted(set(kinds) - set(KINDS))):
+        raise ValueError(
+            f"no fault kind {', '.join(map(repr, unknown))}; the kinds are: {', '.join(KINDS)}"
+        )
+
+    def enable(kind: str) -> bool:
+        # Drawn even when forced: forcing the kinds a seed draws anyway replays that seed.
+        drawn = chance.random() < 0.5
+        return kind in kinds if kinds is not None else drawn
+
+    enabled = {kind: enable(kind) for kind in _FIRST_KINDS}
     # A fault starts after the tier had a few seconds to form, and ends by the quiet phase
     # (which heals whatever is still on).
     start, end = min(5.0, duration_s / 4), duration_s
@@ -144,13 +157,21 @@ def draw(
         faults.append(Fault("churn", "joiner", at, chance.uniform(2.0, 30.0)))
     for at in times("engines", 2):
         faults.append(Fault("engines", "engines", at, chance.uniform(1.0, 15.0)))
+    lost_acks = chance.uniform(0.0, 0.05) if chance.random() < 0.5 else 0.0
+    late_acks = chance.random() < 0.5
+    pin_overlap_s = chance.uniform(0.0, 0.5) if chance.random() < 0.5 else 0.0
+    skews_s = {name: chance.uniform(-2.0, 2.0) for name in workers}
+    engines = _engine_faults(chance)
+    enabled |= {kind: enable(kind) for kind in _LATER_KINDS}
+    for at in times("reset", 20):
+        faults.append(Fault("reset", chance.choice(workers), at, chance.uniform(0.05, 2.0)))
     return FaultPlan(
         faults=tuple(sorted(faults, key=lambda fault: fault.at_s)),
-        lost_acks=chance.uniform(0.0, 0.05) if chance.random() < 0.5 else 0.0,
-        late_acks=chance.random() < 0.5,
-        pin_overlap_s=chance.uniform(0.0, 0.5) if chance.random() < 0.5 else 0.0,
-        skews_s={name: chance.uniform(-2.0, 2.0) for name in workers},
-        engines=_engine_faults(chance),
+        lost_acks=lost_acks,
+        late_acks=late_acks,
+        pin_overlap_s=pin_overlap_s,
+        skews_s=skews_s,
+        engines=engines,
     )
 
 

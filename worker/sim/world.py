@@ -291,6 +291,13 @@ class _Run:
                 self.start_worker(slot)
                 await asyncio.sleep(fault.for_s)
                 await self.stop_worker(slot)
+            case "reset":
+                self.cluster.network.pause(fault.target)
+                try:
+                    await asyncio.sleep(fault.for_s)
+                finally:  # the quiet phase cancels it: the connection is reset all the same
+                    self.cluster.network.reset(fault.target)
+                    self.cluster.network.resume(fault.target)
             case "engines":
                 self.crash_engines()
                 await asyncio.sleep(fault.for_s)
