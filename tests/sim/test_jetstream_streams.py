@@ -40,8 +40,7 @@ from nats.js.api import (
 
 from kvhandoff.events.subjects import partition_transform
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
-from kvhandoff.worker.sim.nats.hub import Hub
-from kvhandoff.worker.sim.nats.jetstream.api import Stored, StreamView
+from kvhandoff.worker.sim.nats.jetstream.api import StreamView
 from kvhandoff.worker.sim.nats.jetstream.model import JetStream
 from kvhandoff.worker.sim.nats.jetstream.streams import Stream, partition
 
@@ -119,30 +118,6 @@ class SteppedClock:
         self.now = until
 
 
-class StubConsumers:
-    """The consumers' side of the seam: what the streams told it."""
-
-    def __init__(self, hub: Hub, chance: random.Random, streams: Mapping[str, Stream]) -> None:
-        self.streams = streams
-        self.stored: list[tuple[str, Stored]] = []
-        self.deleted: list[str] = []
-        self.requests: list[str] = []
-
-    def on_publish(
-        self, subject: str, reply: str, headers: Mapping[str, str] | None, payload: bytes
-    ) -> None:
-        self.requests.append(subject)
-
-    def on_stored(self, stream: StreamView, stored: Stored) -> None:
-        self.stored.append((stream.name, stored))
-
-    def on_stream_deleted(self, name: str) -> None:
-        self.deleted.append(name)
-
-    def consumer_count(self, stream: str) -> int:
-        return 0
-
-
 class ModelClient(Client):
     """A nats-py client whose requests the model answers (see the module docstring)."""
 
@@ -182,12 +157,6 @@ class Model:
     client: ModelClient
     nats_js: JetStreamContext
 
-    @property
-    def consumers(self) -> StubConsumers:
-        consumers = self.js.consumers
-        assert isinstance(consumers, StubConsumers)
-        return consumers
-
     def publish(
         self, subject: str, payload: bytes = b"", headers: dict[str, str] | None = None
     ) -> dict[str, Any]:
@@ -202,13 +171,27 @@ class Model:
     def stream(self, name: str) -> Stream:
         return self.js.streams[name]
 
+    def watch(self, stream: str) -> Callable[[], list[int]]:
+        """A consumer of `stream`, made with a pull request that waits for every message
+        before any is stored: what it is delivered, it is delivered because the streams told
+        the consumers (`on_stored`), as a KV watch is. The stream sequences delivered so far."""
+        inbox = f"_INBOX.watch.{stream}"
+        config = {"stream_name": stream, "config": {"name": "watch", "ack_policy": "none"}}
+        self.publish(f"$JS.API.CONSUMER.CREATE.{stream}.watch", json.dumps(config).encode())
+        request = json.dumps({"batch": 1000, "expires": 3600 * 10**9}).encode()
+        assert self.js.on_publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.watch", inbox, None, request)
+
+        def delivered() -> list[int]:
+            # The sequence is the ack subject's: $JS.ACK.<stream>.<consumer>.<dc>.<sseq>....
+            return [int(s.reply.split(".")[5]) for s in self.hub.sent if s.subject == inbox]
+
+        return delivered
+
 
 def make_model(*, replicated: bool = False) -> Model:
     hub = RecordingHub()
     clock = SteppedClock()
-    js = JetStream(
-        hub, random.Random(1), consumers=StubConsumers, clock=clock, replicated=replicated
-    )
+    js = JetStream(hub, random.Random(1), clock=clock, replicated=replicated)
     client = ModelClient(js, hub)
     return Model(js, hub, clock, client, JetStreamContext(client))
 
@@ -265,15 +248,17 @@ async def test_names_by_subject_info_update_and_delete(model: Model) -> None:
     assert relaxed.config.allow_rollup_hdrs is True
     assert relaxed.config.allow_atomic is True
 
+    model.watch("LOG")
+    assert model.js.consumers.consumer_count("LOG") == 1
     assert await model.nats_js.delete_stream("LOG")
-    assert model.consumers.deleted == ["LOG"]
+    assert model.js.consumers.consumer_count("LOG") == 0  # its consumers went with it
     with pytest.raises(nats.js.errors.NotFoundError) as gone:
         await model.nats_js.stream_info("LOG")
     assert gone.value.err_code == 10059
     account = AccountInfo.from_response(
         json.loads((await model.client.request("$JS.API.INFO")).data)
     )
-    assert account.streams == 1
+    assert (account.streams, account.consumers) == (1, 0)
 
 
 # Publishing -------------------------------------------------------------------------------
@@ -281,6 +266,7 @@ async def test_names_by_subject_info_update_and_delete(model: Model) -> None:
 
 async def test_msg_id_is_stored_once_within_the_duplicate_window(model: Model) -> None:
     await model.nats_js.add_stream(name="S", subjects=["s.*"], duplicate_window=2.0)
+    delivered = model.watch("S")
     first = await model.nats_js.publish("s.1", b"one", headers={"Nats-Msg-Id": "m"})
     again = await model.nats_js.publish("s.1", b"one", headers={"Nats-Msg-Id": "m"})
     assert (first.seq, first.duplicate) == (1, None)
@@ -290,7 +276,7 @@ async def test_msg_id_is_stored_once_within_the_duplicate_window(model: Model) -
     model.clock.advance(2.0)
     later = await model.nats_js.publish("s.1", b"one", headers={"Nats-Msg-Id": "m"})
     assert (later.seq, later.duplicate) == (2, None)
-    assert [stored.seq for _, stored in model.consumers.stored] == [1, 2]
+    assert delivered() == [1, 2]
 
 
 async def test_expected_last_subject_sequence_fences_a_stale_writer(model: Model) -> None:
@@ -398,6 +384,7 @@ def expiring_bucket_config(marker_ttl_s: float) -> bytes:
 
 async def test_a_ttl_ends_in_a_delete_marker_that_ends_in_turn(model: Model) -> None:
     model.publish("$JS.API.STREAM.CREATE.KV_LEASES", expiring_bucket_config(5.0))
+    delivered = model.watch("KV_LEASES")
     ttl = {"Nats-Msg-Id": "lease-1", "Nats-TTL": "20000ms"}  # as kv.put_expiring sends it
     assert model.publish("$KV.LEASES.engine-1", b"held", ttl)["seq"] == 1
 
@@ -411,7 +398,7 @@ async def test_a_ttl_ends_in_a_delete_marker_that_ends_in_turn(model: Model) -> 
         "Nats-TTL": "5s",
         "Nats-Rollup": "sub",
     }
-    assert [stored.seq for _, stored in model.consumers.stored] == [1, 2]  # a watch sees it
+    assert delivered() == [1, 2]  # a watch sees it
 
     model.clock.advance(5.0)
     with pytest.raises(nats.js.errors.NotFoundError):
@@ -422,12 +409,13 @@ async def test_a_ttl_ends_in_a_delete_marker_that_ends_in_turn(model: Model) -> 
 
 async def test_a_refreshed_key_outlives_its_first_ttl(model: Model) -> None:
     model.publish("$JS.API.STREAM.CREATE.KV_LEASES", expiring_bucket_config(5.0))
+    delivered = model.watch("KV_LEASES")
     model.publish("$KV.LEASES.e", b"1", {"Nats-TTL": "10s"})
     model.clock.advance(8.0)
     model.publish("$KV.LEASES.e", b"2", {"Nats-TTL": "10s"})  # replaces it: one per key
     model.clock.advance(8.0)
     assert (await model.nats_js.get_last_msg("KV_LEASES", "$KV.LEASES.e")).data == b"2"
-    assert len(model.consumers.stored) == 2  # no marker: the key never expired
+    assert delivered() == [1, 2]  # no marker: the key never expired
 
 
 async def test_max_age_drops_old_messages(model: Model) -> None:
@@ -580,15 +568,23 @@ async def test_a_lost_ack_leaves_the_message_stored(model: Model) -> None:
     assert (retried.seq, retried.duplicate) == (1, True)
 
 
-def test_consumer_traffic_goes_to_the_consumers(model: Model) -> None:
-    assert model.js.on_publish("$JS.API.CONSUMER.INFO.S.c", INBOX, None, b"")
-    assert model.js.on_publish("$JS.ACK.S.c.1.1.1.0.0", "", None, b"+ACK")
+async def test_consumer_traffic_goes_to_the_consumers(model: Model) -> None:
+    await model.nats_js.add_stream(name="S", subjects=["s.*"])
+    config = {"stream_name": "S", "config": {"durable_name": "c", "ack_policy": "explicit"}}
+    model.publish("$JS.API.CONSUMER.CREATE.S.c", json.dumps(config).encode())
+    await model.nats_js.publish("s.1", b"x")
+    assert model.js.on_publish("$JS.API.CONSUMER.MSG.NEXT.S.c", "_INBOX.pull", None, b"1")
+    (delivery,) = [sent for sent in model.hub.sent if sent.subject == "_INBOX.pull"]
+
+    assert model.js.on_publish(delivery.reply, "", None, b"+ACK")  # $JS.ACK.S.c...
+    info = model.publish("$JS.API.CONSUMER.INFO.S.c")
+    assert (info["name"], info["ack_floor"]["stream_seq"], info["num_ack_pending"]) == ("c", 1, 0)
+    # A flow-control reply is taken, and not stored: the consumers' (whose tests hold what it
+    # does); this consumer asked none, so it changes nothing.
+    before = len(model.hub.sent)
     assert model.js.on_publish("$JS.FC.S.c.x", "", None, b"")
-    assert model.consumers.requests == [
-        "$JS.API.CONSUMER.INFO.S.c",
-        "$JS.ACK.S.c.1.1.1.0.0",
-        "$JS.FC.S.c.x",
-    ]
+    assert model.hub.sent[before:] == []
+    assert model.stream("S").count_after(0, []) == 1
     assert not model.js.on_publish("nobody.listens", INBOX, None, b"")
 
 

@@ -62,11 +62,10 @@ def run(network: Network, main: Callable[[VirtualLoop], Coroutine[Any, Any, None
 class Recorder(asyncio.Protocol):
     """Records what its transport delivers, with the loop's time."""
 
-    def __init__(self, *, close_on_eof: bool = True) -> None:
+    def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.events: list[tuple[float, str, bytes]] = []
         self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
-        self._close_on_eof = close_on_eof
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -77,11 +76,17 @@ class Recorder(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.events.append((asyncio.get_running_loop().time(), "eof", b""))
-        return not self._close_on_eof
+        return False  # the transport closes itself
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.events.append((asyncio.get_running_loop().time(), "lost", b""))
         self.lost.set_result(exc)
+
+    @property
+    def out(self) -> asyncio.Transport:
+        """Its transport, once the connection is made."""
+        assert self.transport is not None
+        return self.transport
 
     def received(self) -> bytes:
         return b"".join(data for _, kind, data in self.events if kind == "data")
@@ -90,13 +95,26 @@ class Recorder(asyncio.Protocol):
 class Servers:
     """The server-side protocols a listener made, in order."""
 
-    def __init__(self, **options: bool) -> None:
+    def __init__(self) -> None:
         self.made: list[Recorder] = []
-        self._options = options
 
     def __call__(self) -> Recorder:
-        self.made.append(Recorder(**self._options))
+        self.made.append(Recorder())
         return self.made[-1]
+
+
+@pytest.fixture
+def network() -> Network:
+    """The network most tests run on: seed 1, the default delays."""
+    return Network(random.Random(1))
+
+
+def listen(network: Network, *hosts: str) -> Servers:
+    """Each of `hosts` listening on port 4222; the protocols they accept, in order."""
+    servers = Servers()
+    for host in hosts:
+        network.listen(host, 4222, servers)
+    return servers
 
 
 async def connect(loop: VirtualLoop, host: str, port: int = 4222) -> Recorder:
@@ -107,18 +125,16 @@ async def connect(loop: VirtualLoop, host: str, port: int = 4222) -> Recorder:
 
 def test_bytes_arrive_in_the_order_written_each_after_a_delay_in_bounds() -> None:
     network = Network(random.Random(1), min_delay_s=0.001, max_delay_s=0.010)
-    servers = Servers()
-    network.listen("sim-a", 4222, servers)
+    servers = listen(network, "sim-a")
     writes: list[tuple[float, bytes]] = []
 
     async def main(loop: VirtualLoop) -> None:
         client = await connect(loop, "sim-a")
-        assert client.transport is not None
         pace = random.Random(2)
         for n in range(300):
             chunk = f"<{n}>".encode()
             writes.append((loop.time(), chunk))
-            client.transport.write(chunk)
+            client.out.write(chunk)
             if pace.random() < 0.7:  # often a write while earlier ones are still in flight
                 await asyncio.sleep(pace.uniform(0, 0.004))
         await asyncio.sleep(0.1)
@@ -133,9 +149,10 @@ def test_bytes_arrive_in_the_order_written_each_after_a_delay_in_bounds() -> Non
         previous = arrived
 
 
-def test_a_connection_to_an_address_nobody_listens_on_or_to_a_host_down_is_refused() -> None:
-    network = Network(random.Random(1))
-    network.listen("sim-a", 4222, Servers())
+def test_a_connection_to_an_address_nobody_listens_on_or_to_a_host_down_is_refused(
+    network: Network,
+) -> None:
+    listen(network, "sim-a")
 
     async def main(loop: VirtualLoop) -> None:
         with pytest.raises(ConnectionRefusedError, match=r"sim-a:4223 refused: nothing listens"):
@@ -151,20 +168,18 @@ def test_a_connection_to_an_address_nobody_listens_on_or_to_a_host_down_is_refus
     run(network, main)
 
 
-def test_a_host_going_down_resets_its_connections_and_drops_the_bytes_in_flight() -> None:
-    network = Network(random.Random(1))
-    servers = Servers()
-    network.listen("sim-a", 4222, servers)
-    network.listen("sim-b", 4222, servers)
+def test_a_host_going_down_resets_its_connections_and_drops_the_bytes_in_flight(
+    network: Network,
+) -> None:
+    servers = listen(network, "sim-a", "sim-b")
 
     async def main(loop: VirtualLoop) -> None:
         to_a = await connect(loop, "sim-a")
         to_b = await connect(loop, "sim-b")
-        assert to_a.transport is not None and to_b.transport is not None
-        to_a.transport.write(b"delivered")
+        to_a.out.write(b"delivered")
         await asyncio.sleep(0.01)
-        to_a.transport.write(b"in flight")
-        servers.made[0].transport.write(b"in flight back")  # type: ignore[union-attr]
+        to_a.out.write(b"in flight")
+        servers.made[0].out.write(b"in flight back")
         network.down("sim-a")
         client_saw = await to_a.lost
         server_saw = await servers.made[0].lost
@@ -174,7 +189,7 @@ def test_a_host_going_down_resets_its_connections_and_drops_the_bytes_in_flight(
         await asyncio.sleep(0.01)
         assert to_a.received() == b""
         assert servers.made[0].received() == b"delivered"
-        to_b.transport.write(b"still up")
+        to_b.out.write(b"still up")
         await asyncio.sleep(0.01)
         assert servers.made[1].received() == b"still up"
         assert not to_b.lost.done()
@@ -185,15 +200,13 @@ def test_a_host_going_down_resets_its_connections_and_drops_the_bytes_in_flight(
 def test_a_client_host_going_down_loses_its_connections_too() -> None:
     origin = ["worker-1"]
     network = Network(random.Random(1), origin=lambda: origin[0])
-    servers = Servers()
-    network.listen("sim-a", 4222, servers)
+    servers = listen(network, "sim-a")
 
     async def main(loop: VirtualLoop) -> None:
         worker_1 = await connect(loop, "sim-a")
         origin[0] = "worker-2"
         worker_2 = await connect(loop, "sim-a")
-        assert servers.made[0].transport is not None
-        assert servers.made[0].transport.get_extra_info("peername") == ("worker-1", 49152)
+        assert servers.made[0].out.get_extra_info("peername") == ("worker-1", 49152)
         network.down("worker-1")
         assert isinstance(await servers.made[0].lost, ConnectionResetError)
         assert isinstance(await worker_1.lost, ConnectionResetError)
@@ -205,17 +218,16 @@ def test_a_client_host_going_down_loses_its_connections_too() -> None:
     run(network, main)
 
 
-def test_a_paused_host_gets_nothing_until_it_resumes_then_all_of_it_in_order() -> None:
-    network = Network(random.Random(1))
-    servers = Servers()
-    network.listen("sim-a", 4222, servers)
+def test_a_paused_host_gets_nothing_until_it_resumes_then_all_of_it_in_order(
+    network: Network,
+) -> None:
+    servers = listen(network, "sim-a")
 
     async def main(loop: VirtualLoop) -> None:
         client = await connect(loop, "sim-a")
-        assert client.transport is not None
         network.pause("sim-a")
         for n in range(5):
-            client.transport.write(b"%d" % n)
+            client.out.write(b"%d" % n)
         await asyncio.sleep(5)
         assert servers.made[0].received() == b""
         resumed_at = loop.time()
@@ -227,10 +239,8 @@ def test_a_paused_host_gets_nothing_until_it_resumes_then_all_of_it_in_order() -
     run(network, main)
 
 
-def test_a_connection_to_a_paused_host_waits_until_it_resumes() -> None:
-    network = Network(random.Random(1))
-    servers = Servers()
-    network.listen("sim-a", 4222, servers)
+def test_a_connection_to_a_paused_host_waits_until_it_resumes(network: Network) -> None:
+    servers = listen(network, "sim-a")
 
     async def main(loop: VirtualLoop) -> None:
         network.pause("sim-a")
@@ -246,25 +256,23 @@ def test_a_connection_to_a_paused_host_waits_until_it_resumes() -> None:
     run(network, main)
 
 
-def test_close_ends_the_stream_after_the_bytes_in_flight_and_abort_resets_it() -> None:
-    network = Network(random.Random(1))
-    servers = Servers()
-    network.listen("sim-a", 4222, servers)
+def test_close_ends_the_stream_after_the_bytes_in_flight_and_abort_resets_it(
+    network: Network,
+) -> None:
+    servers = listen(network, "sim-a")
 
     async def main(loop: VirtualLoop) -> None:
         closing = await connect(loop, "sim-a")
-        assert closing.transport is not None
-        closing.transport.write(b"last words")
-        closing.transport.close()
-        assert closing.transport.is_closing()
+        closing.out.write(b"last words")
+        closing.out.close()
+        assert closing.out.is_closing()
         assert await closing.lost is None
         assert await servers.made[0].lost is None  # it closed on the end of stream
         assert [kind for _, kind, _ in servers.made[0].events] == ["data", "eof", "lost"]
         assert servers.made[0].received() == b"last words"
 
         aborting = await connect(loop, "sim-a")
-        assert aborting.transport is not None
-        aborting.transport.abort()
+        aborting.out.abort()
         assert await aborting.lost is None
         assert isinstance(await servers.made[1].lost, ConnectionResetError)
 
@@ -307,16 +315,13 @@ def test_streams_work_over_it_with_flow_control() -> None:
     run(network, main)
 
 
-def test_each_arrival_is_noted_with_its_connection_size_and_checksum() -> None:
-    network = Network(random.Random(1))
-    servers = Servers()
-    network.listen("sim-a", 4222, servers)
+def test_each_arrival_is_noted_with_its_connection_size_and_checksum(network: Network) -> None:
+    servers = listen(network, "sim-a")
 
     async def main(loop: VirtualLoop) -> None:
         client = await connect(loop, "sim-a")
-        assert client.transport is not None
-        client.transport.write(b"hello")
-        servers.made[0].transport.write(b"hi!")  # type: ignore[union-attr]
+        client.out.write(b"hello")
+        servers.made[0].out.write(b"hi!")
         await asyncio.sleep(0.01)
 
     loop = run(network, main)
@@ -331,19 +336,15 @@ def test_each_arrival_is_noted_with_its_connection_size_and_checksum() -> None:
 def converse(seed: int) -> list[tuple[float, str]]:
     """Three clients and two hosts trading random bytes at random times; what was noted."""
     network = Network(random.Random(seed))
-    servers = Servers()
-    network.listen("sim-a", 4222, servers)
-    network.listen("sim-b", 4222, servers)
+    servers = listen(network, "sim-a", "sim-b")
 
     async def talk(loop: VirtualLoop, host: str, pace: random.Random) -> None:
         client = await connect(loop, host)
-        assert client.transport is not None
-        address = client.transport.get_extra_info("sockname")
-        [server] = [s for s in servers.made if s.transport.get_extra_info("peername") == address]  # type: ignore[union-attr]
+        address = client.out.get_extra_info("sockname")
+        [server] = [s for s in servers.made if s.out.get_extra_info("peername") == address]
         for _ in range(40):
             end = client if pace.random() < 0.5 else server
-            assert end.transport is not None
-            end.transport.write(pace.randbytes(pace.randint(1, 50)))
+            end.out.write(pace.randbytes(pace.randint(1, 50)))
             await asyncio.sleep(pace.uniform(0, 0.003))
 
     async def main(loop: VirtualLoop) -> None:

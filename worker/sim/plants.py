@@ -7,12 +7,14 @@ dropped, a header left out), and the simulation must find each within the CI bud
 
 Theory of operation. The tier's code has no plant switches. A plant names one function or
 method of the tier (worker/tier/*, worker/bus/*) and a variant of it, broken in one place: a
-copy of the real one with the one line changed, or a wrapper around it. `planted(name)`
-replaces the real one by the variant for the length of a `with` block (a run: worker.sim.world
-wraps `simulate` in it when `Scenario.plant` names one) and puts it back after, however the
-block ends. The variant counts in its `Planting` each time its change made a difference (an
-input acknowledged before its append, a 423 ignored, ...): a plant that a run never reached
-cannot be found by that run, and the count says so.
+wrapper around the real one, or, where the step it breaks is no smaller than the function, a
+copy of it with the one line changed. A copy would drift silently when the original changes:
+tests/sim/test_plants_copies.py holds each to its original, all but the planted lines.
+`planted(name)` replaces the real one by the variant for the length of a `with` block (a run:
+worker.sim.world wraps `simulate` in it when `Scenario.plant` names one) and puts it back
+after, however the block ends. The variant counts in its `Planting` each time its change made a
+difference (an input acknowledged before its append, a 423 ignored, ...): a plant that a run
+never reached cannot be found by that run, and the count says so.
 
 Each `Plant` also says what exposes it (`exposed_by`): the fault that makes the broken line
 matter and the check that sees the damage. Invariants:
@@ -33,14 +35,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvhandoff.worker import ambient
 from kvhandoff.worker.bus import publish as bus_publish
 from kvhandoff.worker.bus import pull as bus_pull
 from kvhandoff.worker.bus.failures import STATUS
 from kvhandoff.worker.bus.pull import Inbound
-from kvhandoff.worker.errors import BusError, Fenced
+from kvhandoff.worker.errors import Fenced
 from kvhandoff.worker.tier import leases, owner, ownership, partition, timers
-from kvhandoff.worker.tier.entries import LOG_VERSION, MARK_KEY, LoggedState, encode_entry
+from kvhandoff.worker.tier.entries import decode_state, encode_entry
 from kvhandoff.worker.tier.ownership import CaughtUp
 
 # A variant is made from the original and the planting it counts its effects in.
@@ -75,8 +79,8 @@ class Planting:
 
 
 def _append_without_cas(original: Any, planting: Planting) -> Any:
-    """`Publishing.append_expecting` without `Nats-Expected-Last-Subject-Sequence`: "the
-    msg id dedups the retries already"."""
+    """`Publishing.append_expecting`, a copy without `Nats-Expected-Last-Subject-Sequence`:
+    "the msg id dedups the retries already"."""
 
     async def append_expecting(
         self: bus_publish.Publishing,
@@ -110,59 +114,37 @@ def _ack_before_append(original: Any, planting: Planting) -> Any:
     return _handle
 
 
-def _finish_variant(*, act_first: bool, planting: Planting) -> Any:
-    """`PartitionOwner._finish`, a copy with its append awaited after `act` (`act_first`), or
-    else with the batch acted on even when its append was fenced."""
-
-    async def _finish(self: owner.PartitionOwner) -> None:
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
-            return
-        fresh = in_flight.fresh
-        if in_flight.append is not None:
-            if act_first:
-                # The change: act while the append is on its way ("it will land").
-                if not in_flight.append.done():
-                    planting.hit()
-                await self._steps.act(fresh)
-                await in_flight.append
-            else:
-                try:
-                    await in_flight.append
-                except Fenced:
-                    # The change: "what was decided is right; only the log was late".
-                    planting.hit()
-                    await self._steps.act(fresh)
-                    raise
-            self.applied += len(fresh)
-            if not act_first:
-                try:
-                    await self._steps.act(fresh)
-                except BusError as exc:
-                    raise BusError(
-                        f"inputs {fresh[0].stream_seq}..{fresh[-1].stream_seq} are appended "
-                        f"(applied), but acting on them failed ({exc}); claimed must act on "
-                        "them again"
-                    ) from exc
-        for inbound in (*in_flight.settled, *fresh):
-            await inbound.ack()
-        self.acked += len(in_flight.settled) + len(fresh)
-        if in_flight.deferred:
-            if self._order is not None:
-                self._order.give_back(inbound.stream_seq for inbound, _ in in_flight.deferred)
-            for inbound, delay_s in in_flight.deferred:
-                await inbound.nak(delay_s)
-            self.deferred += len(in_flight.deferred)
-
-    return _finish
-
-
 def _act_when_fenced(original: Any, planting: Planting) -> Any:
-    return _finish_variant(act_first=False, planting=planting)
+    """`PartitionOwner._act_after_append` acting on a batch whose append was fenced, then
+    stopping: "what was decided is right; only the log was late"."""
+
+    async def _act_after_append(
+        self: owner.PartitionOwner, append: asyncio.Future[int], fresh: list[Inbound]
+    ) -> None:
+        try:
+            await original(self, append, fresh)
+        except Fenced:
+            planting.hit()
+            await self._steps.act(fresh)
+            raise
+
+    return _act_after_append
 
 
 def _publish_before_append(original: Any, planting: Planting) -> Any:
-    return _finish_variant(act_first=True, planting=planting)
+    """`PartitionOwner._act_after_append`, a copy that acts while the append is on its way:
+    "it will land". (tests/sim/test_plants_copies.py holds it to the original.)"""
+
+    async def _act_after_append(
+        self: owner.PartitionOwner, append: asyncio.Future[int], fresh: list[Inbound]
+    ) -> None:
+        if not append.done():
+            planting.hit()
+        await self._steps.act(fresh)
+        await append
+        self.applied += len(fresh)
+
+    return _act_after_append
 
 
 def _ignore_423(original: Any, planting: Planting) -> Any:
@@ -173,9 +155,7 @@ def _ignore_423(original: Any, planting: Planting) -> Any:
     def _on_status(self: bus_pull.Pull, subject: bytes, headers: dict[str, str]) -> None:
         if headers.get(STATUS, "") == "423":
             planting.hit()
-            self._heard_at = ambient.monotonic_s()
-            self._changed.set()
-            return
+            headers = {**headers, STATUS: "100"}  # the change: read as an idle heartbeat
         original(self, subject, headers)
 
     return _on_status
@@ -224,38 +204,28 @@ def _timer_fires_early(original: Any, planting: Planting) -> Any:
 
 
 def _no_outbox_barrier(original: Any, planting: Planting) -> Any:
-    """`Partition._send` without the barrier: "the publish returned, so NATS has it". A lot of
-    actions that a lost connection swallowed is marked published and never published again."""
+    """`Publishing.confirm`, the barrier a partition's publishes wait for, returning at once:
+    "the publish returned, so NATS has it". A lot of actions that a lost connection swallowed
+    is marked published and never published again."""
 
-    async def _send(
-        self: partition.Partition, actions: list[tuple[Any, int, Any]]
-    ) -> asyncio.Future[None]:
-        for row, _, action in actions:
-            await partition.publish_action(self._bus, self._subjects, row, action)
-            self.timers.sent(action)
-            self._leases.sent(self.planner.open.get(action.handoff_id), action)
+    async def confirm(
+        self: bus_publish.Publishing, connection: int, stored: Sequence[asyncio.Future[int]]
+    ) -> None:
         planting.hit()
-        confirmed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        confirmed.set_result(None)
-        return confirmed
 
-    return _send
+    return confirm
 
 
 def _snapshot_without_tombstones(original: Any, planting: Planting) -> Any:
-    """`Partition.snapshot`, a copy that leaves out the tombstones: "a snapshot holds the live
-    state, and ended handoffs are not live". A claim that reads it forgets that those handoffs
-    ended, and takes a late input of one for a handoff it never heard of."""
+    """`Partition.snapshot` leaving out the tombstones: "a snapshot holds the live state, and
+    ended handoffs are not live". A claim that reads it forgets that those handoffs ended, and
+    takes a late input of one for a handoff it never heard of."""
 
     async def snapshot(self: partition.Partition) -> bytes:
-        await self._all_committed()
-        state = await self.log.live_state()
-        mark = partition._int(await self.log.meta(MARK_KEY))
-        if self.planner.tombstones:
+        state = decode_state(await original(self), "a snapshot being written")
+        if state.tombstones:
             planting.hit()
-        return encode_entry(
-            LoggedState(mark, state.handoffs, state.marks, state.events, [], version=LOG_VERSION)
-        )
+        return encode_entry(msgspec.structs.replace(state, tombstones=[]))
 
     return snapshot
 
@@ -314,7 +284,7 @@ _PLANTS: Sequence[Plant] = (
         "act-when-fenced",
         "an owner whose append was fenced publishes that batch's actions anyway, then stops",
         owner.PartitionOwner,
-        "_finish",
+        "_act_after_append",
         _act_when_fenced,
         f"{_FORK}, or a fence after an election or lost acks; the actions check",
     ),
@@ -340,7 +310,7 @@ _PLANTS: Sequence[Plant] = (
         "publish-before-append",
         "an owner acts on a batch while its append is on its way, before it returned",
         owner.PartitionOwner,
-        "_finish",
+        "_act_after_append",
         _publish_before_append,
         "any run: actions-only-from-appended-entries (published before their entry); "
         f"{_FORK} for actions of an entry that never landed",
@@ -365,8 +335,8 @@ _PLANTS: Sequence[Plant] = (
     Plant(
         "no-outbox-barrier",
         "a partition takes its publishes as confirmed without the barrier",
-        partition.Partition,
-        "_send",
+        bus_publish.Publishing,
+        "confirm",
         _no_outbox_barrier,
         "a NATS node loss while actions are published; liveness: a Complete never comes",
     ),

@@ -785,16 +785,7 @@ class PartitionOwner:
             return
         fresh = in_flight.fresh
         if in_flight.append is not None:
-            await in_flight.append  # `Fenced`: another worker owns it; nothing is acted on
-            self.applied += len(fresh)
-            try:
-                await self._steps.act(fresh)
-            except BusError as exc:
-                raise BusError(
-                    f"inputs {fresh[0].stream_seq}..{fresh[-1].stream_seq} are appended "
-                    f"(applied), but acting on them failed ({exc}); claimed must act on them "
-                    "again"
-                ) from exc
+            await self._act_after_append(in_flight.append, fresh)
         for inbound in (*in_flight.settled, *fresh):
             await inbound.ack()
         self.acked += len(in_flight.settled) + len(fresh)
@@ -804,6 +795,21 @@ class PartitionOwner:
             for inbound, delay_s in in_flight.deferred:
                 await inbound.nak(delay_s)
             self.deferred += len(in_flight.deferred)
+
+    async def _act_after_append(self, append: asyncio.Future[int], fresh: list[Inbound]) -> None:
+        """Append before acting (step 4's first half): act on `fresh` only once `append`, the
+        append of their records, returned; `Fenced` if another worker's claim refused it, and
+        nothing is acted on."""
+        await append  # `Fenced`: another worker owns it; nothing is acted on
+        self.applied += len(fresh)
+        try:
+            await self._steps.act(fresh)
+        except BusError as exc:
+            raise BusError(
+                f"inputs {fresh[0].stream_seq}..{fresh[-1].stream_seq} are appended "
+                f"(applied), but acting on them failed ({exc}); claimed must act on them "
+                "again"
+            ) from exc
 
     def _drop_in_flight(self) -> None:
         """Forget the batch in flight, unsettled (its inputs come back after the ack wait): its

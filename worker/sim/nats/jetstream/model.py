@@ -2,8 +2,7 @@
 
 Routing (`JetStream.on_publish`). `$JS.API.INFO`, `$JS.API.STREAM.*` and `$JS.API.DIRECT.GET.*`
 are the streams' API, answered here; `$JS.API.CONSUMER.*`, `$JS.ACK.*` and `$JS.FC.*` go to
-the consumers
-(`ConsumerModel`, worker.sim.nats.jetstream.consumers), which read the streams through
+the consumers (`Consumers`, worker.sim.nats.jetstream.consumers), which read the streams through
 `StreamView` and hear of every stored message (`on_stored`) and deleted stream
 (`on_stream_deleted`). Any other subject that a stream captures is a publish to it: stored and
 acknowledged with a `PubAck` (`{"stream", "seq", "duplicate"?}`), or refused with the server's
@@ -44,10 +43,10 @@ import json
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvhandoff.worker.sim.nats.hub import Hub
-from kvhandoff.worker.sim.nats.jetstream.api import Stored, StreamView, answer, refuse
+from kvhandoff.worker.sim.nats.jetstream.api import Stored, answer, refuse
 from kvhandoff.worker.sim.nats.jetstream.consumers import Consumers
 from kvhandoff.worker.sim.nats.jetstream.streams import (
     MSG_ID,
@@ -108,34 +107,6 @@ _NO_LIMIT = ("max_consumers", "max_msgs", "max_bytes", "max_msgs_per_subject", "
 _FORBIDDEN_IN_NAMES = frozenset(".*> \t\\/")
 
 
-class ConsumerModel(Protocol):
-    """What the streams ask of the consumers (worker.sim.nats.jetstream.consumers)."""
-
-    def on_publish(
-        self, subject: str, reply: str, headers: Mapping[str, str] | None, payload: bytes
-    ) -> None:
-        """A `$JS.API.CONSUMER.*` request, a `$JS.ACK.*` settle or a `$JS.FC.*` flow-control
-        reply. JetStream takes them all, as the server subscribes its whole API; a request to
-        a consumer that does not exist is answered 503 by the consumers."""
-        ...
-
-    def on_stored(self, stream: StreamView, stored: Stored) -> None:
-        """`stream` stored `stored`: a consumer waiting for it may deliver it."""
-        ...
-
-    def on_stream_deleted(self, name: str) -> None:
-        """The stream and with it its consumers are gone."""
-        ...
-
-    def consumer_count(self, stream: str) -> int:
-        """How many consumers `stream` has (its state's `consumer_count`)."""
-        ...
-
-
-# How the consumers are made: from the hub, the chance and the streams by name (a live view).
-ConsumersFactory = Callable[[Hub, random.Random, Mapping[str, Stream]], ConsumerModel]
-
-
 @dataclass
 class Faults:
     """The faults the simulation turns on (see the module docstring); none by default."""
@@ -161,7 +132,6 @@ class JetStream:
         hub: Hub,
         chance: random.Random,
         *,
-        consumers: ConsumersFactory = Consumers,
         clock: Clock | None = None,
         replicated: bool = False,
     ) -> None:
@@ -174,7 +144,8 @@ class JetStream:
         self._api_total = 0
         self._api_errors = 0
         self.faults = Faults()
-        self.consumers = consumers(hub, chance, self._streams)
+        # They read the streams through this live view: a stream made later is theirs too.
+        self.consumers = Consumers(hub, chance, self._streams)
         self.history: History | None = None  # records what is stored and acked (worker.sim.history)
 
     @property
