@@ -34,6 +34,7 @@ from kvhandoff.worker.tier.membership import TierSettings
 from kvhandoff.worker.tier.streams import open_partition_log
 from tests import eventually
 from tests.eventually import Condition
+from tests.subscribed import registered
 
 # What a step that should take milliseconds may take on a busy two-core machine, elections
 # included.
@@ -123,7 +124,7 @@ async def acted(nats_cluster: NatsCluster) -> AsyncIterator[Acted]:
     seen = Acted()
     nc = await nats.connect(nats_cluster.url.split(","))
     await nc.subscribe("kvhandoff.acted.*", cb=seen.on)
-    await nc.flush()
+    await registered(nc)  # every act counts: the owners' first ones too
     yield seen
     await nc.close()
 

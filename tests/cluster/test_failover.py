@@ -46,6 +46,7 @@ from tests.cluster.owner_process import (
     PRIORITY_TIMEOUT_S,
     STREAM,
 )
+from tests.subscribed import registered
 
 PARTITION = 0
 
@@ -79,7 +80,7 @@ async def watching_acts(urls: list[str]) -> AsyncIterator[Acted]:
     try:
         acted = Acted()
         await watcher.subscribe(f"{PREFIX}.acted.*", cb=acted.on)
-        await watcher.flush()
+        await registered(watcher)  # every act counts: the first ones after the kill too
         yield acted
     finally:
         await watcher.close()

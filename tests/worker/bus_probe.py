@@ -33,6 +33,7 @@ from kvhandoff.events import codec
 from kvhandoff.events.messages import Complete, Rejection
 from kvhandoff.events.subjects import DEFAULT_DONE_STREAM, DEFAULT_STREAM, Subjects
 from tests.eventually import until
+from tests.subscribed import registered
 from tests.worker.conftest import WorkerProcess
 
 SUBJECTS = Subjects()
@@ -118,7 +119,9 @@ class BusProbe:
         if rejections:
             await self.nc.subscribe(SUBJECTS.all_rejected, cb=self._on_rejected)
         await self.nc.subscribe(SUBJECTS.all_done, cb=self._on_done)
-        await self.nc.flush()
+        # What the probe watches is caused through other connections (the engines', the
+        # worker's): the server must have its subscriptions before those publish.
+        await registered(self.nc)
 
     async def close(self) -> None:
         if self._nc is not None:
