@@ -101,7 +101,7 @@ import msgspec
 
 from kvhandoff.events.codec import encode
 from kvhandoff.events.errors import ReplayDivergence
-from kvhandoff.events.messages import Action, Complete
+from kvhandoff.events.messages import Action, Complete, Rejection
 from kvhandoff.events.subjects import Subjects, partition_prefix
 from kvhandoff.worker.ambient import monotonic_s, now_ms, wall_s
 from kvhandoff.worker.bus.connection import Bus
@@ -152,13 +152,14 @@ class _Canonical:
 
 @dataclass
 class _Sent:
-    """Actions published together, the barrier that confirms them, and when they were
-    published (both replaced when the barrier failed and they were published again). A seq of
-    -1 is an action the file already marks."""
+    """Actions (and rejections) published together, the barrier that confirms them, and when
+    they were published (both replaced when the barrier failed and they were published again).
+    A seq of -1 is an action the file already marks."""
 
     actions: list[tuple[HandoffRow, int, Action]]
     barrier: asyncio.Future[None]
     at_ms: int
+    rejections: list[Rejection]
 
     def marks(self) -> list[tuple[UUID, int, int]]:
         return [(action.handoff_id, seq, self.at_ms) for _, seq, action in self.actions if seq >= 0]
@@ -362,11 +363,8 @@ class Partition:
         committed = self.log.queue(rows_batch)
         committed.add_done_callback(self._observe_commit)
         self.committing.append((committed, frozenset(plan.left_memory)))
-        await self._publish(plan.publish)
-        for _, rejection in plan.rejections:
-            await self._bus.publish(
-                self._subjects.rejected(rejection.handoff_id), encode(rejection)
-            )
+        # The rejections behind the same barrier: a frontend waits on a rejected start's.
+        await self._publish(plan.publish, [rejection for _, rejection in plan.rejections])
         m = self._metrics
         Metrics.count(m.inputs, plan.inputs.items())
         Metrics.count(m.actions, plan.issued.items())
@@ -569,25 +567,30 @@ class Partition:
 
     # --- The outbox ---------------------------------------------------------------------
 
-    async def _publish(self, actions: list[tuple[HandoffRow, int, Action]]) -> None:
-        """Publish actions; their marks wait for the server's barrier, and they are published
-        again if it fails, or if publishing fails (`_publish_again`). A seq of -1 is an action
-        the file already marks (republished, not marked again)."""
-        if not actions:
+    async def _publish(
+        self, actions: list[tuple[HandoffRow, int, Action]], rejections: Sequence[Rejection] = ()
+    ) -> None:
+        """Publish actions and rejections; the actions' marks wait for the server's barrier,
+        and all are published again if it fails, or if publishing fails (`_publish_again`). A
+        seq of -1 is an action the file already marks (republished, not marked again)."""
+        if not actions and not rejections:
             return
         barrier: asyncio.Future[None]
         try:
-            barrier = await self._send(actions)
+            barrier = await self._send(actions, rejections)
         except BusError as exc:  # NATS is out of reach: as good as a failed barrier
             barrier = asyncio.get_running_loop().create_future()
             barrier.set_exception(exc)
-        sent = _Sent(actions, barrier, now_ms())
+        sent = _Sent(actions, barrier, now_ms(), list(rejections))
         self._published.append(sent)
         barrier.add_done_callback(partial(self._barrier_done, self.epoch, sent))
 
-    async def _send(self, actions: list[tuple[HandoffRow, int, Action]]) -> asyncio.Future[None]:
-        """Publish the actions; the barrier that confirms them, whatever the other partitions
-        publish and flush meanwhile on the same bus (see "The barrier" in worker.bus.publish)."""
+    async def _send(
+        self, actions: list[tuple[HandoffRow, int, Action]], rejections: Sequence[Rejection]
+    ) -> asyncio.Future[None]:
+        """Publish the actions and rejections; the barrier that confirms them, whatever the
+        other partitions publish and flush meanwhile on the same bus (see "The barrier" in
+        worker.bus.publish)."""
         connection = self._bus.connection
         stored = []
         for row, _, action in actions:
@@ -596,6 +599,10 @@ class Partition:
                 stored.append(ack)
             self.timers.sent(action)
             self._leases.sent(self.planner.open.get(action.handoff_id), action)
+        for rejection in rejections:
+            await self._bus.publish(
+                self._subjects.rejected(rejection.handoff_id), encode(rejection)
+            )
         return asyncio.ensure_future(self._bus.confirm(connection, stored))
 
     def _barrier_done(self, epoch: int | None, sent: _Sent, barrier: asyncio.Future[None]) -> None:
@@ -615,10 +622,11 @@ class Partition:
         failure, until a new barrier confirms them or the partition is released."""
         error = "" if sent.barrier.cancelled() else f" ({sent.barrier.exception()})"
         logger.warning(
-            "partition %d: %d actions were published on a connection that NATS lost%s; "
-            "publishing them again",
+            "partition %d: %d actions and %d rejections were published on a connection that "
+            "NATS lost%s; publishing them again",
             self.number,
             len(sent.actions),
+            len(sent.rejections),
             error,
         )
         pause_s = _RESEND_PAUSE_S[0]
@@ -627,7 +635,7 @@ class Partition:
             if self.epoch != epoch:
                 return
             try:
-                barrier = await self._send(sent.actions)
+                barrier = await self._send(sent.actions, sent.rejections)
             except BusError as exc:
                 logger.warning("partition %d: publishing again failed: %s", self.number, exc)
                 pause_s = min(2 * pause_s, _RESEND_PAUSE_S[1])
