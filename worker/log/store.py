@@ -163,6 +163,7 @@ INSERT INTO tombstones (handoff_id, state, completed_at_ms, digests) VALUES (?, 
 ON CONFLICT (handoff_id) DO UPDATE SET
     state = excluded.state, completed_at_ms = excluded.completed_at_ms, digests = excluded.digests
 """
+_FORGET_TOMBSTONE = "DELETE FROM tombstones WHERE handoff_id = ?"
 # A handoff the file holds open that ended in entries it never had. Its outbox closes: the owner
 # that ended it published its actions, and what the file holds unmarked of them would, published
 # again by a claim, start work at an engine for a handoff that has ended (its answer would come
@@ -904,9 +905,17 @@ def _write_batch(db: sqlite3.Connection, batch: Batch) -> None:
     if batch.merge is not None:
         _merge(db, batch.merge)
     if batch.handoffs:
-        db.executemany(_UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()])
+        rows = [_row_values(r) for r in batch.handoffs.values()]
+        db.executemany(_UPSERT_HANDOFF, rows)
+        # A row is newer than the tombstone a snapshot left of its handoff: kept beside it, the
+        # tombstone would say an ending the handoff no longer has (it reopened since).
+        db.executemany(_FORGET_TOMBSTONE, [values[:1] for values in rows])
     if batch.events:
         db.executemany(_INSERT_EVENT, batch.events)
+    if batch.history:
+        # After `events`: a catch-up's entries may carry a history that ends past the first
+        # events a later entry appended (seq for seq the same rows: the log holds them once).
+        db.executemany(_MERGE_EVENT, batch.history)
     if batch.published:
         db.executemany(
             _MARK_PUBLISHED, [(seq, at, str(h)) for h, (seq, at) in batch.published.items()]
@@ -962,7 +971,7 @@ def _merge(db: sqlite3.Connection, state: LiveState) -> None:
             if str(t.handoff_id) not in known
         ],
     )
-    db.executemany("DELETE FROM tombstones WHERE handoff_id = ?", [(hid,) for hid in known])
+    db.executemany(_FORGET_TOMBSTONE, [(hid,) for hid in known])
 
 
 def _compact(db: sqlite3.Connection, before_ms: int) -> Compacted:
