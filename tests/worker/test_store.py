@@ -466,6 +466,42 @@ async def test_a_snapshot_replaces_the_tombstones_of_a_handoff_that_reopened(
         assert reader.disagreeing_tombstones() == []
 
 
+async def test_a_snapshot_ends_again_what_the_file_holds_ended_otherwise(
+    log: EventLog, db: Path
+) -> None:
+    """A file holds a handoff that succeeded; in entries it never had, a late `Canceled`
+    reopened it and it ended canceled, and the snapshot the file is caught up from knows it by
+    that tombstone alone. Its row ends as the tombstone says, over the history the file holds
+    (its outbox closed), as a row the file held open would: a row that kept its first ending
+    beside the snapshot's tombstone contradicted it (seeds 2991 and 2993 of `kvhandoff sim`).
+    A row that ended as the tombstone says is left as it is; so is one started after that end,
+    another handoff of the same id."""
+    first, batch = completed(1_000)
+    same, second = canceled(1_000)
+    reused, third = completed(9_000)
+    await log.commit(merged(batch, second, third))
+    assert await log.unpublished_actions() != []
+    canceled_later = Tombstone(first.id, HandoffState.CANCELED.value, 5_000, [])
+    as_held = Tombstone(same.id, HandoffState.CANCELED.value, 1_000, [])
+    before_it = Tombstone(reused.id, HandoffState.CANCELED.value, 5_000, [])
+    await log.commit(Batch(merge=LiveState(tombstones=[canceled_later, as_held, before_it])))
+
+    loaded = readable(await log.load([first.id, same.id, reused.id]))
+    row = loaded[first.id].handoff
+    assert (row.state, row.completed_at_ms) == (HandoffState.CANCELED, 5_000)
+    assert [(e.seq, e.record) for e in loaded[first.id].events] == [
+        (e.seq, e.record) for e in first.events
+    ]
+    assert loaded[same.id].handoff == same.row and loaded[reused.id].handoff == reused.row
+    backlog = await log.unpublished_actions()
+    assert {u.row.handoff_id for u in backlog if isinstance(u, UnpublishedAction)} == {
+        same.id,
+        reused.id,
+    }
+    with open_log(db) as reader:
+        assert reader.disagreeing_tombstones() == []
+
+
 async def test_a_catch_up_takes_the_history_an_entry_carries_of_a_handoff_that_ended(
     log: EventLog, db: Path, tmp_path: Path
 ) -> None:
