@@ -20,6 +20,7 @@ from uuid import UUID
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from kvhandoff.events.codec import decode_record, encode, join_record
 from kvhandoff.events.coordinator import HandoffCoordinator
@@ -28,6 +29,7 @@ from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.log.rows import Batch, HandoffLog, HandoffRow, Loaded, LoggedEvent
 from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.tier.entries import LoggedRows
 from kvhandoff.worker.tier.planner import Planner
 
 SUBJECTS = Subjects()
@@ -275,6 +277,49 @@ def test_a_handoff_that_reopens_is_known_by_no_tombstone_until_it_ends_again() -
     plan = planner.plan(done, planner.decode(done), {}, NOW_MS + 2_000, NOW_MS / 1000 + 2)
     assert [t.state for t in plan.ended] == ["canceled"]
     assert list(planner.tombstones) == [other.handoff_id, start.handoff_id]
+
+
+def test_a_handoff_that_takes_an_input_after_it_ended_carries_its_history() -> None:
+    """A handoff that ended left memory; a late input that it accepts (a `Canceled` that
+    reopens it for cleanup) is applied to it as loaded from the file. A snapshot taken after it
+    ended knows it by its tombstone alone, so the batch carries the history the file holds
+    (`Batch.carry`): every event before it, as logged, and its outbox mark, for a file caught up
+    from that snapshot and the entries after it (seeds 3000 and 3003 of `kvhandoff sim`). A
+    handoff in memory carries nothing: the entries since it began, or a snapshot taken while it
+    was open, hold its events."""
+    start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+    subject = SUBJECTS.input(start.handoff_id)
+    planner = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=300_000)
+    log = MemoryLog()
+    stream = [Delivery(encode(m), subject, 1, n) for n, m in enumerate(success_inputs(start, None))]
+    ended = planner.plan(stream, planner.decode(stream), {}, NOW_MS, NOW_MS / 1000)
+    log.commit(ended.batch)
+    assert start.handoff_id not in planner.open and not ended.batch.history
+
+    late = [Delivery(encode(Canceled(start.handoff_id)), subject, 1, 100)]
+    decoded = planner.decode(late)
+    loaded = log.load(planner.missing(decoded))
+    # Its owner's file marks every action up to its `Complete` published.
+    logged = loaded[start.handoff_id]
+    assert isinstance(logged, HandoffLog)
+    marked_ms = NOW_MS + 500
+    events = [replace(e, published_at_ms=marked_ms) if e.seq > 0 else e for e in logged.events]
+    loaded = {start.handoff_id: HandoffLog(logged.handoff, events)}
+    reopen = planner.plan(late, decoded, loaded, NOW_MS + 1_000, NOW_MS / 1000 + 1)
+    last = ended.batch.handoffs[start.handoff_id].last_seq
+    assert reopen.batch.history == ended.batch.events  # byte for byte as logged
+    assert reopen.batch.published == {start.handoff_id: (last, marked_ms)}
+    assert reopen.batch.events[0][1] == last + 1  # its own events go on after them
+    rows = LoggedRows.of([100], reopen.batch, [], reopen.ended)
+    assert rows.history == ended.batch.events
+    assert rows.published == [(start.handoff_id, last, marked_ms)]
+    log.commit(reopen.batch)
+
+    answers = [m for _, _, action in reopen.publish for m in success_script(action)]
+    done = [Delivery(encode(m), subject, 1, 200 + n) for n, m in enumerate(answers)]
+    cleaned = planner.plan(done, planner.decode(done), {}, NOW_MS + 2_000, NOW_MS / 1000 + 2)
+    assert [t.state for t in cleaned.ended] == ["canceled"]
+    assert cleaned.batch.events and not cleaned.batch.history and not cleaned.batch.published
 
 
 def test_a_handoff_whose_file_holds_its_log_only_up_to_another_owner_is_not_reopened() -> None:

@@ -23,6 +23,7 @@ import pytest
 from kvhandoff.events.codec import encode_record, input_digest
 from kvhandoff.events.coordinator import HandoffCoordinator
 from kvhandoff.events.messages import (
+    NOOP,
     SUBMITTED,
     Action,
     ActionOutcome,
@@ -34,6 +35,7 @@ from kvhandoff.events.messages import (
     SubmitPrefill,
 )
 from kvhandoff.events.records import ActionRecord, InputRecord
+from kvhandoff.worker.commands.verify import verify_log
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.errors import StoreConflict, StoreError, StoreLocked
 from kvhandoff.worker.log.reader import open_log
@@ -49,6 +51,7 @@ from kvhandoff.worker.log.rows import (
 )
 from kvhandoff.worker.log.schema import RECORD_TYPES, HandoffState
 from kvhandoff.worker.log.store import Compacted, EventLog, UnpublishedAction, WriterLock
+from kvhandoff.worker.tier.entries import LoggedRows, decode_rows, encode_entry
 from tests.tools.conftest import IDS, V1
 from tests.worker.scripted_engine import Script
 from tests.worker.tmpfs import fill, small_filesystem
@@ -461,6 +464,110 @@ async def test_a_snapshot_replaces_the_tombstones_of_a_handoff_that_reopened(
     await log.commit(ending)
     with open_log(db) as reader:
         assert reader.disagreeing_tombstones() == []
+
+
+async def test_a_snapshot_ends_again_what_the_file_holds_ended_otherwise(
+    log: EventLog, db: Path
+) -> None:
+    """A file holds a handoff that succeeded; in entries it never had, a late `Canceled`
+    reopened it and it ended canceled, and the snapshot the file is caught up from knows it by
+    that tombstone alone. Its row ends as the tombstone says, over the history the file holds
+    (its outbox closed), as a row the file held open would: a row that kept its first ending
+    beside the snapshot's tombstone contradicted it (seeds 2991 and 2993 of `kvhandoff sim`).
+    A row that ended as the tombstone says is left as it is; so is one started after that end,
+    another handoff of the same id."""
+    first, batch = completed(1_000)
+    same, second = canceled(1_000)
+    reused, third = completed(9_000)
+    await log.commit(merged(batch, second, third))
+    assert await log.unpublished_actions() != []
+    canceled_later = Tombstone(first.id, HandoffState.CANCELED.value, 5_000, [])
+    as_held = Tombstone(same.id, HandoffState.CANCELED.value, 1_000, [])
+    before_it = Tombstone(reused.id, HandoffState.CANCELED.value, 5_000, [])
+    await log.commit(Batch(merge=LiveState(tombstones=[canceled_later, as_held, before_it])))
+
+    loaded = readable(await log.load([first.id, same.id, reused.id]))
+    row = loaded[first.id].handoff
+    assert (row.state, row.completed_at_ms) == (HandoffState.CANCELED, 5_000)
+    assert [(e.seq, e.record) for e in loaded[first.id].events] == [
+        (e.seq, e.record) for e in first.events
+    ]
+    assert loaded[same.id].handoff == same.row and loaded[reused.id].handoff == reused.row
+    backlog = await log.unpublished_actions()
+    assert {u.row.handoff_id for u in backlog if isinstance(u, UnpublishedAction)} == {
+        same.id,
+        reused.id,
+    }
+    with open_log(db) as reader:
+        assert reader.disagreeing_tombstones() == []
+
+
+async def test_a_catch_up_takes_the_history_an_entry_carries_of_a_handoff_that_ended(
+    log: EventLog, db: Path, tmp_path: Path
+) -> None:
+    """A snapshot taken after a handoff ended knows it by its tombstone alone; an entry after
+    it that appends to the handoff (a late `Canceled` reopened it; a late outcome is logged after
+    its end) carries the history it logged before, with its outbox mark (`Batch.carry`). A claim
+    catches a file up from the snapshot and those entries in one batch: a file that held the
+    handoff open in part, and a file that held nothing of it, each end with its whole history,
+    no gap (seeds 3000 and 3003 of `kvhandoff sim`: "log skips from sequence 12 to 15"), its
+    actions before the mark not published again, and no tombstone beside its rows (the rows
+    are newer). A history that overlaps a later entry's events goes in once."""
+    handoff, first = started(1_000)
+    await log.commit(first)  # the file that holds its start, open
+    ending = Batch()
+    prefill = handoff.events[-1].record
+    assert isinstance(prefill, ActionRecord)
+    handoff.drive(ending, 2_000, *success_script(prefill.action))
+    for seq in handoff.action_seqs():
+        handoff.publish(ending, seq, 2_500)
+    assert handoff.row.state is HandoffState.SUCCEEDED
+    succeeded = Tombstone(handoff.id, HandoffState.SUCCEEDED.value, 2_000, [])
+
+    def carrying(at_ms: int, *messages: Input) -> tuple[Batch, list[Action]]:
+        """The entry of a batch that loaded the ended handoff from its owner's file."""
+        batch = Batch()
+        batch.carry(HandoffLog(handoff.row.copy(), list(handoff.events)))
+        actions = [a for m in messages for a in handoff.feed(batch, m, at_ms)]
+        return batch, actions
+
+    reopen, cleanup = carrying(3_000, Canceled(handoff.id))
+    handoff.row.state, handoff.row.completed_at_ms = HandoffState.OPEN, None  # cleaning up
+    reopen.upsert_handoff(handoff.row)
+    ended_again = Batch()
+    handoff.drive(ended_again, 4_000, *(i for a in cleanup for i in success_script(a)))
+    assert handoff.row.state is HandoffState.CANCELED
+    late_answer = ActionOutcome(handoff.id, cleanup[0].action_id, NOOP, by_tier=True)
+    late, _ = carrying(5_000, late_answer)
+    assert handoff.row.last_seq == handoff.events[-1].seq
+
+    def catch_up() -> Batch:
+        """As a claim builds it (worker.tier.partition): the snapshot, then each entry."""
+        batch = Batch(merge=LiveState(tombstones=[succeeded]))
+        for mark, entry in enumerate([reopen, ended_again, late]):
+            rows = LoggedRows.of([mark], entry, [], [])
+            decode_rows(encode_entry(rows), "the test's entry").add_to(batch)
+        return batch
+
+    cleanup_seqs = [s for s in handoff.action_seqs() if s > handoff.published_seq]
+    assert cleanup_seqs
+    for path in (db, tmp_path / "empty.db"):
+        file = log if path == db else await EventLog.open(path)
+        await file.commit(catch_up())
+        loaded = readable(await file.load([handoff.id]))[handoff.id]
+        assert [(e.seq, e.record) for e in loaded.events] == [
+            (e.seq, e.record) for e in handoff.events
+        ]
+        assert loaded.handoff.state is HandoffState.CANCELED
+        backlog = await file.unpublished_actions()
+        assert [u.seq for u in backlog if isinstance(u, UnpublishedAction)] == cleanup_seqs
+        assert len(backlog) == len(cleanup_seqs)
+        assert await file.tombstones(0) == []
+        if file is not log:
+            await file.close()
+        with open_log(path) as reader:
+            assert verify_log(reader).findings == []
+            assert reader.disagreeing_tombstones() == []
 
 
 async def test_open_handoffs_are_the_open_ones_with_their_logs(log: EventLog) -> None:

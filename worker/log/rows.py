@@ -178,6 +178,9 @@ class Batch:
     # actions) or, if the snapshot does not know it, dropped: it ended where the file never
     # saw, more than a tombstone's life ago.
     merge: LiveState | None = None
+    # As `events`: the events logged before this batch of each handoff it appended to after it
+    # had ended (`carry`), added where the file lacks them, after `events`.
+    history: list[tuple[str, int, int, int, bytes]] = field(default_factory=list)
 
     def append_input(self, seq: int, record: InputRecord, key: str | None = None) -> None:
         """Log the input at `seq` of its handoff; `key`, the handoff id as text, if the caller
@@ -191,6 +194,19 @@ class Batch:
     def _append(self, key: str, seq: int, record: LogRecord) -> None:
         code, fields = split_record(record)
         self.events.append((key, seq, code, record.at_ms, fields))
+
+    def carry(self, logged: HandoffLog) -> None:
+        """Carry the history of a handoff that ended before this batch appends to it (a late
+        input reopened it, or was logged after its end), and its outbox mark: a snapshot taken
+        since it ended knows it by its tombstone alone, so a file caught up from that snapshot
+        and the entries after it would hold this batch's events without the ones before them."""
+        key = str(logged.handoff.handoff_id)
+        for event in logged.events:
+            code, fields = split_record(event.record)
+            self.history.append((key, event.seq, code, event.record.at_ms, fields))
+        marked = [e for e in logged.events if e.published_at_ms is not None]
+        if marked and (at_ms := marked[-1].published_at_ms) is not None:
+            self.mark_published(logged.handoff.handoff_id, marked[-1].seq, at_ms)
 
     def upsert_handoff(self, row: HandoffRow) -> None:
         """Write the handoff's projection as it stands now: a copy, because the worker goes on
@@ -223,6 +239,7 @@ class Batch:
             or self.quarantined
             or self.meta
             or self.merge is not None
+            or self.history
         )
 
 

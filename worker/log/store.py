@@ -163,16 +163,23 @@ INSERT INTO tombstones (handoff_id, state, completed_at_ms, digests) VALUES (?, 
 ON CONFLICT (handoff_id) DO UPDATE SET
     state = excluded.state, completed_at_ms = excluded.completed_at_ms, digests = excluded.digests
 """
-# A handoff the file holds open that ended in entries it never had. Its outbox closes: the owner
-# that ended it published its actions, and what the file holds unmarked of them would, published
-# again by a claim, start work at an engine for a handoff that has ended (its answer would come
-# back as a late input). Its events stay, a prefix of its history that rebuilds it unfinished:
-# the planner knows it by its tombstone (worker.tier.planner, `Planner.plan`).
+_FORGET_TOMBSTONE = "DELETE FROM tombstones WHERE handoff_id = ?"
+# A handoff the file holds open that ended in entries it never had, or holds ended otherwise
+# than the snapshot's tombstone says (it reopened on a late `Canceled` in entries the file never
+# had, and ended again: sim seeds 2991, 2993). Its outbox closes: the owner that ended it
+# published its actions, and what the file holds unmarked of them would, published again by a
+# claim, start work at an engine for a handoff that has ended (its answer would come back as a
+# late input). Its events stay, a prefix of its history: the planner knows it by its tombstone
+# (worker.tier.planner, `Planner.plan`). A row started after that end is another handoff's.
 _END_BY_TOMBSTONE = """
 UPDATE handoffs SET state = ?1, completed_at_ms = ?2, updated_at_ms = ?2,
     published_at_ms = CASE WHEN published_seq < last_seq THEN ?2 ELSE published_at_ms END,
     published_seq = max(published_seq, last_seq)
-WHERE handoff_id = ?3 AND state = 'open'
+WHERE handoff_id = ?3 AND (
+    state = 'open'
+    OR state IN ('succeeded', 'canceled') AND (state != ?1 OR completed_at_ms IS NOT ?2)
+       AND started_at_ms <= ?2
+)
 """
 _QUARANTINE = (
     f"UPDATE handoffs SET state = '{HandoffState.QUARANTINED}', updated_at_ms = ?"
@@ -904,9 +911,17 @@ def _write_batch(db: sqlite3.Connection, batch: Batch) -> None:
     if batch.merge is not None:
         _merge(db, batch.merge)
     if batch.handoffs:
-        db.executemany(_UPSERT_HANDOFF, [_row_values(r) for r in batch.handoffs.values()])
+        rows = [_row_values(r) for r in batch.handoffs.values()]
+        db.executemany(_UPSERT_HANDOFF, rows)
+        # A row is newer than the tombstone a snapshot left of its handoff: kept beside it, the
+        # tombstone would say an ending the handoff no longer has (it reopened since).
+        db.executemany(_FORGET_TOMBSTONE, [values[:1] for values in rows])
     if batch.events:
         db.executemany(_INSERT_EVENT, batch.events)
+    if batch.history:
+        # After `events`: a catch-up's entries may carry a history that ends past the first
+        # events a later entry appended (seq for seq the same rows: the log holds them once).
+        db.executemany(_MERGE_EVENT, batch.history)
     if batch.published:
         db.executemany(
             _MARK_PUBLISHED, [(seq, at, str(h)) for h, (seq, at) in batch.published.items()]
@@ -928,10 +943,12 @@ def _merge(db: sqlite3.Connection, state: LiveState) -> None:
         for (hid,) in db.execute("SELECT handoff_id FROM handoffs WHERE state = 'open'")
         if hid not in known
     ]
+    db.executemany(
+        _END_BY_TOMBSTONE,
+        [(t.state, t.completed_at_ms, hid) for hid, t in ended.items() if hid not in known],
+    )
     for hid in stale:
-        tombstone = ended.get(hid)
-        if tombstone is not None:
-            db.execute(_END_BY_TOMBSTONE, (tombstone.state, tombstone.completed_at_ms, hid))
+        if hid in ended:
             continue
         db.execute(
             "DELETE FROM events WHERE handoff_key = "
@@ -962,7 +979,7 @@ def _merge(db: sqlite3.Connection, state: LiveState) -> None:
             if str(t.handoff_id) not in known
         ],
     )
-    db.executemany("DELETE FROM tombstones WHERE handoff_id = ?", [(hid,) for hid in known])
+    db.executemany(_FORGET_TOMBSTONE, [(hid,) for hid in known])
 
 
 def _compact(db: sqlite3.Connection, before_ms: int) -> Compacted:

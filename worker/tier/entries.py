@@ -155,6 +155,12 @@ class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", ta
     # The tombstones of the handoffs the batch ended: what a claim that reads this entry after
     # a snapshot keeps of them, without reading their rows (none in entries from before).
     ended: list[Tombstone] = []
+    # The events logged before of each handoff the batch appended to after it had ended, as
+    # `events` (`Batch.carry`); their outbox marks are in `published`. A snapshot taken since
+    # it ended knows it by its tombstone alone: a claim that catches a file up from that
+    # snapshot takes its history from here (none in entries from before; a build that
+    # ignores it catches up as before, a handoff's events from this entry on).
+    history: list[tuple[str, int, int, int, bytes]] = []
     version: int = 1
 
     @classmethod
@@ -171,14 +177,19 @@ class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", ta
             list(batch.handoffs.values()),
             batch.rejections,
             batch.quarantined,
-            published,
+            # The batch's own marks are those of the histories it carries.
+            [*published, *((h, seq, at) for h, (seq, at) in batch.published.items())]
+            if batch.published
+            else published,
             ended,
+            batch.history,
             version=LOG_VERSION,
         )
 
     def add_to(self, batch: Batch) -> None:
         """Add these rows to `batch`, after those it holds (a later row of a handoff wins)."""
         batch.events.extend(self.events)
+        batch.history.extend(self.history)
         batch.handoffs.update((row.handoff_id, row) for row in self.handoffs)
         batch.rejections.extend(self.rejections)
         batch.quarantined.extend(self.quarantined)
@@ -263,6 +274,7 @@ def decode_rows(data: bytes, where: str) -> LoggedRows:
     """An `Appended` entry's records; as `decode_entry`."""
     rows = _decode(_ROWS, data, where)
     _check_types(rows.events, where)
+    _check_types(rows.history, where)
     return rows
 
 

@@ -40,6 +40,10 @@ Invariants
 - Early inputs (a fact before the input it depends on, or for a handoff not started yet) wait
   for a redelivery, but at most `defer_budget` at once and for at most `DEFER_LIMIT` deliveries:
   each one holds an unacknowledged slot of the consumer while it waits.
+- A handoff that ended and takes an input again (a late `Canceled` reopens it, a late outcome
+  is logged after its end) was loaded from the file: its entry carries the history it logged
+  before (`Batch.carry`), since a snapshot taken after it ended holds its tombstone alone, and a
+  file caught up from that snapshot would otherwise hold its events from this entry on.
 - A handoff that ended is never reopened from a prefix of its history: one whose file row
   ended by a snapshot's tombstone (its end is in entries the file never had) is answered by
   that tombstone, as if the file lacked its rows (`Planner._ended_elsewhere`).
@@ -72,7 +76,14 @@ from kvhandoff.events.messages import (
 from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.events.replay import rebuild
 from kvhandoff.events.subjects import Subjects
-from kvhandoff.worker.log.rows import Batch, CorruptHandoff, HandoffRow, Loaded, Tombstone
+from kvhandoff.worker.log.rows import (
+    Batch,
+    CorruptHandoff,
+    HandoffLog,
+    HandoffRow,
+    Loaded,
+    Tombstone,
+)
 from kvhandoff.worker.log.schema import HandoffState
 
 logger = logging.getLogger(__name__)
@@ -250,6 +261,10 @@ class Planner:
                 touched[item.handoff_id] = handoff
         for handoff_id, handoff in touched.items():
             r.plan.batch.upsert_handoff(handoff.row)  # its row as this batch leaves it
+            if isinstance(logged := loaded.get(handoff_id), HandoffLog):
+                # Not in memory, so it had ended: the entry carries what it logged before,
+                # which a snapshot since knows nothing of but its tombstone (seeds 3000, 3003).
+                r.plan.batch.carry(logged)
             if not handoff.coordinator.is_complete:
                 # Reopened (a late `Canceled` after it succeeded), its tombstone says an ending
                 # it no longer has: a snapshot would carry it beside the open row (seed 200).
