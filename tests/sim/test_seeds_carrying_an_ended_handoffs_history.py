@@ -29,6 +29,13 @@ from kvhandoff.worker.log import store
 from kvhandoff.worker.log.rows import Batch
 from kvhandoff.worker.sim import world
 
+# The fault kinds each seed drew when it found the bug, forced, so that a kind added since
+# (`reset`) leaves its run as it was (worker.sim.faults).
+DREW = {
+    3000: ("crash", "pause", "node", "election", "delay", "churn"),
+    3003: ("pause", "node", "election", "churn"),
+}
+
 
 @pytest.mark.parametrize("seed", [3000, 3003])
 def test_a_run_breaks_no_invariant_where_a_catch_up_takes_an_ended_handoffs_history(
@@ -45,7 +52,7 @@ def test_a_run_breaks_no_invariant_where_a_catch_up_takes_an_ended_handoffs_hist
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(store, "_write_batch", writing)
-        outcome = world.simulate(world.Scenario(seed))
+        outcome = world.simulate(world.Scenario(seed, fault_kinds=DREW[seed]))
     assert outcome.violations == []
     assert carried, (
         f"seed {seed} no longer catches a file up on the history an entry carries of a handoff"
