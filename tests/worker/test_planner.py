@@ -24,7 +24,16 @@ from msgspec.structs import replace
 
 from kvhandoff.events.codec import decode_record, encode, join_record
 from kvhandoff.events.coordinator import HandoffCoordinator
-from kvhandoff.events.messages import Canceled, EngineType, Input, StartHandoff
+from kvhandoff.events.messages import (
+    NOOP,
+    ActionOutcome,
+    CancelDestination,
+    Canceled,
+    CancelSource,
+    EngineType,
+    Input,
+    StartHandoff,
+)
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.engines.healthy import success_script
 from kvhandoff.worker.log.rows import Batch, HandoffLog, HandoffRow, Loaded, LoggedEvent
@@ -370,3 +379,65 @@ def test_a_handoff_whose_file_holds_its_log_only_up_to_another_owner_is_not_reop
         assert all("ended (succeeded)" in r.reason for _, r in plan.rejections)
         assert not plan.batch.events and not plan.batch.handoffs and not plan.publish
         assert not planner.open and planner.tombstones == tombstones
+
+
+def test_a_file_lacking_the_inputs_a_handoff_took_after_its_end_defers_to_its_tombstone() -> None:
+    """A file that held a handoff ended keeps its rows through a catch-up from a snapshot, which
+    knows the handoff by its tombstone alone; an owner since may have logged late inputs after
+    its end, in entries before that snapshot, which the file never had. Its events still end
+    the handoff, but they are a prefix of its history: loaded for a late input, the handoff is
+    answered by its tombstone, which holds the digests of every input it took, and logs
+    nothing. (Seed 3003 of `kvhandoff sim`: the tier's answer for an engine whose lease was
+    gone, given again, was logged a second time, as events 14 to 16 that the log held already
+    as others.)"""
+    start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+    inputs = success_inputs(start, cancel_at=3)
+    subject = SUBJECTS.input(start.handoff_id)
+    ttl_ms = 300_000
+
+    def deliveries(messages: list[Input], first_seq: int) -> list[Delivery]:
+        return [Delivery(encode(m), subject, 1, first_seq + n) for n, m in enumerate(messages)]
+
+    # The file's owner ended the handoff, canceled, and lost the partition.
+    held = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+    file = MemoryLog()
+    stream = deliveries(inputs, 0)
+    ended = held.plan(stream, held.decode(stream), {}, NOW_MS, NOW_MS / 1000)
+    file.commit(ended.batch)
+    last = ended.batch.handoffs[start.handoff_id].last_seq
+    cleanups = [a for _, _, a in ended.publish if isinstance(a, CancelSource | CancelDestination)]
+    assert [t.state for t in ended.ended] == ["canceled"] and len(cleanups) == 2
+    # The next owner logged the tier's answers for the cleanups after the end (late outcomes).
+    answers: list[Input] = [
+        ActionOutcome(start.handoff_id, a.action_id, NOOP, by_tier=True) for a in cleanups
+    ]
+    next_owner = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+    next_owner.tombstones = dict(held.tombstones)
+    late = deliveries(answers[:1], 100)
+    loaded = file.load([start.handoff_id])
+    logged = next_owner.plan(late, next_owner.decode(late), loaded, NOW_MS + 1, NOW_MS / 1000)
+    assert [e[1] for e in logged.batch.events] == [last + 1]
+    tombstone = next_owner.tombstones[start.handoff_id]
+
+    # A claim caught the file up from a snapshot that knows the handoff by that tombstone.
+    # The same answer comes again (given again, as identical answers are), and another one.
+    again = deliveries(answers, 200)
+    later_ms = NOW_MS + 1_000
+    claimant = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+    claimant.tombstones = {start.handoff_id: tombstone}
+    prefix = file.load([start.handoff_id])
+    plan = claimant.plan(again, claimant.decode(again), prefix, later_ms, later_ms / 1000)
+    assert plan.duplicates == 1 and [index for index, _ in plan.rejections] == [1]
+    assert "ended (canceled)" in plan.rejections[0][1].reason
+    assert not plan.batch.events and not plan.batch.handoffs and not plan.publish
+    assert not claimant.open and claimant.tombstones == {start.handoff_id: tombstone}
+
+    # With its whole history, the file answers as before: the duplicate is dropped by its own
+    # digests, and the other answer logged after the first.
+    file.commit(logged.batch)
+    whole = file.load([start.handoff_id])
+    owner = Planner(SUBJECTS, 8, 1.0, tombstone_ttl_ms=ttl_ms)
+    owner.tombstones = {start.handoff_id: tombstone}
+    plan = owner.plan(again, owner.decode(again), whole, later_ms, later_ms / 1000)
+    assert plan.duplicates == 1 and not plan.rejections
+    assert [e[1] for e in plan.batch.events] == [last + 2]

@@ -44,9 +44,10 @@ Invariants
   is logged after its end) was loaded from the file: its entry carries the history it logged
   before (`Batch.carry`), since a snapshot taken after it ended holds its tombstone alone, and a
   file caught up from that snapshot would otherwise hold its events from this entry on.
-- A handoff that ended is never reopened from a prefix of its history: one whose file row
-  ended by a snapshot's tombstone (its end is in entries the file never had) is answered by
-  that tombstone, as if the file lacked its rows (`Planner._ended_elsewhere`).
+- A handoff that ended never takes an input on a prefix of its history: one whose file row
+  ended by a snapshot's tombstone (its end is in entries the file never had), or whose
+  tombstone holds inputs its file lacks (logged after its end in entries the file never had),
+  is answered by that tombstone, as if the file lacked its rows (`Planner._ended_elsewhere`).
 - If the plan's rows are not appended (fenced, or in doubt), memory is ahead of the log: the
   service rebuilds the handoffs from the log (`adopt`) at the next claim, before it plans again.
 """
@@ -278,19 +279,33 @@ class Planner:
         return r.plan
 
     def _ended_elsewhere(self, handoff: OpenHandoff) -> Tombstone | None:
-        """The tombstone a loaded handoff is known by if it ended in entries its file never had
-        (its row says it ended, but its events rebuild it unfinished), else None. A claim that
-        caught the file up from a snapshot ended the row the file held open as the snapshot's
-        tombstone says, and kept the prefix of its history the file had (`Batch.merge`,
-        worker.log.store). Rebuilt from that prefix, it would take a late input (a redelivered
-        outcome) as new and reopen; so its tombstone answers instead (`_too_late`): the
-        planner's, which holds the digests of all its inputs, or, past its life, one made from
-        its row, which holds those of the prefix."""
+        """The tombstone a loaded handoff is known by if its file holds only a prefix of its
+        history, else None: if it ended in entries its file never had (its row says it ended,
+        but its events rebuild it unfinished), or took inputs after its end in entries its
+        file never had (its events end it, but its tombstone holds digests they lack).
+
+        A claim that caught the file up from a snapshot ended the row the file held open as the
+        snapshot's tombstone says, and kept the prefix of its history the file had
+        (`Batch.merge`, worker.log.store). Rebuilt from that prefix, it would take a late input
+        (a redelivered outcome) as new and reopen; so its tombstone answers instead
+        (`_too_late`): the planner's, which holds the digests of all its inputs, or, past its
+        life, one made from its row, which holds those of the prefix.
+
+        A file that held the handoff ended keeps its rows as they are through that catch-up,
+        though an owner since may have logged late inputs after the end (entries that carry
+        its history, but lie before the snapshot). Its next late input would be logged at the
+        sequence numbers the log gave those, as other events (sim seed 3003); so the tombstone
+        answers it too, while it lives. Past its life, nothing tells that prefix from the whole
+        history."""
         row = handoff.row
-        if row.state not in _ENDED or handoff.coordinator.is_complete:
+        if row.state not in _ENDED:
             return None
         handoff_id = handoff.start.handoff_id
         tombstone = self.tombstones.get(handoff_id)
+        if handoff.coordinator.is_complete:
+            if tombstone is None or handoff.digests.issuperset(tombstone.digests):
+                return None
+            return tombstone
         if tombstone is None:
             ended_ms = row.completed_at_ms or row.updated_at_ms
             tombstone = Tombstone(handoff_id, row.state_name, ended_ms, sorted(handoff.digests))
