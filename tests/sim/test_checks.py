@@ -202,6 +202,21 @@ def test_an_input_applied_twice_or_in_another_partition_is_caught() -> None:
     ]
 
 
+def test_an_event_sequence_logged_by_two_entries_is_caught() -> None:
+    start = StartHandoff(HANDOFF, EngineType.VLLM, "prefill-0", "decode-0", 10_000)
+    built = _Builder()
+    built.entry(0, _claimed(1), cas=0)
+    for cas in (1, 2):
+        batch = Batch()
+        batch.append_input(0, InputRecord(cas, start), str(HANDOFF))
+        built.entry(0, _appended(1, [], batch), cas=cas)
+    assert _violations(built)[0] == (
+        f"partition 0: Appended at seq 3 of kvhandoff.log.0: handoff {HANDOFF}: event 0 logged"
+        " again, first by partition 0: Appended at seq 2 of kvhandoff.log.0: two events at one"
+        " sequence"
+    )
+
+
 def test_a_handoffs_input_applied_after_one_stored_later_is_caught() -> None:
     built = _Builder()
     orphan, newer = built.input(0).seq, built.input(0).seq

@@ -7,6 +7,8 @@ order, those a later snapshot rolled up included, a snapshot's parts joined) and
 check over it, and over the workers' partition files. Each check returns violations, one line
 each, naming the partition, the handoff, the input or the sequence, and what broke:
 
+- reading the log: no handoff's event sequence is logged by two entries (an owner that took
+  a file's prefix of an ended handoff for its whole history would log at sequences used);
 - `check_chain`: each partition's appends form one chain: every entry names, by compare-and-set
   (`Nats-Expected-Last-Subject-Sequence`), the entry stored before it on its subject (a
   snapshot's parts after the first follow their first); a `Claimed` epoch is above every epoch
@@ -154,7 +156,7 @@ class ReplicatedLog:
     """Every partition's log, decoded from the history (module docstring)."""
 
     entries: list[LogEntry] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)  # what did not decode
+    problems: list[str] = field(default_factory=list)  # what did not decode, or was logged twice
     # By handoff: its events by sequence (the first entry to log each), its rows in log order.
     events: dict[UUID, dict[int, LoggedEvent]] = field(default_factory=dict)
     rows: dict[UUID, list[HandoffRow]] = field(default_factory=dict)
@@ -203,9 +205,14 @@ class ReplicatedLog:
             except LogCorrupt as exc:
                 self.problems.append(f"{entry.where()}: event {seq} of handoff {key}: {exc}")
                 continue
-            self.events.setdefault(handoff_id, {}).setdefault(
-                seq, LoggedEvent(seq, record, encoded, entry)
-            )
+            events = self.events.setdefault(handoff_id, {})
+            first = events.setdefault(seq, LoggedEvent(seq, record, encoded, entry))
+            if first.entry is not entry:
+                # An entry holds the events it adds (what it carries is `history`, apart).
+                self.problems.append(
+                    f"{entry.where()}: handoff {key}: event {seq} logged again, first by"
+                    f" {first.entry.where()}: two events at one sequence"
+                )
 
     def appended(self) -> Iterable[tuple[LogEntry, Appended]]:
         for logged in self.entries:
