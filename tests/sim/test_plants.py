@@ -52,35 +52,35 @@ EXPECTED: dict[str, Expect] = {
     # The stale pin is never dropped: the partition's inputs wait for ever, or the partition
     # stays unclaimed after a hand-over.
     "ignore-423": Expect(
-        "did not end within the quiet phase", or_else=("nobody claimed the partition",)
+        "did not end within the quiet phase",
+        or_else=("nobody claimed the partition",),
+        waits_for="a run where an owner that ignores 423 does damage before the tier's idle "
+        "checks heal it: an owner idle under a pin another holds reads the consumer's pin "
+        "(`pin_lost`), and one that claimed while vacant reads the log's last entry "
+        "(`PartitionLog.superseded`), each once per priority timeout, so it claims anew; found "
+        "at seed 15 before the second check, now at seed 66 (a handoff that never ended), past "
+        "the budget",
     ),
     "claim-forgets-applied": Expect("is applied twice"),
-    "orphans-in-stream-order": Expect(
-        "out of stream order",
-        waits_for="a failover whose orphans of one handoff come back behind a newer input of "
-        "it: in the model an old owner's unacknowledged inputs are due again before the next "
-        "owner is pinned (ack wait below priority timeout) and come back in stream order, so "
-        "the order check sees none; none in 20 seeds drawn, nor in 12 of `--faults pause` at 8 "
-        "handoffs/s, whose claims found up to 22 orphans, several of one handoff",
-    ),
+    # "handoff h: input n is applied by <entry>, after input m, stored later, ...": orphans of
+    # a reconnect (what the server sent on the lost connection) applied behind newer inputs.
+    "orphans-in-stream-order": Expect("out of stream order"),
     # "handoff h: w published TimedOut again at t (Nats-Msg-Id m), though its previous
     # TimedOut, at t0, was acknowledged (...), and it did not claim partition p in between"
     "timer-fires-twice": Expect("published TimedOut again"),
     # "handoff h: worker-1 published TimedOut at t, n ms before its deadline by its own clock"
     "timer-fires-early": Expect("before its deadline"),
-    "no-outbox-barrier": Expect(
-        "did not end within the quiet phase",
-        waits_for="a Complete's publish lost in the milliseconds between its append's ack and "
-        "the server (a node loss, crash or election just then): other actions are published "
-        "again by their retry timers, which mask the plant; none in 20 seeds drawn, nor in 8 of "
-        "`--faults crash,election,pause` or `node,delay`",
-    ),
+    # A Complete (or a rejection) written to a connection that went dark and was reset, never
+    # published again: its frontend waits past the quiet phase.
+    "no-outbox-barrier": Expect("did not end within the quiet phase"),
     "snapshot-without-tombstones": Expect(
         "handoff",
-        waits_for="a check that sees it: without the tombstones a claim's merge deletes the "
-        "file's stale rows (worker.log.store `_merge`), and a late input of an ended handoff is "
-        "deferred as unknown and then rejected, as its tombstone would reject it (or drop it "
-        "as a duplicate): none in 20 seeds drawn, nor in 8 of `--faults crash,churn`",
+        waits_for="a late input of an ended handoff reaching a claim made from a snapshot "
+        "without its tombstone, which two checks would see (an input refused as of a handoff "
+        "never started after its start was logged, `check_known_handoffs`; an event sequence "
+        "logged twice): without the tombstones a claim's merge deletes the file's stale rows "
+        "(worker.log.store `_merge`), and the late input is deferred as unknown; none in 20 "
+        "seeds drawn",
     ),
     # "handoff h: <entry> accepted its start naming e at t, n s after that engine's lease
     # expired (...), more than a lease TTL (5s): ..."
@@ -89,11 +89,7 @@ EXPECTED: dict[str, Expect] = {
 
 FOUND_TODAY = [name for name, expect in EXPECTED.items() if not expect.waits_for]
 # Waiting plants whose broken line the first seed's run reaches (it changes what the run does).
-REACHED = [
-    "orphans-in-stream-order",
-    "no-outbox-barrier",
-    "snapshot-without-tombstones",
-]
+REACHED = ["snapshot-without-tombstones"]
 
 
 @dataclass(frozen=True)
