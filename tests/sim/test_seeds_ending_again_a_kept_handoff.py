@@ -1,6 +1,7 @@
-"""Seeds 2991 and 2993 of `kvhandoff sim`: a worker's file holds a handoff that succeeded, which
-a late `Canceled` reopened under another owner, and which ended canceled there; the worker
-then caught its file up from a snapshot that knows the handoff by that tombstone alone.
+"""Seeds 2991 and 2993 of `kvhandoff sim` found it: a worker's file holds a handoff that
+succeeded, which a late `Canceled` reopened under another owner, and which ended canceled
+there; the worker then caught its file up from a snapshot that knows the handoff by that
+tombstone alone.
 
 What they found. The catch-up (`Batch.merge`, worker.log.store) ended as its tombstone says
 only a row the file held open; a row the file held ended kept its first ending, beside the
@@ -8,9 +9,12 @@ snapshot's tombstone of the second (`kvhandoff verify`: "a snapshot's tombstone 
 canceled, its rows say succeeded"). Now such a row ends as the tombstone says too, its outbox
 closed, as an open one does; tests/worker/test_store.py makes it happen on demand.
 
-This keeps the runs: each breaks no invariant, and still takes that path (a merge meets a row
-the file holds ended otherwise than the snapshot's tombstone says), so that a change that moves
-a seed's trace away from it is seen rather than passing for nothing.
+This keeps runs that take that path (a merge meets a row the file holds ended otherwise than
+the snapshot's tombstone says) and checks that each breaks no invariant, so that a change that
+moves a seed's trace away from it is seen rather than passing for nothing. The runs of seeds
+2991 and 2993 no longer take the path under the tier since (an owner claims anew after a
+reconnect, among other changes); seed 212 of the default scenario, and seed 8 under a mix of
+kinds forced to make the path likely, take it under the current tier instead.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from kvhandoff.worker.log import store
 from kvhandoff.worker.log.rows import LiveState
 from kvhandoff.worker.sim import world
 
-# The fault kinds each seed drew when it found the bug, forced, so that a kind added since
-# (`reset`) leaves its run as it was (worker.sim.faults).
-DREW = {2991: ("node", "election", "churn"), 2993: ("crash", "pause", "delay")}
+# A mix of fault kinds, forced, under which the path came up more often in a search: workers
+# crashed, paused or reset lose and claim again partitions while a slow network makes
+# `Canceled` late (worker.sim.faults); seed 212 draws its own kinds.
+FORCED = {8: ("crash", "pause", "delay", "reset")}
 
 
-@pytest.mark.parametrize("seed", [2991, 2993])
+@pytest.mark.parametrize("seed", [8, 212])
 def test_a_run_breaks_no_invariant_where_a_snapshot_ends_a_kept_handoff_again(seed: int) -> None:
     ended_otherwise: set[str] = set()
     merge = store._merge
@@ -46,7 +51,7 @@ def test_a_run_breaks_no_invariant_where_a_snapshot_ends_a_kept_handoff_again(se
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(store, "_merge", merging)
-        outcome = world.simulate(world.Scenario(seed, fault_kinds=DREW[seed]))
+        outcome = world.simulate(world.Scenario(seed, fault_kinds=FORCED.get(seed)))
     assert outcome.violations == []
     assert ended_otherwise, (
         f"seed {seed} no longer merges a tombstone of a handoff a file holds ended otherwise:"
