@@ -103,3 +103,28 @@ def test_an_input_given_back_is_admitted_again_and_holds_nothing_back() -> None:
     assert order.admit([Delivered(7, "h")]) == [Delivered(7, "h")]
     assert order.admit([Delivered(3, "h"), Delivered(4, "g")]) == [Delivered(3, "h")]
     assert order.done
+
+
+def test_orphans_a_reconnect_adds_hold_newer_inputs_but_not_what_is_held_or_returned() -> None:
+    """A reconnect loses what the server sent on the old connection: those orphans are added,
+    and the handoff's newer inputs wait for them; what the order holds or returned already is
+    no orphan."""
+    order: InputOrder[Delivered] = InputOrder([(3, "h")])
+    assert order.admit([Delivered(5, "h"), Delivered(3, "h")]) == [
+        Delivered(3, "h"),
+        Delivered(5, "h"),
+    ]
+    assert order.admit([Delivered(8, "g")]) == [Delivered(8, "g")]
+    order.add_orphans([(3, "h"), (6, "h"), (7, "g")])  # 3 was returned
+    assert order.orphans == 2
+    assert order.admit([Delivered(9, "h"), Delivered(10, "g")]) == []
+    assert order.held_subjects() == {9: "h", 10: "g"}
+    order.add_orphans([(9, "h")])  # held: not an orphan
+    assert order.orphans == 2
+    assert order.admit([Delivered(7, "g"), Delivered(6, "h")]) == [
+        Delivered(6, "h"),
+        Delivered(7, "g"),
+        Delivered(9, "h"),
+        Delivered(10, "g"),
+    ]
+    assert order.done

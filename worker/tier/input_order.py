@@ -21,13 +21,18 @@ lower sequence still held. Invariants:
 - nothing is held for ever, once every orphan has been delivered: an orphan is never held
   behind a newer input, and a held input is released when the orphans before it are.
 
-What it is not: it orders only across the claim it was made for, and only what the old owner
-left; a handoff's first deliveries come in stream order anyway.
+A reconnect orphans inputs too, without a change of owner: what the server sent on the lost
+connection comes again only after its ack wait, behind newer inputs. The owner then reads the
+orphans again and adds them (`add_orphans`), those it holds excepted.
+
+What it is not: it orders only across the claims and reconnects it was told of, and only what
+was left unacknowledged; a handoff's first deliveries come in stream order anyway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 
@@ -48,10 +53,22 @@ class InputOrder(Generic[D]):
 
     def __init__(self, orphans: Iterable[tuple[int, str]]) -> None:
         self._orphans: dict[str, list[int]] = {}  # subject -> unapplied orphans, ascending
-        for seq, subject in sorted(orphans):
-            self._orphans.setdefault(subject, []).append(seq)
         self._held: dict[int, D] = {}
         self._returned: set[int] = set()
+        self.add_orphans(orphans)
+
+    def add_orphans(self, orphans: Iterable[tuple[int, str]]) -> None:
+        """More orphans (after a reconnect): those neither held nor returned already."""
+        for seq, subject in orphans:
+            waiting = self._orphans.setdefault(subject, [])
+            if seq not in self._held and seq not in self._returned and seq not in waiting:
+                bisect.insort(waiting, seq)
+            if not waiting:
+                del self._orphans[subject]
+
+    def held_subjects(self) -> Mapping[int, str]:
+        """The deliveries held: stream sequence -> subject."""
+        return {seq: delivery.subject for seq, delivery in self._held.items()}
 
     @property
     def held(self) -> int:

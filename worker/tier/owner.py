@@ -63,8 +63,9 @@ and admits the inputs of each batch through `worker.tier.input_order.InputOrder`
 delivered but unacknowledged, until the orphans of its handoff before it are applied. A
 reconnect orphans inputs too, without a change of owner: what the server sent on the lost
 connection comes again only after its ack wait, behind newer inputs delivered on the new one. So
-an owner whose pull was reset since its claim claims again before its next batch (a claim of its
-own: nobody else's append is fenced), and that claim reads the orphans.
+an owner whose pull was reset since it last read them reads the orphans again before its next
+batch, and adds them to the order (not a claim: a zombie whose connection died while it was
+paused must still be fenced at its next append, not claim back what another worker took).
 
 Vacant partitions. The server pins a client only when it delivers to it, so a partition that
 gets no input after it changed hands would wait for one before anyone claimed it, and the open
@@ -314,7 +315,7 @@ class PartitionOwner:
         self._forgot_at = 0.0  # when `_applied` was last cut to the ack floor (monotonic)
         self._floor = 0  # the ack floor read then: the next cut goes no higher (see `_forget`)
         self._order: InputOrder[Inbound] | None = None  # after a claim, until the orphans are in
-        self._resets_claimed = 0  # the pull's reconnects as of the last claim (see "Order")
+        self._resets_seen = 0  # the pull's reconnects whose orphans were read (see "Order")
         # Where this owner is (worker.tier.phase): what it may do next, and how it ended.
         self.phase = PartitionPhase(log.partition)
         # The server's token for the pin the claim holds for (see "Pins" in worker.tier.streams): a
@@ -427,14 +428,14 @@ class PartitionOwner:
                         # append.
                         self.phase.move(Event.PINNED)
                         self._pin_id = pull.pin_id
-                    if (
-                        not self.phase.now.claimed
-                        or pull.pin_id != self._pin_id
-                        or pull.resets != self._resets_claimed
-                    ):
+                    if not self.phase.now.claimed or pull.pin_id != self._pin_id:
                         await self._finish()  # a claim comes after the batch in flight
-                        self._resets_claimed = pull.resets
+                        self._resets_seen = pull.resets
                         await self._claim(pull.pin_id, held=partial(_held, batch, pull))
+                    elif pull.resets != self._resets_seen:
+                        await self._finish()  # what it settles is not an orphan
+                        self._resets_seen = pull.resets
+                        await self._reorder(partial(_held, batch, pull))
                     await self._handle(batch)
                     if self._snapshot_due_now():
                         await self._finish()
@@ -658,6 +659,33 @@ class PartitionOwner:
         # Nobody is pinned now: the vacancy counts from this read.
         self._vacant_since = None if pin_id else now
         self._vacancy_checked = now
+
+    async def _reorder(self, held: Callable[[], Mapping[int, str]]) -> None:
+        """After a reconnect: read the orphans it left, and hold the newer inputs of their
+        handoffs behind them (see "Order")."""
+        order = self._order
+
+        def held_now() -> Mapping[int, str]:
+            mine = dict(held())
+            if order is not None:
+                mine.update(order.held_subjects())
+            return mine
+
+        left = await unacknowledged(self._bus, self._stream, self._consumer, held_now)
+        orphans = [(seq, subject) for seq, subject in left if seq not in self._applied]
+        if not orphans:
+            return
+        logger.info(
+            "partition %d: %d inputs delivered on a lost connection come again; holding their "
+            "handoffs' newer inputs behind them",
+            self.log.partition,
+            len(orphans),
+        )
+        if order is None:
+            self._order = InputOrder(orphans)
+        else:
+            order.add_orphans(orphans)
+        self.orphans += len(orphans)
 
     async def _check_claim(self, pull: Pull) -> None:
         """Claim anew if, idle since a vacant claim for `claim_vacant_after_s`, the owner reads
