@@ -15,7 +15,9 @@ changed, and it does the rest:
                      an outcome answered, deadlines of handoffs that left memory;
     sent(action)     an action was published (first, republished or recovered): count the
                      attempt and schedule the next one;
-    clear()          these handoffs are no longer this worker's to time out or retry.
+    clear()          these handoffs are no longer this worker's to time out or retry: a
+                     deadline's `TimedOut` still on its way (NATS away) is abandoned with
+                     the rest, as the next claim's rearm fires that deadline again.
 
 A deadline that passes while its handoff is still active publishes `TimedOut` durably to the
 handoff's own input subject, so it is logged and replayed like any other input (whoever
@@ -49,6 +51,7 @@ from kvhandoff.worker.ambient import wall_s
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.errors import BusError
 from kvhandoff.worker.log.rows import HandoffRow
+from kvhandoff.worker.stoppable import unless_stopped
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.planner import OpenHandoff, Plan, Planner
 
@@ -134,12 +137,15 @@ class HandoffTimers:
         # What the task waits for: the earliest timer it knew of (None: none, so for ever). A
         # timer due later need not wake it (most retries: one is armed per action published).
         self._waiting_until: float | None = None
+        # Set by `clear` while deadlines fire: the claim they were due under ended.
+        self._cleared = asyncio.Event()
 
     def clear(self) -> None:
-        """Forget every timer."""
+        """Forget every timer, and abandon the deadlines firing (see `run`)."""
         self._deadlines = TimerQueue()
         self._retries = TimerQueue()
         self._attempts.clear()
+        self._cleared.set()
         self._changed.set()
 
     def rearm(self, adopted: Iterable[OpenHandoff]) -> None:
@@ -196,10 +202,14 @@ class HandoffTimers:
                 continue
             now = wall_s()
             expired = self._deadlines.pop_due(now)
+            self._cleared = cleared = asyncio.Event()
             try:
-                while expired:
-                    await self._expire(expired[0])
-                    expired.pop(0)
+                # A publish may outlast the claim (retried for seconds while NATS is away):
+                # one that ended abandons it and the deadlines behind it, or its `TimedOut`
+                # would come after the claim's release, and again once a new claim rearms.
+                await unless_stopped(cleared, self._expire_each(expired))
+                if cleared.is_set():
+                    continue
                 for handoff_id, action_id in self._retries.pop_due(now):
                     await self._retry(handoff_id, action_id)
             except BusError as exc:
@@ -208,6 +218,12 @@ class HandoffTimers:
                     self._deadlines.schedule(handoff_id, wall_s() + _PUBLISH_FAILED_PAUSE_S)
                 logger.warning("a deadline's TimedOut was not published, will retry: %s", exc)
                 await asyncio.sleep(_PUBLISH_FAILED_PAUSE_S)
+
+    async def _expire_each(self, expired: list[UUID]) -> None:
+        """Expire these, in order; each leaves `expired` once its `TimedOut` is published."""
+        while expired:
+            await self._expire(expired[0])
+            expired.pop(0)
 
     async def _expire(self, handoff_id: UUID) -> None:
         handoff = self._planner.open.get(handoff_id)
