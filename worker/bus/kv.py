@@ -28,6 +28,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy, KeyValueConfig, RetentionPolicy, StreamConfig
+from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from kvhandoff.worker.ambient import new_id
@@ -180,12 +181,53 @@ async def put_expiring(
     )
 
 
+class Watch(Subscription):
+    """A watch of a bucket (`watch_bucket`), until `unsubscribe`.
+
+    Its messages come through nats-py's ordered consumer, pushed to this connection: those in
+    flight when the connection is lost are lost with it, and nats-py notices the gap only at
+    the consumer's next message or its next idle heartbeat (5 s on). Meanwhile a delete
+    marker, an engine's lease gone, would be unseen. So on every reconnect the watch starts
+    the consumer again from after the last message it delivered, as nats-py does itself once
+    it notices a gap; should that fail, nats-py's own check (two heartbeats missed) does it.
+    """
+
+    def __init__(self, bus: Bus, subscription: JetStreamContext.PushSubscription, subject: str):
+        super().__init__(subscription, subject)
+        self._push = subscription
+        self._watching = True
+        self._resumes: set[asyncio.Task[bool]] = set()
+        bus.on_reconnect(self._resume)
+
+    def _resume(self) -> None:
+        if not self._watching:
+            return
+        jsi = self._push._sub._jsi
+        if jsi is None:  # not a JetStream subscription: never so for a watch
+            return
+        task = asyncio.create_task(jsi.reset_ordered_consumer(jsi._sseq + 1))
+        self._resumes.add(task)
+        task.add_done_callback(self._resumed)
+
+    def _resumed(self, task: asyncio.Task[bool]) -> None:
+        self._resumes.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.warning("watch of %s: cannot resume after a reconnect: %s", self.subject, exc)
+
+    async def unsubscribe(self) -> None:
+        self._watching = False
+        for task in list(self._resumes):
+            task.cancel()
+        await super().unsubscribe()
+
+
 async def watch_bucket(
     bus: Bus, bucket: str, on_entry: Callable[[str, bytes | None], None]
-) -> Subscription:
+) -> Watch:
     """Call `on_entry(key, value)` for the last message of every key of `bucket`,
-    then for every later one, in stream order; `value` is None for a delete marker (the key
-    expired or was deleted). Returns once every key's current message was delivered."""
+    then for every later one, in stream order, a reconnect notwithstanding (`Watch`); `value`
+    is None for a delete marker (the key expired or was deleted). Returns once every key's
+    current message was delivered."""
     prefix = f"$KV.{bucket}."
     caught_up = asyncio.get_running_loop().create_future()
 
@@ -215,4 +257,4 @@ async def watch_bucket(
         except TimeoutError:
             # The messages counted expired meanwhile, or arrive late: the watch goes on.
             logger.warning("bucket %s: not read to its end yet", bucket)
-    return Subscription(subscription, f"{prefix}>")
+    return Watch(bus, subscription, f"{prefix}>")

@@ -16,6 +16,8 @@ bucket (a TTL per message, expiries a watch sees), through worker.bus.kv.
 
 from __future__ import annotations
 
+import asyncio
+
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.kv import (
     Bucket,
@@ -119,3 +121,28 @@ async def test_a_put_again_restarts_a_keys_own_ttl(backend: Backend) -> None:
     await until(lambda: ("e", None) in seen, "the renewed lease expired", within=WITHIN_S)
     assert now() - renewed_at >= ttl_s
     assert seen == [("e", b"lease"), ("e", b"renewed"), ("e", None)]
+
+
+@contract
+async def test_a_watch_resumes_at_once_after_a_reconnect_from_its_last_message(
+    backend: Backend,
+) -> None:
+    bus, engine = await backend.connect("worker"), await backend.connect("engine")
+    bucket = backend.fresh("LEASES")
+    await open_expiring_bucket(engine, bucket, marker_ttl_s=60.0)
+    await put_expiring(engine, bucket, "e1", b"before", 60.0, give_up_after_s=5.0)
+    seen: list[tuple[str, bytes | None]] = []
+    watch = await watch_bucket(bus, bucket, lambda key, value: seen.append((key, value)))
+    reconnected = asyncio.Event()
+    bus.on_reconnect(reconnected.set)
+
+    await backend.restart_server()
+    await until(reconnected.is_set, "the watcher reconnected", within=WITHIN_S)
+    await put_expiring(engine, bucket, "e2", b"after", 60.0, give_up_after_s=WITHIN_S)
+    stored_at = now()
+    # Sooner than nats-py's ordered consumer notices on its own a consumer gone or messages
+    # lost (two idle heartbeats, 10 s): the watch started it again on the reconnect.
+    await until(lambda: ("e2", b"after") in seen, "the put after the restart", within=WITHIN_S)
+    assert now() - stored_at < 2.0
+    assert seen == [("e1", b"before"), ("e2", b"after")]
+    await watch.unsubscribe()
