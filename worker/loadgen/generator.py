@@ -52,7 +52,7 @@ import logging
 import math
 import statistics
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from random import Random
 
@@ -101,6 +101,10 @@ class LoadConfig:
     publish_give_up_s: float = 30.0
     connect_give_up_s: float = 30.0
     seed: int = 0
+    # Awaited once every handoff ended here, while the frontend still listens: a caller that can
+    # tell when the tier is done with them (the simulation reads its log) lets the Completes of
+    # a cleanup reopened after a success count in the final states. None: report at once.
+    linger: Callable[[], Awaitable[None]] | None = None
 
     def __post_init__(self) -> None:
         if self.handoffs < 1:
@@ -353,6 +357,8 @@ class _LoadRun:
                 await self._closed_loop(frontend)
             else:
                 await self._open_loop(frontend, self._config.rate_per_s)
+            if self._config.linger is not None:
+                await self._config.linger()
             reports, engines_settled = await self._settle()
         finally:
             await _cancel_all(self._cancelers)

@@ -43,6 +43,7 @@ from kvhandoff.worker.config import TierConfig, WorkerConfig
 from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
 from kvhandoff.worker.engines.report import EnginesReport, settled
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
+from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.sim import faults, natspy, plants
 from kvhandoff.worker.sim import loop as simloop
 from kvhandoff.worker.sim.checks import Names, ReplicatedLog, check_hand_overs_claimed, check_run
@@ -352,6 +353,24 @@ _DELAY_S = (0.0005, 0.002)  # the network's delays when nothing is wrong with it
 # priority timeout (3 s), a second for the vacancy poll, a membership key's TTL (5 s) for a
 # worker that woke or restarted at the heal, a round (1 s), and the claim's catch-up.
 _CLAIMED_WITHIN_S = 15.0
+_LINGER_POLL_S = 1.0  # how often the frontend reads the log for handoffs still open
+
+
+async def _until_logged_ended(history: History, *, until_s: float) -> None:
+    """Until the log ends every handoff it holds, or the quiet phase is over. The frontend's
+    waits end at a handoff's first Complete, but a late terminal fact may reopen a success, and
+    its cleanup can end later (a dropped cancel waits for its retry): the frontend listens on
+    meanwhile, so that its final states are the log's, and the tier has the whole quiet phase
+    for every handoff to end."""
+    loop = asyncio.get_running_loop()
+    while True:
+        if loop.time() >= until_s or not _open_in_log(ReplicatedLog.read(history, Names())):
+            return
+        await asyncio.sleep(_LINGER_POLL_S)
+
+
+def _open_in_log(log: ReplicatedLog) -> bool:
+    return any(rows[-1].state is HandoffState.OPEN for rows in log.rows.values())
 
 
 def worker_names(scenario: Scenario) -> list[str]:
@@ -377,6 +396,7 @@ async def _run(
         wait_timeout_s=scenario.duration_s + scenario.quiet_s,
         engines_wait_s=10.0,
         seed=scenario.seed,
+        linger=lambda: _until_logged_ended(history, until_s=scenario.duration_s + scenario.quiet_s),
     )
     report = await run.spawn(run.process("frontend"), lambda: run_load(load))
     await director
