@@ -143,6 +143,6 @@ async def test_a_watch_resumes_at_once_after_a_reconnect_from_its_last_message(
     # Sooner than nats-py's ordered consumer notices on its own a consumer gone or messages
     # lost (two idle heartbeats, 10 s): the watch started it again on the reconnect.
     await until(lambda: ("e2", b"after") in seen, "the put after the restart", within=WITHIN_S)
-    assert now() - stored_at < 2.0
+    assert now() - stored_at < 5.0  # half of the 10 s: a busy machine is slow, not that slow
     assert seen == [("e1", b"before"), ("e2", b"after")]
     await watch.unsubscribe()
