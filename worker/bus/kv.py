@@ -27,20 +27,28 @@ from typing import TypeVar
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy, KeyValueConfig, RetentionPolicy, StreamConfig
-from nats.js.client import JetStreamContext
+from nats.aio.subscription import Subscription as NatsSubscription
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StreamConfig,
+)
 from nats.js.kv import KeyValue
 
 from kvhandoff.worker.ambient import new_id
 from kvhandoff.worker.bus.connection import Bus, Subscription
 from kvhandoff.worker.bus.failures import RETRYABLE, why
 from kvhandoff.worker.errors import BusError
+from kvhandoff.worker.stoppable import cancel_until_done
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _ANSWER_POLL_S = 0.1
 _WATCH_CATCH_UP_S = 5.0
+_RESUME_RETRY_S = 0.5  # between attempts to resume a watch after a reconnect
 # "stream name already in use": another process created the stream just now.
 _STREAM_NAME_IN_USE = 10058
 
@@ -187,38 +195,93 @@ class Watch(Subscription):
     Its messages come through nats-py's ordered consumer, pushed to this connection: those in
     flight when the connection is lost are lost with it, and nats-py notices the gap only at
     the consumer's next message or its next idle heartbeat (5 s on). Meanwhile a delete
-    marker, an engine's lease gone, would be unseen. So on every reconnect the watch starts
-    the consumer again from after the last message it delivered, as nats-py does itself once
-    it notices a gap; should that fail, nats-py's own check (two heartbeats missed) does it.
+    marker, an engine's lease gone, would be unseen. So on every reconnect the watch
+    subscribes again from after the last message it delivered, and drops the consumer before.
+    It does so itself rather than through nats-py's `reset_ordered_consumer`, which makes the
+    new consumer in a task of its own and only reports a failure (JetStream electing a leader,
+    a node down) to the error callback: the watch would then be dead until two heartbeats
+    were missed, 10 to 20 s, while a new lease went unseen and the tier answered for a live
+    engine (seeds 157 and 283 of `kvhandoff sim`). Here each attempt that fails is made again
+    until one succeeds; a message that two consumers deliver is delivered once.
     """
 
-    def __init__(self, bus: Bus, subscription: JetStreamContext.PushSubscription, subject: str):
-        super().__init__(subscription, subject)
-        self._push = subscription
+    def __init__(self, bus: Bus, cursor: _Cursor, subscription: NatsSubscription) -> None:
+        super().__init__(subscription, cursor.subject)
+        self._bus = bus
+        self._cursor = cursor
         self._watching = True
-        self._resumes: set[asyncio.Task[bool]] = set()
+        self._resuming: asyncio.Task[None] | None = None
         bus.on_reconnect(self._resume)
 
     def _resume(self) -> None:
         if not self._watching:
             return
-        jsi = self._push._sub._jsi
-        if jsi is None:  # not a JetStream subscription: never so for a watch
-            return
-        task = asyncio.create_task(jsi.reset_ordered_consumer(jsi._sseq + 1))
-        self._resumes.add(task)
-        task.add_done_callback(self._resumed)
+        if self._resuming is not None:  # made on the connection just lost: start again
+            self._resuming.cancel()
+        self._resuming = asyncio.create_task(self._subscribe_again())
 
-    def _resumed(self, task: asyncio.Task[bool]) -> None:
-        self._resumes.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            logger.warning("watch of %s: cannot resume after a reconnect: %s", self.subject, exc)
+    async def _subscribe_again(self) -> None:
+        while True:
+            try:
+                fresh = await self._cursor.subscribe(self._bus, self._cursor.last_seq + 1)
+                break
+            except (TimeoutError, nats.errors.Error) as exc:
+                logger.warning(
+                    "watch of %s: cannot resume after a reconnect yet: %s", self.subject, why(exc)
+                )
+            await asyncio.sleep(_RESUME_RETRY_S)
+        before, self._subscription = self._subscription, fresh
+        try:
+            await before.unsubscribe()
+        except nats.errors.Error as exc:  # the server drops an ephemeral consumer left idle
+            logger.info("watch of %s: the consumer before: %s", self.subject, why(exc))
 
     async def unsubscribe(self) -> None:
         self._watching = False
-        for task in list(self._resumes):
-            task.cancel()
+        if self._resuming is not None:
+            await cancel_until_done(self._resuming)
         await super().unsubscribe()
+
+
+class _Cursor:
+    """Where a watch is in its bucket's stream: what it delivered last, by stream sequence."""
+
+    def __init__(self, bucket: str, on_entry: Callable[[str, bytes | None], None]) -> None:
+        self.stream = f"KV_{bucket}"
+        self.prefix = f"$KV.{bucket}."
+        self.subject = f"{self.prefix}>"
+        self.last_seq = 0
+        self.caught_up = asyncio.get_running_loop().create_future()
+        self._on_entry = on_entry
+
+    async def subscribe(self, bus: Bus, from_seq: int | None) -> NatsSubscription:
+        """An ordered consumer from `from_seq` on, or from the last message of every key."""
+        if from_seq is None:
+            policy, config = DeliverPolicy.LAST_PER_SUBJECT, None
+        else:
+            policy, config = DeliverPolicy.BY_START_SEQUENCE, ConsumerConfig(opt_start_seq=from_seq)
+        return await bus._js.subscribe(
+            self.subject,
+            stream=self.stream,
+            cb=self.deliver,
+            ordered_consumer=True,
+            deliver_policy=policy,
+            config=config,
+        )
+
+    async def deliver(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.last_seq:  # delivered by the consumer before, or by this one's reset
+            return
+        self.last_seq = seq
+        headers = msg.headers or {}
+        expired = "Nats-Marker-Reason" in headers or headers.get("KV-Operation") in {
+            "DEL",
+            "PURGE",
+        }
+        self._on_entry(msg.subject.removeprefix(self.prefix), None if expired else msg.data)
+        if msg.metadata.num_pending == 0 and not self.caught_up.done():
+            self.caught_up.set_result(None)
 
 
 async def watch_bucket(
@@ -228,33 +291,16 @@ async def watch_bucket(
     then for every later one, in stream order, a reconnect notwithstanding (`Watch`); `value`
     is None for a delete marker (the key expired or was deleted). Returns once every key's
     current message was delivered."""
-    prefix = f"$KV.{bucket}."
-    caught_up = asyncio.get_running_loop().create_future()
-
-    async def deliver(msg: Msg) -> None:
-        headers = msg.headers or {}
-        expired = "Nats-Marker-Reason" in headers or headers.get("KV-Operation") in {
-            "DEL",
-            "PURGE",
-        }
-        on_entry(msg.subject.removeprefix(prefix), None if expired else msg.data)
-        if msg.metadata.num_pending == 0 and not caught_up.done():
-            caught_up.set_result(None)
-
+    cursor = _Cursor(bucket, on_entry)
     try:
-        info = await bus._js.stream_info(f"KV_{bucket}")
-        subscription = await bus._js.subscribe(
-            f"{prefix}>",
-            cb=deliver,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-        )
+        info = await bus._js.stream_info(cursor.stream)
+        subscription = await cursor.subscribe(bus, None)
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"cannot watch bucket {bucket}: {why(exc)}") from exc
     if info.state.messages:
         try:
-            await asyncio.wait_for(caught_up, _WATCH_CATCH_UP_S)
+            await asyncio.wait_for(cursor.caught_up, _WATCH_CATCH_UP_S)
         except TimeoutError:
             # The messages counted expired meanwhile, or arrive late: the watch goes on.
             logger.warning("bucket %s: not read to its end yet", bucket)
-    return Watch(bus, subscription, f"{prefix}>")
+    return Watch(bus, cursor, subscription)
