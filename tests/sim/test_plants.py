@@ -19,7 +19,7 @@ import pytest
 from kvhandoff.worker.sim import plants
 from kvhandoff.worker.sim.world import Scenario, simulate
 
-SEEDS = tuple(range(1, 21))  # the CI budget: a plant not found within these is a failure
+SEEDS = tuple(range(1, 31))  # the CI budget: a plant not found within these is a failure
 
 
 def _scenario(seed: int, plant: str | None = None) -> Scenario:
