@@ -146,3 +146,25 @@ async def test_for_a_gone_engine_an_active_handoff_fails_and_its_cleanups_are_an
     assert recorder.published[1:] == [
         (ActionOutcome(h, cancel.action_id, NOOP, by_tier=True), answer_id(h, SOURCE, "a", "1"))
     ]
+
+
+async def test_for_a_replaced_engine_an_active_handoff_fails_and_no_cleanup_is_answered() -> None:
+    # The watch learnt of "b" late: the handoff may be "b"'s, which is live and answers its
+    # cleanups itself; a Noop given for it would be a cleanup "b" never runs.
+    tier, recorder, gone = leases()
+    active, cleaning = open_handoff(), open_handoff()
+    tier._on_entry(SOURCE, lease("a"))
+    tier._on_entry(DESTINATION, lease("d"))
+    c = cleaning.start.handoff_id
+    cleaning.coordinator.handle(ActionOutcome(c, 0, SUBMITTED))
+    (cancel,) = cleaning.coordinator.handle(Failed(c, None))
+    assert isinstance(cancel, CancelSource)
+
+    tier._on_entry(SOURCE, lease("b"))
+    assert gone == [(SOURCE, "a")]
+    tier.sweep([active, cleaning], {SOURCE: "a"})
+    await asyncio.gather(*tier._tasks)
+    h = active.start.handoff_id
+    assert recorder.published == [(Failed(h, LEASE_EXPIRED), answer_id(h, SOURCE, "a", "failed"))]
+    tier.sent(cleaning, cancel)  # published to the live "b": not answered for
+    assert tier._tasks == set()
