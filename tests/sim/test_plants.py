@@ -79,8 +79,8 @@ EXPECTED: dict[str, Expect] = {
         "without its tombstone, which two checks would see (an input refused as of a handoff "
         "never started after its start was logged, `check_known_handoffs`; an event sequence "
         "logged twice): without the tombstones a claim's merge deletes the file's stale rows "
-        "(worker.log.store `_merge`), and the late input is deferred as unknown; none in 20 "
-        "seeds drawn",
+        "(worker.log.store `_merge`), and the late input is deferred as unknown; found at "
+        "seed 112 (an input refused as of a handoff never started), past the budget",
     ),
     # "handoff h: <entry> accepted its start naming e at t, n s after that engine's lease
     # expired (...), more than a lease TTL (5s): ..."
