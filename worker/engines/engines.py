@@ -359,6 +359,12 @@ class MockEngine(abc.ABC):
         """Subscribe to the engine's actions."""
         await self.client.start()
 
+    def heal(self) -> None:
+        """Drop its faults: from now on it answers every action, at once (the simulation's
+        quiet phase, worker.sim.world)."""
+        self.faults = Faults()
+        self.silent = False
+
     async def stop(self) -> None:
         """Stop listening and cancel all in-flight work (receipts, prefills, transfers,
         decodes)."""

@@ -92,6 +92,11 @@ class MockEngines:
         await connection.flush()
         logger.info("%d mock engines listening: %s", len(self.engines), ", ".join(self.engines))
 
+    def heal(self) -> None:
+        """Drop every engine's faults (`MockEngine.heal`)."""
+        for engine in self.engines.values():
+            engine.heal()
+
     async def stop(self) -> EnginesReport:
         """Stop listening, report, and cancel in-flight work. The report is taken first, so a
         decode cut short by the stop is not mistaken for a leak."""

@@ -40,6 +40,7 @@ from kvhandoff.worker import ambient
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.config import TierConfig, WorkerConfig
+from kvhandoff.worker.engines.faults import Faults
 from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
 from kvhandoff.worker.engines.report import EnginesReport, settled
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
@@ -138,6 +139,7 @@ class _Run:
         self.paused: set[str] = set()
         self.failures: list[str] = []  # what the run saw go wrong besides the checks
         self.engines: tuple[SimProcess, Connection, MockEngines] | None = None
+        self.quiet = False  # every fault healed: the engines' own too
 
     def process(self, name: str, skew_s: float = 0.0) -> SimProcess:
         """A new simulated process, with its own stream of the seed."""
@@ -248,6 +250,9 @@ class _Run:
             ends.append(asyncio.create_task(self._befall(fault)))
         await asyncio.sleep(max(0.0, self.scenario.duration_s - self.loop.time()))
         self.loop.note("quiet: every fault heals")
+        self.quiet = True
+        if self.engines is not None:
+            self.engines[2].heal()
         jetstream.faults.lost_ack_rate = 0.0
         jetstream.faults.unavailable_until = 0.0
         self.cluster.consumers.faults.late_acks_accepted = False
@@ -314,7 +319,8 @@ class _Run:
         process = self.process("engines")
         with ambient.using(process):
             connection = await Connection.open(self.nats, "engines")
-            engines = MockEngines(connection, EnginesConfig(faults=self.plan.engines))
+            faults = Faults() if self.quiet else self.plan.engines
+            engines = MockEngines(connection, EnginesConfig(faults=faults))
             await engines.start()
         self.engines = (process, connection, engines)
         return engines
