@@ -17,6 +17,7 @@ bucket (a TTL per message, expiries a watch sees), through worker.bus.kv.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.kv import (
@@ -127,6 +128,15 @@ async def test_a_put_again_restarts_a_keys_own_ttl(backend: Backend) -> None:
 async def test_a_watch_resumes_at_once_after_a_reconnect_from_its_last_message(
     backend: Backend,
 ) -> None:
+    await watch_across_a_restart(backend)
+
+
+async def watch_across_a_restart(
+    backend: Backend, before_restart: Callable[[], None] = lambda: None
+) -> float:
+    """A watch across a restart of the server (`before_restart` runs just before it): the put
+    after it is watched well before nats-py would notice on its own. Returns when that put was
+    stored."""
     bus, engine = await backend.connect("worker"), await backend.connect("engine")
     bucket = backend.fresh("LEASES")
     await open_expiring_bucket(engine, bucket, marker_ttl_s=60.0)
@@ -136,6 +146,7 @@ async def test_a_watch_resumes_at_once_after_a_reconnect_from_its_last_message(
     reconnected = asyncio.Event()
     bus.on_reconnect(reconnected.set)
 
+    before_restart()
     await backend.restart_server()
     await until(reconnected.is_set, "the watcher reconnected", within=WITHIN_S)
     await put_expiring(engine, bucket, "e2", b"after", 60.0, give_up_after_s=WITHIN_S)
@@ -146,3 +157,4 @@ async def test_a_watch_resumes_at_once_after_a_reconnect_from_its_last_message(
     assert now() - stored_at < 5.0  # half of the 10 s: a busy machine is slow, not that slow
     assert seen == [("e1", b"before"), ("e2", b"after")]
     await watch.unsubscribe()
+    return stored_at
