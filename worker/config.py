@@ -20,6 +20,8 @@ from kvhandoff.worker.clock import DURATION_HELP, duration_arg
 from kvhandoff.worker.errors import ConfigError
 
 TIER_RETENTION_S = 7 * 24 * 3600.0
+# How long a handoff that ended is remembered by its tombstone (`WorkerConfig.tombstone_ttl_s`).
+TOMBSTONE_TTL_S = 300.0
 
 
 def partition_path(data_dir: Path, partition: int) -> Path:
@@ -110,7 +112,7 @@ class WorkerConfig:
     snapshot_interval_s: float = 60.0
     # How long a handoff that ended is remembered by its tombstone, for a late input that
     # names it (worker.tier.planner): at least the longest deadline plus the bus's duplicate window.
-    tombstone_ttl_s: float = 300.0
+    tombstone_ttl_s: float = TOMBSTONE_TTL_S
     # Engine leases (worker.tier.leases): reject a start naming an engine that holds none.
     require_leases: bool = False
 

@@ -20,7 +20,7 @@ from kvhandoff.events.codec import encode
 from kvhandoff.events.leases import EngineLease
 from kvhandoff.events.messages import EngineType, StartHandoff, TimedOut
 from kvhandoff.events.records import InputRecord
-from kvhandoff.worker.log.rows import Batch, HandoffRow
+from kvhandoff.worker.log.rows import Batch, HandoffRow, Tombstone
 from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.sim import checks, world
 from kvhandoff.worker.sim.history import (
@@ -37,6 +37,8 @@ from kvhandoff.worker.tier.entries import (
     Claimed,
     HandedOver,
     LoggedRows,
+    LoggedState,
+    Snapshot,
     decode_entry,
     decode_rows,
     encode_entry,
@@ -215,6 +217,36 @@ def test_an_event_sequence_logged_by_two_entries_is_caught() -> None:
         " again, first by partition 0: Appended at seq 2 of kvhandoff.log.0: two events at one"
         " sequence"
     )
+
+
+def _snapshot_after_a_start(tombstones: list[Tombstone], *, started_ms: int) -> list[str]:
+    """A partition whose log starts HANDOFF (logged at `started_ms`), then snapshots at 400 s
+    a state with no rows and `tombstones`."""
+    start = StartHandoff(HANDOFF, EngineType.VLLM, "prefill-0", "decode-0", 10_000)
+    built = _Builder()
+    built.entry(0, _claimed(1), cas=0)
+    batch = Batch()
+    batch.append_input(0, InputRecord(started_ms, start), str(HANDOFF))
+    built.entry(0, _appended(1, [], batch), cas=1)
+    state = encode_entry(LoggedState(None, [], [], [], tombstones))
+    snapshot = Snapshot(epoch=1, owner="worker-1/i", at_ms=400_000, applied=[], records=state)
+    built.entry(0, snapshot, cas=2)
+    return checks.check_snapshots(checks.ReplicatedLog.read(built.history, NAMES), 300.0)
+
+
+def test_a_snapshot_that_forgets_a_handoff_its_log_started_is_caught() -> None:
+    assert _snapshot_after_a_start([], started_ms=390_000) == [
+        f"handoff {HANDOFF}: partition 0: Snapshot at seq 3 of kvhandoff.log.0 holds neither its"
+        " row nor its tombstone, though the log before it started the handoff 10000 ms before"
+    ]
+
+
+def test_a_snapshot_that_keeps_the_tombstone_or_forgets_an_old_start_passes() -> None:
+    tombstone = Tombstone(HANDOFF, "succeeded", 395_000, [])
+    assert _snapshot_after_a_start([tombstone], started_ms=390_000) == []
+    # Started more than half the tombstone TTL before the snapshot: it may have ended, and
+    # been forgotten, long before.
+    assert _snapshot_after_a_start([], started_ms=240_000) == []
 
 
 def test_a_handoffs_input_applied_after_one_stored_later_is_caught() -> None:

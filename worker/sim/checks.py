@@ -24,6 +24,10 @@ each, naming the partition, the handoff, the input or the sequence, and what bro
 - `check_known_handoffs`: no input is refused as of a handoff never started ("no such
   handoff") by an entry stored after one that logged the handoff's start: the tier knows each
   handoff it started for the run's length (its tombstones live `--tombstone-ttl`, 300 s);
+- `check_snapshots`: every snapshot knows (by its row or its tombstone) each handoff whose
+  start its partition's log holds before it, within half the tombstone TTL before the snapshot
+  (a snapshot replaces the log it sums up: a handoff it forgets is one the next claim takes a
+  late input of for one never started, or starts again);
 - `check_acks`: every ack the input stream's consumers settled names an input an `Appended`
   (or a snapshot's `applied`) stored before it (so an acknowledged input was applied, once,
   by the check above);
@@ -81,7 +85,7 @@ from kvhandoff.events.subjects import (
     partition_prefix,
 )
 from kvhandoff.worker.commands.verify import verify_log
-from kvhandoff.worker.config import TierConfig
+from kvhandoff.worker.config import TOMBSTONE_TTL_S, TierConfig
 from kvhandoff.worker.errors import NewerLogVersion, StoreError
 from kvhandoff.worker.loadgen.generator import LoadReport
 from kvhandoff.worker.log.reader import SqliteLog
@@ -236,6 +240,7 @@ def check_run(
     workdir: Path | None,
     names: Names = Names(),
     load: LoadReport | None = None,
+    tombstone_ttl_s: float = TOMBSTONE_TTL_S,
 ) -> list[str]:
     """Every check, on a run's history and (if given) the workers' data directories."""
     log = ReplicatedLog.read(history, names)
@@ -244,6 +249,7 @@ def check_run(
     violations += check_inputs_once(history, log, names)
     violations += check_input_order(history, log, names)
     violations += check_known_handoffs(log)
+    violations += check_snapshots(log, tombstone_ttl_s)
     violations += check_acks(history, log, names)
     violations += check_actions(history, log, names)
     if workdir is not None:
@@ -364,6 +370,37 @@ def check_known_handoffs(log: ReplicatedLog) -> list[str]:
                     f"handoff {handoff}: {logged.where()} refused an input as of a handoff never"
                     f" started ({reason}), though {started.entry.where()} logged its start"
                 )
+    return violations
+
+
+def check_snapshots(log: ReplicatedLog, tombstone_ttl_s: float) -> list[str]:
+    """Each snapshot holds a row or a tombstone of every handoff its partition's log started
+    before it, in the half of the tombstone TTL before the snapshot's time (half: the owner's
+    clock may be skewed from the one that logged the start, by seconds, not minutes)."""
+    violations: list[str] = []
+    started: dict[int, dict[UUID, int]] = {}  # by partition: each start's logged at_ms
+    for logged in log.entries:
+        entry, known_here = logged.entry, started.setdefault(logged.partition, {})
+        if isinstance(entry, Appended) and logged.rows is not None:
+            for key, seq, _, at_ms, _ in logged.rows.events:
+                if seq == 0:
+                    known_here.setdefault(UUID(key), at_ms)
+        if not isinstance(entry, Snapshot):
+            continue
+        try:
+            state = decode_state(entry.records, logged.where())
+        except (msgspec.DecodeError, NewerLogVersion) as exc:
+            violations.append(f"{logged.where()}: its state does not decode: {exc}")
+            continue
+        known = {row.handoff_id for row in state.handoffs}
+        known.update(tombstone.handoff_id for tombstone in state.tombstones)
+        since_ms = entry.at_ms - tombstone_ttl_s * 1000 / 2
+        violations += [
+            f"handoff {handoff_id}: {logged.where()} holds neither its row nor its tombstone,"
+            f" though the log before it started the handoff {entry.at_ms - at_ms} ms before"
+            for handoff_id, at_ms in known_here.items()
+            if at_ms >= since_ms and handoff_id not in known
+        ]
     return violations
 
 

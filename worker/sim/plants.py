@@ -346,8 +346,10 @@ _PLANTS: Sequence[Plant] = (
         partition.Partition,
         "snapshot",
         _snapshot_without_tombstones,
-        "a claim from a snapshot by a worker without the file (crash without its file, "
-        "churn), then a late input of an ended handoff; the final-states check",
+        "any run that snapshots a partition after a handoff of it ended: the snapshots check "
+        "(a snapshot forgets a handoff its log started); its damage, a late input of the "
+        "ended handoff refused as unknown by a claim from that snapshot, needs a worker "
+        "without the file (crash without its file, churn) too",
     ),
     Plant(
         "lease-expiry-ignored",
