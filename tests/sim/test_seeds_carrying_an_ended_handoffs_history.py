@@ -32,6 +32,13 @@ from kvhandoff.worker.log import store
 from kvhandoff.worker.log.rows import Batch
 from kvhandoff.worker.sim import world
 
+# The kinds seeds 3 and 67 drew before the disk faults came (worker.sim.faults: a kind added
+# later is forced off, so that the seed replays the run it was chosen for).
+DREW = {
+    3: ("election", "delay", "churn", "reset"),
+    67: ("pause", "node", "election", "engines", "reset"),
+}
+
 
 @pytest.mark.parametrize("seed", [3, 28, 67])
 def test_a_run_breaks_no_invariant_where_a_catch_up_takes_an_ended_handoffs_history(
@@ -48,7 +55,7 @@ def test_a_run_breaks_no_invariant_where_a_catch_up_takes_an_ended_handoffs_hist
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(store, "_write_batch", writing)
-        outcome = world.simulate(world.Scenario(seed))
+        outcome = world.simulate(world.Scenario(seed, fault_kinds=DREW.get(seed)))
     assert outcome.violations == []
     assert carried, (
         f"seed {seed} no longer catches a file up on the history an entry carries of a handoff"

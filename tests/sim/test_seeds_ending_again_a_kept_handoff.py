@@ -29,8 +29,8 @@ from kvhandoff.worker.sim import world
 
 # A mix of fault kinds, forced, under which the path came up more often in a search: workers
 # crashed, paused or reset lose and claim again partitions while a slow network makes
-# `Canceled` late (worker.sim.faults); seed 250 draws its own kinds.
-FORCED = {8: ("crash", "pause", "delay", "reset")}
+# `Canceled` late (worker.sim.faults); seed 250 the kinds it drew before the disk faults came.
+FORCED = {8: ("crash", "pause", "delay", "reset"), 250: ("node", "delay", "engines", "reset")}
 
 
 @pytest.mark.parametrize("seed", [8, 250])

@@ -22,6 +22,8 @@ from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
 from kvhandoff.worker.sim import world
 
 SEED, DURATION_S = 157, 20.0
+# The kinds it drew before the disk faults came (a kind added later is forced off).
+DREW = ("crash", "pause", "node", "election", "delay", "engines", "reset")
 
 
 def test_the_engines_started_in_the_quiet_phase_have_no_faults() -> None:
@@ -34,7 +36,9 @@ def test_the_engines_started_in_the_quiet_phase_have_no_faults() -> None:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(MockEngines, "__init__", starting)
-        outcome = world.simulate(world.Scenario(SEED, duration_s=DURATION_S, rate_per_s=2.0))
+        outcome = world.simulate(
+            world.Scenario(SEED, duration_s=DURATION_S, rate_per_s=2.0, fault_kinds=DREW)
+        )
     assert outcome.violations == []
     first_faults = started[0][1]
     in_quiet = [faults for at, faults in started if at >= DURATION_S]

@@ -23,6 +23,10 @@ then draws the faults of those kinds over the run's fault phase (`Scenario.durat
                load balancer that lost its state): what either side wrote meanwhile, which
                its socket took, is lost, and the client reconnects; the publishes among it are
                what the outbox's barrier must notice
+    full       a worker's disk fills up for up to 10 s: SQLite refuses each write that needs
+               room ("database or disk is full"), whichever incarnation of the worker runs
+    slow       a worker's disk turns slow for up to 10 s: each of its file operations waits
+               for the one before, then up to 200 ms more
 
 and, for the whole fault phase, these properties of the server: a share of publish acks lost
 after the message was stored (`lost_acks`), late acks accepted after their ack wait
@@ -56,7 +60,7 @@ from kvhandoff.worker.engines.faults import Faults as EngineFaults
 # The kinds a seed drew from the first; a kind added later is drawn after everything else, so
 # that every seed still draws the faults it drew before (its replay tests keep their paths).
 _FIRST_KINDS = ("crash", "pause", "node", "election", "delay", "churn", "engines")
-_LATER_KINDS = ("reset",)
+_LATER_KINDS = ("reset", "full", "slow")
 KINDS = _FIRST_KINDS + _LATER_KINDS
 
 
@@ -69,11 +73,13 @@ class Fault:
     at_s: float
     for_s: float
     keep_files: bool = True  # a crash's: does the worker come back with its files?
+    latency_s: float = 0.0  # a slow disk's: how long each of its operations takes
 
     def __str__(self) -> str:
         what = f"{self.kind} {self.target}".strip()
         files = "" if self.keep_files else ", without its files"
-        return f"{what} at {self.at_s:.2f}s for {self.for_s:.2f}s{files}"
+        latency = f", {self.latency_s * 1000:.0f} ms an operation" if self.latency_s else ""
+        return f"{what} at {self.at_s:.2f}s for {self.for_s:.2f}s{files}{latency}"
 
 
 @dataclass(frozen=True)
@@ -162,9 +168,18 @@ def draw(
     pin_overlap_s = chance.uniform(0.0, 0.5) if chance.random() < 0.5 else 0.0
     skews_s = {name: chance.uniform(-2.0, 2.0) for name in workers}
     engines = _engine_faults(chance)
-    enabled |= {kind: enable(kind) for kind in _LATER_KINDS}
+    # Each later kind draws after all that came before it, so that adding it moves no draw.
+    enabled["reset"] = enable("reset")
     for at in times("reset", 20):
         faults.append(Fault("reset", chance.choice(workers), at, chance.uniform(0.05, 2.0)))
+    for kind in ("full", "slow"):
+        enabled[kind] = enable(kind)
+        free_at = 0.0  # one disk of each kind broken at a time: each fault heals its own
+        for drawn_at in times(kind, 3):
+            at, for_s = max(drawn_at, free_at), chance.uniform(0.5, 10.0)
+            latency_s = chance.uniform(0.01, 0.2) if kind == "slow" else 0.0
+            faults.append(Fault(kind, chance.choice(workers), at, for_s, latency_s=latency_s))
+            free_at = at + for_s
     return FaultPlan(
         faults=tuple(sorted(faults, key=lambda fault: fault.at_s)),
         lost_acks=lost_acks,

@@ -31,7 +31,8 @@ they schedule goes through it. It keeps a ready queue and a heap of timers and n
   address. A running sha256 over the lines (`trace_hash()`) is what two runs of one seed
   compare; the lines themselves are kept only when asked (`keep_trace=True`).
 - *Executors run inline.* `run_in_executor` calls the function at once on the loop's thread and
-  returns a done future: deterministic, and `asyncio.to_thread` goes through it.
+  returns a done future: deterministic, and `asyncio.to_thread` goes through it. On a slow disk
+  (the calling process's `disk`, worker.sim.disk) it calls it later, a timer of the caller's.
 - *Connections* come from the connector given at construction (`connect=`), which the simulated
   network supplies; nats-py's `asyncio.open_connection` reaches it through `create_connection`.
 - *Errors.* What a callback raises reaches `call_exception_handler`, which keeps each context on
@@ -114,7 +115,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Generic, NoReturn, TypeVar, TypeVarTuple, Unpack, cast
 
+from kvhandoff.worker import ambient
 from kvhandoff.worker.ambient import Ambient, in_context
+from kvhandoff.worker.sim.disk import SimDisk
 
 logger = logging.getLogger(__name__)
 
@@ -666,10 +669,31 @@ class SimLoop(asyncio.AbstractEventLoop):
         self, executor: Executor | None, func: Callable[[Unpack[_Ts]], T], *args: *_Ts
     ) -> asyncio.Future[T]:
         """Call `func(*args)` now, on the loop's thread, and return a future holding what it
-        returned or raised. The executor is not used: a simulation starts no thread."""
+        returned or raised. The executor is not used: a simulation starts no thread. On a slow
+        disk (the calling process's, worker.sim.disk), the call runs later instead, after the
+        disk's previous call, in the caller's context."""
         self._check_closed()
-        self._record(f"inline {_stable_name(func, args)}")
         future: asyncio.Future[T] = self.create_future()
+        disk = getattr(ambient.current(), "disk", None)
+        if not isinstance(disk, SimDisk):
+            disk = None
+        if disk is not None and disk.latency_s:
+            at = disk.next_slot(self.time())
+            self.call_at(at, self._run_inline, future, disk, func, *args)
+        else:
+            self._run_inline(future, disk, func, *args)
+        return future
+
+    def _run_inline(
+        self,
+        future: asyncio.Future[T],
+        disk: SimDisk | None,
+        func: Callable[[Unpack[_Ts]], T],
+        *args: *_Ts,
+    ) -> None:
+        if disk is not None:
+            disk.catch_up()
+        self._record(f"inline {_stable_name(func, args)}")
         try:
             result = func(*args)
         except (SystemExit, KeyboardInterrupt):
@@ -678,7 +702,6 @@ class SimLoop(asyncio.AbstractEventLoop):
             future.set_exception(exc)
         else:
             future.set_result(result)
-        return future
 
     async def shutdown_default_executor(self) -> None:
         """Nothing to shut down: executors run inline."""

@@ -4,7 +4,8 @@ Every worker, engine host and frontend of a simulation is a `SimProcess`: its ta
 context where `kvhandoff.worker.ambient` reads this object (`ambient.using`), so each reads its
 own wall clock (the simulation's virtual time since `EPOCH_S`, plus its own skew, the clock
 skew fault) and draws ids and chance from its own stream of the seed, and the network names its
-connections after it (`name`), so that crashing a process's host resets them.
+connections after it (`name`), so that crashing a process's host resets them. A worker's
+process has its machine's disk (`disk`, worker.sim.disk), which a fault may fill or slow down.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import random
 import uuid
 
 from kvhandoff.worker.ambient import Ambient
+from kvhandoff.worker.sim.disk import SimDisk
 
 # Where the simulated wall clock starts: 2026-01-01T00:00:00Z. A fixed date, so that a run's
 # records (which carry wall time) are the same in every run of its seed.
@@ -24,9 +26,16 @@ class SimProcess(Ambient):
     """One simulated process's clocks, ids and chance."""
 
     def __init__(
-        self, name: str, chance: random.Random, *, pid: int = 1, skew_s: float = 0.0
+        self,
+        name: str,
+        chance: random.Random,
+        *,
+        pid: int = 1,
+        skew_s: float = 0.0,
+        disk: SimDisk | None = None,
     ) -> None:
         self.name = name
+        self.disk = disk
         self._pid = pid
         self.skew_s = skew_s
         self._chance = chance

@@ -48,6 +48,7 @@ from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.sim import faults, natspy, plants
 from kvhandoff.worker.sim import loop as simloop
 from kvhandoff.worker.sim.checks import Names, ReplicatedLog, check_hand_overs_claimed, check_run
+from kvhandoff.worker.sim.disk import SimDisk
 from kvhandoff.worker.sim.faults import Fault, FaultPlan
 from kvhandoff.worker.sim.history import History
 from kvhandoff.worker.sim.nats.cluster import SimCluster
@@ -108,6 +109,7 @@ class _Slot:
         self.process: SimProcess | None = None
         self.task: asyncio.Task[None] | None = None
         self.stop = asyncio.Event()
+        self.disk = SimDisk()  # its machine's: a restart keeps it, full or slow as it was
 
 
 class _Run:
@@ -141,10 +143,10 @@ class _Run:
         self.engines: tuple[SimProcess, Connection, MockEngines] | None = None
         self.quiet = False  # every fault healed: the engines' own too
 
-    def process(self, name: str, skew_s: float = 0.0) -> SimProcess:
+    def process(self, name: str, skew_s: float = 0.0, disk: SimDisk | None = None) -> SimProcess:
         """A new simulated process, with its own stream of the seed."""
         chance = random.Random(self.loop.chance.getrandbits(64))
-        process = SimProcess(name, chance, pid=next(self._pids), skew_s=skew_s)
+        process = SimProcess(name, chance, pid=next(self._pids), skew_s=skew_s, disk=disk)
         self.history.processes[name] = process  # its latest incarnation's clock
         return process
 
@@ -174,7 +176,7 @@ class _Run:
                     shutil.copy2(path, directory / path.name)
         slot.directory = directory
         slot.stop = asyncio.Event()
-        slot.process = self.process(slot.name, slot.skew_s)
+        slot.process = self.process(slot.name, slot.skew_s, slot.disk)
         slot.task = self.spawn(slot.process, lambda: self._serve(slot.name, directory, slot.stop))
 
     async def _serve(self, name: str, directory: Path, stop: asyncio.Event) -> None:
@@ -264,6 +266,7 @@ class _Run:
             task.cancel()
         await asyncio.gather(*ends, return_exceptions=True)
         for slot in self.slots.values():
+            slot.disk.heal()
             if slot.name in self.paused:
                 self.resume(slot)
             elif slot.name != "joiner" and slot.process is None:
@@ -304,6 +307,14 @@ class _Run:
                 finally:  # the quiet phase cancels it: the connection is reset all the same
                     self.cluster.network.reset(fault.target)
                     self.cluster.network.resume(fault.target)
+            case "full" if slot is not None:
+                slot.disk.fill()
+                await asyncio.sleep(fault.for_s)
+                slot.disk.empty()
+            case "slow" if slot is not None:
+                slot.disk.slow_down(fault.latency_s)
+                await asyncio.sleep(fault.for_s)
+                slot.disk.slow_down(0.0)
             case "engines":
                 self.crash_engines()
                 await asyncio.sleep(fault.for_s)
