@@ -5,7 +5,8 @@
 #   kvhandoff-nats:local     nats-server with JetStream, FROM scratch
 #   kvhandoff:local          the worker (deploy/Dockerfile)
 # Safe to re-run: the base is skipped when present and Docker's layer cache
-# makes unchanged rebuilds take seconds.
+# makes unchanged rebuilds take seconds. Safe to run twice at once (two test
+# workers): the second waits for the first, then finds everything cached.
 # Env: PYTHON (default python3, must be 3.11 like the image), BASE_IMAGE
 # (e.g. python:3.11-slim where a registry is reachable; then no local base).
 set -euo pipefail
@@ -16,6 +17,9 @@ PYTHON=${PYTHON:-python3}
 BASE_IMAGE=${BASE_IMAGE:-kvhandoff-base:bookworm}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# One build at a time: both would rewrite deploy/.wheels.
+exec 9>"$deploy/.build.lock"
+flock 9
 
 step() { # step NAME CMD...: run CMD and print how long it took
     local name=$1 t=$SECONDS

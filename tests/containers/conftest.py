@@ -49,6 +49,7 @@ from kvhandoff.worker.harness.containers import (
     NatsContainer,
 )
 from kvhandoff.worker.loadgen.generator import LoadReport
+from tests.conftest import SUMMARY
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "deploy" / "build-images.sh"
@@ -122,10 +123,15 @@ def _remove_leftovers(client: Any) -> None:
         network.remove()
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    seconds = terminalreporter.config.stash.get(_build_seconds, None)
+@pytest.fixture(autouse=True)
+def _report_the_build(request: pytest.FixtureRequest) -> None:
+    """The first test after the images were built reports how long that took (tests/conftest.py
+    prints it at the end of the run)."""
+    seconds = request.config.stash.get(_build_seconds, None)
     if seconds is not None:
-        terminalreporter.write_line(f"container images: deploy/build-images.sh took {seconds:.0f}s")
+        del request.config.stash[_build_seconds]
+        line = f"container images: deploy/build-images.sh took {seconds:.0f}s"
+        request.node.user_properties.append((SUMMARY, line))
 
 
 # --- The stack ----------------------------------------------------------------------------

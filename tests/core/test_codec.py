@@ -416,13 +416,11 @@ def _walk(node: Any) -> Any:
             yield from _walk(value)
 
 
-_TAGGED: list[type[msgspec.Struct]] = [
-    *_members(Input),
-    *_members(Action),
-    *_members(Outcome),
-    Rejection,
-    EnginesReport,
-]
+# In a fixed order: the sets' is by address, and pytest-xdist's workers must collect alike.
+_TAGGED: list[type[msgspec.Struct]] = sorted(
+    {*_members(Input), *_members(Action), *_members(Outcome), Rejection, EnginesReport},
+    key=lambda cls: cls.__name__,
+)
 
 
 def _constants(schema: Any) -> set[Any]:
