@@ -20,6 +20,7 @@ from kvhandoff.events.codec import encode
 from kvhandoff.events.leases import EngineLease
 from kvhandoff.events.messages import EngineType, StartHandoff, TimedOut
 from kvhandoff.events.records import InputRecord
+from kvhandoff.worker.bus.pull import PullRequest
 from kvhandoff.worker.log.rows import Batch, HandoffRow, Tombstone
 from kvhandoff.worker.log.schema import HandoffState
 from kvhandoff.worker.sim import checks, world
@@ -29,6 +30,8 @@ from kvhandoff.worker.sim.history import (
     NakedMessage,
     PubAcked,
     Published,
+    PullAsked,
+    PullRead,
     StoredMessage,
 )
 from kvhandoff.worker.tier.entries import (
@@ -114,6 +117,25 @@ class _Builder:
         index = self._next()
         self.history.pub_acked.append(
             PubAcked(index, index / 10, reply, stream, seq, duplicate=False)
+        )
+
+    def pull(self, token: int, pin_id: str | None) -> None:
+        index = self._next()
+        payload = msgspec.json.encode(PullRequest(batch=1, group="g", id=pin_id))
+        self.history.pulls_asked.append(
+            PullAsked(index, index / 10, "worker-0", "S.C", f"_INBOX.i.{token}", payload)
+        )
+
+    def refusal_read(self, token: int) -> None:
+        index = self._next()
+        self.history.pulls_read.append(
+            PullRead(index, index / 10, "worker-0", "_INBOX.i", f"_INBOX.i.{token}", None)
+        )
+
+    def pin_read(self, pin_id: str) -> None:
+        index = self._next()
+        self.history.pulls_read.append(
+            PullRead(index, index / 10, "worker-0", "_INBOX.i", None, pin_id)
         )
 
 
@@ -457,6 +479,33 @@ def test_a_start_within_a_lease_ttl_of_the_expiry_or_after_a_new_lease_passes() 
     assert _leases(built) == []
 
 
+def test_a_pull_asking_with_a_pin_id_it_read_refused_is_caught() -> None:
+    built = _Builder()
+    built.pull(0, "x")
+    built.refusal_read(0)
+    built.pull(1, "x")
+    built.pull(2, "x")  # reported once per inbox
+    assert checks.check_refused_pins(built.history) == [
+        "worker-0 asked S.C for messages (on _INBOX.i) with pin id x at 0.300s, after it read "
+        "a 423 refusing it"
+    ]
+
+
+def test_a_refused_pin_id_asked_before_the_refusal_was_read_or_served_again_passes() -> None:
+    built = _Builder()
+    built.pull(0, "x")
+    built.pull(1, "x")  # asked before the 423 of the first was read: it is on its way
+    built.refusal_read(0)
+    built.refusal_read(1)
+    built.pull(2, None)  # asks to be pinned anew
+    built.pin_read("y")
+    built.pull(3, "y")
+    built.refusal_read(3)
+    built.pin_read("x")  # a message served under the old pin (ADR-42: no exclusivity)
+    built.pull(4, "x")
+    assert checks.check_refused_pins(built.history) == []
+
+
 # --- A real run, and its mutations -----------------------------------------------------------
 
 
@@ -499,6 +548,11 @@ def test_a_real_run_breaks_no_invariant(run: _Run) -> None:
     held = {int(path.stem.removeprefix("partition-")) for path in run.files.rglob("*.db")}
     assert held == set(range(world.Scenario(1).partitions))  # a file of each, on some worker
     assert checks.check_run(run.history, run.files, load=run.outcome.load) == []
+    # The client's side: every Pull's requests, and the pins its messages carried.
+    assert {asked.reply.rpartition(".")[0] for asked in run.history.pulls_asked} >= {
+        read.inbox for read in run.history.pulls_read
+    }
+    assert sum(read.pin_id is not None for read in run.history.pulls_read) >= 16
 
 
 def _actions(history: History) -> list[Published]:

@@ -46,6 +46,10 @@ each, naming the partition, the handoff, the input or the sequence, and what bro
   no new lease since (docs/leases.md: "a start naming an engine whose lease expired is rejected
   at once"; the TTL is the time allowed for the workers' watch to deliver the marker, as the tier
   "learns within one lease TTL that an engine is gone");
+- `check_refused_pins`: no pull asks with a pin id after it read a 423 refusing a request
+  that carried that id, unless it read a message stamped with the id since (ADR-42: a refused
+  pull asks to be pinned anew; worker.bus.pull's 423). Judged at the client (worker.sim.pulls),
+  as only there is "asked after it read the refusal" known;
 - `check_hand_overs_claimed`: a partition handed over (`HandedOver`) is claimed again
   (docs/tier.md, "Vacant partitions": a partition that gets no input is claimed once nobody
   has been pinned to it for the priority timeout), judged on the log as it stood when the
@@ -84,6 +88,7 @@ from kvhandoff.events.subjects import (
     log_stream_of,
     partition_prefix,
 )
+from kvhandoff.worker.bus.pull import PullRequest
 from kvhandoff.worker.commands.verify import verify_log
 from kvhandoff.worker.config import TOMBSTONE_TTL_S, TierConfig
 from kvhandoff.worker.errors import NewerLogVersion, StoreError
@@ -91,7 +96,7 @@ from kvhandoff.worker.loadgen.generator import LoadReport
 from kvhandoff.worker.log.reader import SqliteLog
 from kvhandoff.worker.log.rows import HandoffRow
 from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.sim.history import History, Published, StoredMessage
+from kvhandoff.worker.sim.history import History, Published, PullAsked, PullRead, StoredMessage
 from kvhandoff.worker.sim.nats.jetstream.streams import MSG_ID
 from kvhandoff.worker.sim.nats.server import decode_header
 from kvhandoff.worker.tier.entries import (
@@ -257,6 +262,7 @@ def check_run(
     violations += check_timers(history, log, names)
     violations += check_timed_out_again(history, log, names)
     violations += check_leases(history, log, names)
+    violations += check_refused_pins(history)
     violations += check_final_states(log, load)
     return violations
 
@@ -692,6 +698,33 @@ def check_hand_overs_claimed(log: ReplicatedLog, until_s: float, within_s: float
         for logged in last.values()
         if isinstance(logged.entry, HandedOver) and logged.stored.at < until_s - within_s
     ]
+
+
+def check_refused_pins(history: History) -> list[str]:
+    """No pull asks again with a pin id after reading a 423 for it (see the module docstring)."""
+    violations: list[str] = []
+    asked: dict[str, str | None] = {}  # reply subject -> the pin id its request carried
+    refused: dict[str, set[str]] = {}  # inbox -> the pin ids refused and not given back since
+    told: set[str] = set()  # inboxes already reported: one line each
+    records: list[PullAsked | PullRead] = [*history.pulls_asked, *history.pulls_read]
+    for record in sorted(records, key=lambda record: record.index):
+        match record:
+            case PullAsked(reply=reply, payload=payload):
+                pin_id = msgspec.json.decode(payload, type=PullRequest).id
+                asked[reply] = pin_id
+                inbox = reply.rpartition(".")[0]
+                if pin_id in refused.get(inbox, ()) and inbox not in told:
+                    told.add(inbox)
+                    violations.append(
+                        f"{record.process} asked {record.consumer} for messages (on {inbox}) with "
+                        f"pin id {pin_id} at {record.at:.3f}s, after it read a 423 refusing it"
+                    )
+            case PullRead(refused=str(reply)):
+                if (pin_id := asked.get(reply)) is not None:
+                    refused.setdefault(record.inbox, set()).add(pin_id)
+            case PullRead(pin_id=str(pin_id)):
+                refused.get(record.inbox, set()).discard(pin_id)
+    return violations
 
 
 def check_final_states(log: ReplicatedLog, load: LoadReport | None = None) -> list[str]:

@@ -1,4 +1,5 @@
-"""The history of one simulated run: what the model of NATS saw, in the order it saw it.
+"""The history of one simulated run: what the model of NATS saw, in the order it saw it, and
+what the clients' pulls asked and read.
 
 Theory of operation. The checkers (worker.sim.checks) judge a run after it ended, from what
 happened rather than from what the tier says of itself, so the model records five kinds of
@@ -23,7 +24,13 @@ event as they happen, through hooks that cost nothing when no `History` is attac
   dropped, that an election left unanswered, or that was refused has none. Sent is not
   received: the network may still lose it on its way (a node's connection reset).
 
-Order. Each record gets the next `index` of one counter shared by the six kinds: "stored
+And two that the client records, not the model (worker.sim.pulls), since only the client knows
+when it asked a pull request and when it read the server's answer:
+
+- `PullAsked`: every pull request, as the client asked it;
+- `PullRead`: every 423 a Pull read, and every new pin id it read on its messages.
+
+Order. Each record gets the next `index` of one counter shared by the eight kinds: "stored
 before acknowledged" is a comparison of indexes, exact even between records of one virtual
 instant. `at` is the loop's (virtual) time, for the messages that report a violation.
 
@@ -118,10 +125,34 @@ class PubAcked:
     duplicate: bool  # the publish was a duplicate of one already stored (its `Nats-Msg-Id`)
 
 
+@dataclass(frozen=True)
+class PullAsked:
+    """A pull request, as the client asked it (worker.sim.pulls)."""
+
+    index: int
+    at: float
+    process: str | None
+    consumer: str  # `<stream>.<consumer>`
+    reply: str  # `<inbox>.<token>`: its messages' and statuses' subject
+    payload: bytes  # its `PullRequest`, which names its pin id
+
+
+@dataclass(frozen=True)
+class PullRead:
+    """A 423 refusing a pull request, or a new pin id, as a Pull read it (worker.sim.pulls)."""
+
+    index: int
+    at: float
+    process: str | None
+    inbox: str
+    refused: str | None  # the reply subject of the request a 423 refused
+    pin_id: str | None  # the pin id a message was stamped with, where it changed
+
+
 @dataclass
 class History:
-    """Every `StoredMessage`, `AckedMessage`, `NakedMessage`, `ConnectionReset`, `Published`
-    and `PubAcked` of a run, each list in order."""
+    """Every `StoredMessage`, `AckedMessage`, `NakedMessage`, `ConnectionReset`, `Published`,
+    `PubAcked`, `PullAsked` and `PullRead` of a run, each list in order."""
 
     stored: list[StoredMessage] = field(default_factory=list)
     acked: list[AckedMessage] = field(default_factory=list)
@@ -129,6 +160,8 @@ class History:
     resets: list[ConnectionReset] = field(default_factory=list)
     published: list[Published] = field(default_factory=list)
     pub_acked: list[PubAcked] = field(default_factory=list)
+    pulls_asked: list[PullAsked] = field(default_factory=list)
+    pulls_read: list[PullRead] = field(default_factory=list)
     # The simulated processes by name (the host they connect from), so that a publish is
     # stamped with its publisher's own clock; the run registers each one it starts.
     processes: dict[str, Ambient] = field(default_factory=dict)
@@ -167,6 +200,23 @@ class History:
         """JetStream sent a `PubAck` (of `seq` in `stream`) to `reply`."""
         index, at = self._index()
         self.pub_acked.append(PubAcked(index, at, reply, stream, seq, duplicate))
+
+    def on_pull_asked(
+        self, consumer: str, reply: str, payload: bytes, *, process: str | None
+    ) -> None:
+        """`process` asked `consumer` for messages, to come to `reply`."""
+        index, at = self._index()
+        self.pulls_asked.append(PullAsked(index, at, process, consumer, reply, payload))
+
+    def on_pull_refused(self, inbox: str, reply: str, *, process: str | None) -> None:
+        """The Pull of `inbox` read a 423 refusing its request of reply subject `reply`."""
+        index, at = self._index()
+        self.pulls_read.append(PullRead(index, at, process, inbox, reply, None))
+
+    def on_pin_read(self, inbox: str, pin_id: str, *, process: str | None) -> None:
+        """The Pull of `inbox` read a message stamped with a pin id other than the last."""
+        index, at = self._index()
+        self.pulls_read.append(PullRead(index, at, process, inbox, None, pin_id))
 
     def on_published(
         self, subject: str, reply: str, header: bytes | None, payload: bytes, *, publisher: str

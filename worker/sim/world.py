@@ -45,7 +45,7 @@ from kvhandoff.worker.engines.host import EnginesConfig, MockEngines
 from kvhandoff.worker.engines.report import EnginesReport, settled
 from kvhandoff.worker.loadgen.generator import LoadConfig, LoadReport, run_load
 from kvhandoff.worker.log.schema import HandoffState
-from kvhandoff.worker.sim import faults, natspy, plants
+from kvhandoff.worker.sim import faults, natspy, plants, pulls
 from kvhandoff.worker.sim import loop as simloop
 from kvhandoff.worker.sim.checks import Names, ReplicatedLog, check_hand_overs_claimed, check_run
 from kvhandoff.worker.sim.disk import SimDisk
@@ -452,6 +452,7 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
     with (
         tempfile.TemporaryDirectory(prefix="kvhandoff-sim-") as workdir,
         natspy.pinned(),
+        pulls.watched(history),
         _quiet_logs(),
         plants.planted(scenario.plant),
     ):
