@@ -35,10 +35,15 @@ def _sim(*args: str, hash_seed: str = "0") -> subprocess.CompletedProcess[str]:
 
 
 def test_the_seeds_break_no_invariant() -> None:
-    done = _sim("--seeds", str(SEEDS), "--jobs", "2")
+    done = _sim("--seeds", str(SEEDS), "--jobs", "2", "--hashes")
     print(done.stdout)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{SEEDS} seeds passed" in done.stdout
+    # Each seed's hash, in seed order, as `--seed` alone gives it (in another process).
+    hashes = [line.split() for line in done.stdout.splitlines() if line.startswith("seed ")]
+    assert [int(seed) for _, seed, _ in hashes] == list(range(1, SEEDS + 1))
+    alone = _sim("--seed", str(SEEDS), hash_seed="3")
+    assert alone.stdout.splitlines()[-1] == hashes[-1][2], alone.stdout + alone.stderr
 
 
 def test_a_seed_replays_byte_for_byte() -> None:

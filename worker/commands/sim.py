@@ -5,8 +5,9 @@ stops at the first seed that breaks an invariant: it prints the seed, what broke
 seed drew, and the command that replays it, and exits 1. `--seed S` runs one seed and prints its
 trace's hash on its last line: the same seed gives the same hash, on any machine, so a failure
 is reproduced by running its seed again, and `--trace` prints the trace itself (one line per
-callback the loop ran and per message the network carried). `--plant NAME` switches on a planted
-bug (worker.sim.plants), to see the simulation find it.
+callback the loop ran and per message the network carried); `--seeds N --hashes` prints every
+seed's hash, so that two runs of many seeds can be compared line by line. `--plant NAME`
+switches on a planted bug (worker.sim.plants), to see the simulation find it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="processes that run --seeds side by side (default: one per core)",
     )
     parser.add_argument("--trace", action="store_true", help="with --seed: print the trace")
+    parser.add_argument(
+        "--hashes",
+        action="store_true",
+        help="with --seeds: print each seed's trace hash as it passes (`seed S HASH`), to "
+        "hold two runs, machines or commits to the same traces",
+    )
     parser.add_argument("--plant", metavar="NAME", help="switch on a planted bug, by name")
     parser.add_argument("--workers", type=int, default=_DEFAULTS.workers)
     parser.add_argument("--partitions", type=int, default=_DEFAULTS.partitions)
@@ -119,6 +126,8 @@ def _run_seeds(args: argparse.Namespace) -> int:
         if not outcome.ok:
             _report(outcome, args)
             return 1
+        if args.hashes:
+            print(f"seed {outcome.seed} {outcome.trace_hash}", flush=True)
     wall_s = time.perf_counter() - began
     print(
         f"{done} seeds passed in {wall_s:.1f}s ({done / wall_s * 60:.0f} seeds/min on"
