@@ -46,7 +46,7 @@ def watched(history: History) -> Iterator[None]:
     """Record every pull request asked and every refusal and pin read, until the block ends."""
     publish = Client.publish
     process = bus_pull.Deliveries._process
-    pins: dict[str, str | None] = {}  # inbox -> the pin id last read on it
+    pins: dict[str, str] = {}  # inbox -> the pin id last read on it
 
     async def watched_publish(
         self: Client,
