@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+import msgspec
+import nats
 import pytest
+from nats.aio.msg import Msg
 
 from kvhandoff.events.codec import encode
-from kvhandoff.events.messages import EngineType, StartHandoff
+from kvhandoff.events.messages import EngineType, Rejection, StartHandoff
 from kvhandoff.events.subjects import Subjects
 from kvhandoff.worker.bus.connection import Bus
 from kvhandoff.worker.bus.pull import Inbound
@@ -25,7 +28,9 @@ from kvhandoff.worker.bus.settings import NatsSettings
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.harness.natsserver import EmbeddedNats
 from kvhandoff.worker.log.rows import HandoffLog, Loaded
+from kvhandoff.worker.log.schema import QUARANTINE_PREFIX
 from kvhandoff.worker.log.store import EventLog
+from kvhandoff.worker.tier.entries import LoggedRows, encode_entry
 from kvhandoff.worker.tier.membership import TierSettings
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.ownership import CaughtUp
@@ -59,6 +64,7 @@ class Steps:
     worker: Worker
     partition: Partition
     metrics: Metrics
+    bus: Bus
 
 
 @pytest.fixture
@@ -78,7 +84,7 @@ async def steps(nats_server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Step
     partition = worker.partition(0)
     await partition.claimed(CaughtUp(epoch=1, previous_owner=None))
     try:
-        yield Steps(worker, partition, metrics)
+        yield Steps(worker, partition, metrics, bus)
     finally:
         partition.released()
         stop = asyncio.Event()
@@ -145,3 +151,67 @@ async def test_act_does_not_wait_for_the_local_commit_and_a_read_of_what_it_comp
     assert steps.metrics.registry.get_sample_value("kvhandoff_duplicate_inputs_total") == 1
     logged = (await log.load([start.handoff_id]))[start.handoff_id]
     assert isinstance(logged, HandoffLog) and len(logged.events) == len(inputs) + 6  # 6 actions
+
+
+def _rows(mark: int, rejections: list[tuple[uuid.UUID, str]], confirmed: int | None) -> bytes:
+    """An entry's records whose only rows are rejections, each (handoff id, reason)."""
+    logged: list[tuple[int, str | None, str, bytes]] = [
+        (0, str(h), reason, f'{{"quotes": "{h}"}}'.encode()) for h, reason in rejections
+    ]
+    return encode_entry(LoggedRows([mark], [], [], logged, [], [], confirmed=confirmed))
+
+
+async def test_a_claim_publishes_again_the_rejections_its_log_does_not_say_were_confirmed(
+    steps: Steps, nats_server: EmbeddedNats
+) -> None:
+    """The owner before may have died between its append and its publishes: a frontend waiting
+    on a rejected start must still hear of it (seed 283 of `kvhandoff sim`). The entries after
+    the newest one an entry names as confirmed are published again, but a quarantine's note,
+    which was never published."""
+    heard: asyncio.Queue[Rejection] = asyncio.Queue()
+    client = await nats.connect(nats_server.url)
+    try:
+
+        async def hear(msg: Msg) -> None:
+            heard.put_nowait(msgspec.json.decode(msg.data, type=Rejection))
+
+        await client.subscribe(f"{PREFIX}.rejected.>", cb=hear)
+        await client.flush()
+        a, b, c, d = (uuid.UUID(int=n, version=4) for n in range(1, 5))
+        records = [
+            _rows(1, [(a, "confirmed by the third entry")], None),
+            _rows(2, [(b, "after it"), (c, f"{QUARANTINE_PREFIX} never published")], None),
+            _rows(3, [(d, "its own")], confirmed=1),
+        ]
+        steps.partition.released()
+        await steps.partition.claimed(CaughtUp(epoch=2, previous_owner="w", records=records))
+        # Behind them on the same connection: what came before it is all there is.
+        await steps.bus.publish(f"{PREFIX}.rejected.end", encode(Rejection(None, "end", "")))
+        heard_of = []
+        while (rejection := await asyncio.wait_for(heard.get(), 10)).reason != "end":
+            heard_of.append((rejection.handoff_id, rejection.reason, rejection.payload))
+    finally:
+        await client.close()
+    assert heard_of == [
+        (b, "after it", f'{{"quotes": "{b}"}}'),
+        (d, "its own", f'{{"quotes": "{d}"}}'),
+    ]
+
+
+async def test_an_entry_names_the_newest_entry_whose_publishes_the_server_confirmed(
+    steps: Steps,
+) -> None:
+    partition = steps.partition
+
+    def batch(seq: int) -> list[Inbound]:
+        start = StartHandoff(uuid.uuid4(), EngineType.VLLM, "prefill-0", "decode-0", 60_000)
+        subject = f"{PREFIX}.inp.0.{start.handoff_id}"
+        return cast(list[Inbound], [Delivered(encode(start), subject, seq)])
+
+    first = batch(1)
+    await partition.decide(first)
+    assert partition.decided[-1][2].confirmed is None  # nothing published yet
+    await partition.act(first)
+    await partition._published[-1].barrier  # the server read the first entry's publishes
+    await partition.decide(batch(2))
+    assert partition.decided[-1][2].confirmed == 1  # named by its mark, its first input

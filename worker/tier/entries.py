@@ -161,6 +161,12 @@ class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", ta
     # snapshot takes its history from here (none in entries from before; a build that
     # ignores it catches up as before, a handoff's events from this entry on).
     history: list[tuple[str, int, int, int, bytes]] = []
+    # The mark (first input) of the newest entry of its owner whose actions and rejections the
+    # server confirmed, with every entry's before it: a claim publishes again the rejections of
+    # the entries after it, which the owner may have died before publishing (rejections have no
+    # outbox marks). None: nothing confirmed yet (and in entries from before it; a build that
+    # ignores it publishes no rejection again).
+    confirmed: int | None = None
     version: int = 1
 
     @classmethod
@@ -170,6 +176,7 @@ class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", ta
         batch: Batch,
         published: list[tuple[UUID, int, int]],
         ended: list[Tombstone],
+        confirmed: int | None = None,
     ) -> LoggedRows:
         return cls(
             inputs,
@@ -183,6 +190,7 @@ class LoggedRows(msgspec.Struct, frozen=True, omit_defaults=True, tag="rows", ta
             else published,
             ended,
             batch.history,
+            confirmed,
             version=LOG_VERSION,
         )
 

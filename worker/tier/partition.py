@@ -60,7 +60,10 @@ this, an action that no timer retries (`Complete`: nothing answers it) would wai
 partition's next claim. A claim publishes what the file does not mark published (at most the
 last batches' actions of the previous owner, which may have died between its append and its
 publishes, or handed over before its marks rode on a batch), and every action still
-outstanding: at least once, with the same action ids.
+outstanding: at least once, with the same action ids. Rejections have no marks of their own
+(a rejected start has no row to hold one): each entry names instead the newest entry of its
+owner whose lot the server confirmed, with every lot before it (`LoggedRows.confirmed`), and a
+claim publishes again the rejections of the log's entries after the newest one named.
 
 Timers. The partition's `worker.tier.timers.HandoffTimers` run over its planner: a deadline
 publishes `TimedOut` to the handoff's input subject (so it is appended and logged like any
@@ -109,7 +112,7 @@ from kvhandoff.worker.bus.pull import Inbound
 from kvhandoff.worker.config import WorkerConfig
 from kvhandoff.worker.errors import BusError, LogDiverges, StoreCorrupt, StoreError
 from kvhandoff.worker.log.rows import Batch, CorruptHandoff, HandoffLog, HandoffRow, Tombstone
-from kvhandoff.worker.log.schema import HandoffState
+from kvhandoff.worker.log.schema import QUARANTINE_PREFIX, HandoffState
 from kvhandoff.worker.log.store import Committed, EventLog, WriterLock
 from kvhandoff.worker.stoppable import cancel_until_done
 from kvhandoff.worker.tier.entries import (
@@ -125,7 +128,7 @@ from kvhandoff.worker.tier.leases import EngineLeases
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.owner import Decided
 from kvhandoff.worker.tier.ownership import CaughtUp
-from kvhandoff.worker.tier.planner import Plan, Planner
+from kvhandoff.worker.tier.planner import REJECTED_PAYLOAD_LIMIT, Plan, Planner
 from kvhandoff.worker.tier.timers import HandoffTimers
 
 logger = logging.getLogger(__name__)
@@ -160,6 +163,7 @@ class _Sent:
     barrier: asyncio.Future[None]
     at_ms: int
     rejections: list[Rejection]
+    entry: int | None  # the mark of the entry whose rows these are; None: a claim's, a retry's
 
     def marks(self) -> list[tuple[UUID, int, int]]:
         return [(action.handoff_id, seq, self.at_ms) for _, seq, action in self.actions if seq >= 0]
@@ -233,6 +237,9 @@ class Partition:
         self.decided: deque[tuple[list[int], Plan, LoggedRows]] = deque()
         # Actions published, in order, each lot with the barrier that confirms it.
         self._published: list[_Sent] = []
+        # The mark of the newest entry whose lot the server confirmed, with every lot before it
+        # (`LoggedRows.confirmed`).
+        self._confirmed_through: int | None = None
         # Local commits queued and not seen to end, in order, each with the handoffs its plan
         # took out of memory: those are not to be read from the file before it committed.
         self.committing: deque[tuple[asyncio.Future[Committed], frozenset[UUID]]] = deque()
@@ -293,6 +300,7 @@ class Partition:
         for handoff_id, seq, at_ms in self._confirmed():
             catch_up.mark_published(handoff_id, seq, at_ms)
         self._published.clear()
+        self._confirmed_through = None
         if catch_up:
             try:
                 await log.commit(catch_up)
@@ -301,6 +309,14 @@ class Partition:
                 raise
         await self._rebuild(await self._tombstones(state, entries))
         self._leases.sweep(self.planner.open.values())
+        if unconfirmed := _unconfirmed_rejections(entries):
+            logger.info(
+                "partition %d: publishing again %d rejections of its log's last entries, which "
+                "the server never confirmed",
+                self.number,
+                len(unconfirmed),
+            )
+            await self._publish([], unconfirmed)
         elapsed = monotonic_s() - began
         logger.info(
             "partition %d: caught %s up with %s%d of %d entries (mark %s) and recovered %d open "
@@ -343,7 +359,8 @@ class Partition:
         if not inputs:
             # Early inputs only: nothing to append or act on; the marks wait for the next batch.
             return Decided(b"", deferred)
-        rows = LoggedRows.of(inputs, plan.batch, self._confirmed(), plan.ended)
+        marks = self._confirmed()
+        rows = LoggedRows.of(inputs, plan.batch, marks, plan.ended, self._confirmed_through)
         self.decided.append((inputs, plan, rows))
         return Decided(encode_entry(rows), deferred)
 
@@ -364,7 +381,8 @@ class Partition:
         committed.add_done_callback(self._observe_commit)
         self.committing.append((committed, frozenset(plan.left_memory)))
         # The rejections behind the same barrier: a frontend waits on a rejected start's.
-        await self._publish(plan.publish, [rejection for _, rejection in plan.rejections])
+        rejections = [rejection for _, rejection in plan.rejections]
+        await self._publish(plan.publish, rejections, entry=inputs[0])
         m = self._metrics
         Metrics.count(m.inputs, plan.inputs.items())
         Metrics.count(m.actions, plan.issued.items())
@@ -568,7 +586,11 @@ class Partition:
     # --- The outbox ---------------------------------------------------------------------
 
     async def _publish(
-        self, actions: list[tuple[HandoffRow, int, Action]], rejections: Sequence[Rejection] = ()
+        self,
+        actions: list[tuple[HandoffRow, int, Action]],
+        rejections: Sequence[Rejection] = (),
+        *,
+        entry: int | None = None,
     ) -> None:
         """Publish actions and rejections; the actions' marks wait for the server's barrier,
         and all are published again if it fails, or if publishing fails (`_publish_again`). A
@@ -581,7 +603,7 @@ class Partition:
         except BusError as exc:  # NATS is out of reach: as good as a failed barrier
             barrier = asyncio.get_running_loop().create_future()
             barrier.set_exception(exc)
-        sent = _Sent(actions, barrier, now_ms(), list(rejections))
+        sent = _Sent(actions, barrier, now_ms(), list(rejections), entry)
         self._published.append(sent)
         barrier.add_done_callback(partial(self._barrier_done, self.epoch, sent))
 
@@ -658,7 +680,10 @@ class Partition:
             barrier = self._published[0].barrier
             if barrier.cancelled() or barrier.exception() is not None:
                 break
-            confirmed.extend(self._published.pop(0).marks())
+            sent = self._published.pop(0)
+            confirmed.extend(sent.marks())
+            if sent.entry is not None:
+                self._confirmed_through = sent.entry
         return confirmed
 
     async def _settle_marks(self) -> None:
@@ -687,3 +712,25 @@ def _ended(row: HandoffRow) -> bool:
 
 def _int(mark: str | None) -> int | None:
     return None if mark is None else int(mark)
+
+
+def _unconfirmed_rejections(entries: Sequence[LoggedRows]) -> list[Rejection]:
+    """The rejections of the entries after the newest one that an entry names as confirmed
+    (`LoggedRows.confirmed`): its owner may have died, or handed the partition over, before the
+    server read them, and a frontend waits on a rejected start's. A quarantine's rejection row
+    was never published (it is the file's note), so it is not now either."""
+    position = {rows.inputs[0]: index for index, rows in enumerate(entries) if rows.inputs}
+    confirmed = max(
+        (position.get(rows.confirmed, -1) for rows in entries if rows.confirmed is not None),
+        default=-1,
+    )
+    return [
+        Rejection(
+            None if handoff_id is None else UUID(handoff_id),
+            reason,
+            payload[:REJECTED_PAYLOAD_LIMIT].decode(errors="replace"),
+        )
+        for rows in entries[confirmed + 1 :]
+        for _, handoff_id, reason, payload in rows.rejections
+        if not reason.startswith(QUARANTINE_PREFIX)
+    ]
