@@ -286,9 +286,10 @@ def test_the_mock_engines_and_the_load_generator_use_the_client_not_the_bus() ->
     assert not bad, "go through client.Connection:\n" + "\n".join(bad)
 
 
-# The simulation's pins of nats-py: it imports nats-py's modules to replace their clock and
-# randomness for a simulated run (worker.sim.natspy), never to talk to NATS.
-NATS_PINS = "kvhandoff.worker.sim.natspy"
+# The simulation's patches of nats-py: it imports nats-py's modules to replace their clock and
+# randomness for a simulated run (worker.sim.natspy) and to watch what the pulls ask and read
+# (worker.sim.pulls), never to talk to NATS.
+NATS_PATCHES = {"kvhandoff.worker.sim.natspy", "kvhandoff.worker.sim.pulls"}
 
 
 def test_only_the_nats_seam_imports_nats() -> None:
@@ -298,7 +299,7 @@ def test_only_the_nats_seam_imports_nats() -> None:
     bad = [
         f"{imp}: only {NATS_SEAM}.* may import nats; go through worker.bus"
         for module in users
-        if not within(module, {NATS_SEAM, NATS_PINS})
+        if not within(module, {NATS_SEAM, *NATS_PATCHES})
         for imp in imports_of(module)
         if top(imp.module) == "nats"
     ]
