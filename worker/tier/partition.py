@@ -359,7 +359,7 @@ class Partition:
         if not inputs:
             # Early inputs only: nothing to append or act on; the marks wait for the next batch.
             return Decided(b"", deferred)
-        marks = self._confirmed()
+        marks = self._confirmed()  # first: it moves `_confirmed_through` on
         rows = LoggedRows.of(inputs, plan.batch, marks, plan.ended, self._confirmed_through)
         self.decided.append((inputs, plan, rows))
         return Decided(encode_entry(rows), deferred)
