@@ -181,6 +181,15 @@ WHERE handoff_id = ?3 AND (
        AND started_at_ms <= ?2
 )
 """
+# A handoff the file holds ended as the tombstone says, with actions it never marked published:
+# its owner stopped before a later batch carried their marks (they ride on the next one). Its
+# outbox closes too, for the same reason: republished, a `ReserveDestination` would reserve
+# blocks again at an engine that restarted since and forgot the handoff, and nothing would
+# release them (seed 483 of `kvhandoff sim`).
+_CLOSE_BY_TOMBSTONE = """
+UPDATE handoffs SET published_at_ms = ?2, published_seq = last_seq
+WHERE handoff_id = ?3 AND published_seq < last_seq AND state = ?1 AND completed_at_ms IS ?2
+"""
 _QUARANTINE = (
     f"UPDATE handoffs SET state = '{HandoffState.QUARANTINED}', updated_at_ms = ?"
     " WHERE handoff_id = ?"
@@ -943,10 +952,9 @@ def _merge(db: sqlite3.Connection, state: LiveState) -> None:
         for (hid,) in db.execute("SELECT handoff_id FROM handoffs WHERE state = 'open'")
         if hid not in known
     ]
-    db.executemany(
-        _END_BY_TOMBSTONE,
-        [(t.state, t.completed_at_ms, hid) for hid, t in ended.items() if hid not in known],
-    )
+    ending = [(t.state, t.completed_at_ms, hid) for hid, t in ended.items() if hid not in known]
+    db.executemany(_CLOSE_BY_TOMBSTONE, ending)
+    db.executemany(_END_BY_TOMBSTONE, ending)
     for hid in stale:
         if hid in ended:
             continue
