@@ -168,3 +168,17 @@ async def test_for_a_replaced_engine_an_active_handoff_fails_and_no_cleanup_is_a
     assert recorder.published == [(Failed(h, LEASE_EXPIRED), answer_id(h, SOURCE, "a", "failed"))]
     tier.sent(cleaning, cancel)  # published to the live "b": not answered for
     assert tier._tasks == set()
+
+
+async def test_when_both_engines_are_gone_the_source_is_answered_for_first() -> None:
+    # The first Failed applied is the one the handoff records: which it is must follow the
+    # start, not the order of a set of engine ids (which is Python's hash seed's).
+    tier, recorder, _ = leases()
+    handoff = open_handoff()
+    h = handoff.start.handoff_id
+    tier.sweep([handoff], {DESTINATION: "d", SOURCE: "a"})
+    await asyncio.gather(*tier._tasks)
+    assert recorder.published == [
+        (Failed(h, LEASE_EXPIRED), answer_id(h, SOURCE, "a", "failed")),
+        (Failed(h, LEASE_EXPIRED), answer_id(h, DESTINATION, "d", "failed")),
+    ]

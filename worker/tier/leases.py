@@ -237,7 +237,9 @@ class EngineLeases:
         if not gone:
             return
         for handoff in list(handoffs):
-            for engine in {handoff.start.source, handoff.start.destination}:
+            # In the order the start names them, not a set's: which engine is answered for
+            # first decides the Failed that is sent, and that must not follow the hash seed.
+            for engine in dict.fromkeys((handoff.start.source, handoff.start.destination)):
                 incarnation = gone.get(engine)
                 if incarnation is not None:
                     self._answer(handoff, engine, incarnation, None)
