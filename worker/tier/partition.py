@@ -128,7 +128,7 @@ from kvhandoff.worker.tier.leases import EngineLeases
 from kvhandoff.worker.tier.metrics import Metrics
 from kvhandoff.worker.tier.owner import Decided
 from kvhandoff.worker.tier.ownership import CaughtUp
-from kvhandoff.worker.tier.planner import REJECTED_PAYLOAD_LIMIT, Plan, Planner
+from kvhandoff.worker.tier.planner import Plan, Planner, rejection_for
 from kvhandoff.worker.tier.timers import HandoffTimers
 
 logger = logging.getLogger(__name__)
@@ -725,11 +725,7 @@ def _unconfirmed_rejections(entries: Sequence[LoggedRows]) -> list[Rejection]:
         default=-1,
     )
     return [
-        Rejection(
-            None if handoff_id is None else UUID(handoff_id),
-            reason,
-            payload[:REJECTED_PAYLOAD_LIMIT].decode(errors="replace"),
-        )
+        rejection_for(None if handoff_id is None else UUID(handoff_id), reason, payload)
         for rows in entries[confirmed + 1 :]
         for _, handoff_id, reason, payload in rows.rejections
         if not reason.startswith(QUARANTINE_PREFIX)

@@ -99,6 +99,12 @@ LOGGED_PAYLOAD_LIMIT = 64 * 1024
 _ENDED = (HandoffState.SUCCEEDED, HandoffState.CANCELED)
 
 
+def rejection_for(handoff_id: UUID | None, reason: str, data: bytes) -> Rejection:
+    """The rejection published for a refused input: why, and the start of its bytes (as text,
+    whatever they are), from the planner's round or, republished, from the logged row."""
+    return Rejection(handoff_id, reason, data[:REJECTED_PAYLOAD_LIMIT].decode(errors="replace"))
+
+
 class Delivery(Protocol):
     """What the planner reads of a fetched input (`worker.bus.pull.Inbound` is one)."""
 
@@ -476,8 +482,7 @@ class Planner:
         logger.warning("handoff %s: rejected input: %s", handoff_id, reason)
         data = r.deliveries[index].data
         r.plan.batch.reject(r.now_ms, handoff_id, reason, data[:LOGGED_PAYLOAD_LIMIT])
-        payload = data[:REJECTED_PAYLOAD_LIMIT].decode(errors="replace")
-        r.plan.rejections.append((index, Rejection(handoff_id, reason, payload)))
+        r.plan.rejections.append((index, rejection_for(handoff_id, reason, data)))
         r.plan.reasons[label] += 1
 
     def _early(self, r: _Round, index: int, handoff_id: UUID, reason: str, *, label: str) -> None:
