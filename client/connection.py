@@ -220,6 +220,23 @@ class Connection:
             return None
         return action if isinstance(action, Complete) else None
 
+    async def last_rejection(self, stream: str, handoff_id: HandoffId) -> Rejection | None:
+        """The last `Rejection` that the rejection stream keeps for the handoff, or None (none
+        rejected, rejected longer ago than the stream keeps, or no stream yet: a tier of an
+        earlier version)."""
+        subject = self.subjects.rejected(handoff_id)
+        try:
+            data = await last_message(self._bus, stream, subject)
+        except BusError as exc:
+            _translated(exc, f"reading the rejections of handoff {handoff_id}")
+        if data is None:
+            return None
+        try:
+            return decode_rejection(data)
+        except msgspec.DecodeError as exc:
+            logger.warning("handoff %s: undecodable rejection in %s: %s", handoff_id, stream, exc)
+            return None
+
     async def engine_listening(self, engine_id: str, *, wait_s: float = 1.0) -> bool:
         """Whether an engine client listens to `engine_id`'s actions: it answers a request with
         an empty body there within `wait_s`. (The worker never sends an empty action.)"""

@@ -20,13 +20,22 @@ reports the reconnect, so what the stream lacks at that read, the subscription d
 that fails (in a cluster, a node died and the stream is electing a new leader) is made again
 after a pause, until the wait's timeout.
 
+Nor for a rejected start. The worker's rejection stream (named after the completion stream,
+`KVHANDOFF_REJECTED`: `events.subjects.rejections_stream_of`) keeps each handoff's last
+`Rejection` as long, and the same reads of the completion stream read it too: a rejected
+`StartHandoff` raises `HandoffRejected` in `wait` even if its rejection went by while the
+connection was down. (Against a tier of an earlier version, which has no such stream, that
+wait ends at its timeout.)
+
 Which `Complete` ends a wait. A handoff can complete twice: a terminal fact after a success
 reopens the cleanup and it completes again as canceled (see `docs/handoff.md`, "Cleanup"). `wait`
 returns the first `Complete` seen, except for a handoff this frontend canceled: a `Canceled`
 fact always ends in a `Complete(canceled)`, even when it crossed the success, so `wait` returns
 that one, unless the worker rejects the cancel, which then changed nothing. A rejected
-`StartHandoff` raises `HandoffRejected`. (Rejections are core NATS only: one published while
-the connection was down is lost, and that wait ends at its timeout.)
+`StartHandoff` raises `HandoffRejected`. (A cancel's rejection is heard by core NATS only: the
+stream keeps one rejection of a handoff, the last, and cannot tell an earlier cancel's from
+this one's. So a wait whose cancel's rejection went by while the connection was down ends
+at its timeout.)
 
 `state` reads the completion stream alone: the last `Complete` kept, or `OPEN` when there is
 none (not completed yet, or completed longer ago than the stream keeps; the worker's event log
@@ -60,7 +69,7 @@ from kvhandoff.events.messages import (
     Rejection,
     StartHandoff,
 )
-from kvhandoff.events.subjects import DEFAULT_DONE_STREAM
+from kvhandoff.events.subjects import DEFAULT_DONE_STREAM, rejections_stream_of
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +142,7 @@ class Frontend:
             raise ValueError(f"remember must be at least 1 handoff, got {remember}")
         self._connection = connection
         self._done_stream = done_stream
+        self._rejections_stream = rejections_stream_of(done_stream)
         self._remember = remember
         self._publish_give_up_s = publish_give_up_s
         self._on_complete = on_complete
@@ -266,11 +276,18 @@ class Frontend:
     # --- Internals ------------------------------------------------------------------------
 
     async def _read_stream(self, handoff_id: HandoffId, watched: _Watched) -> None:
+        """Read what core delivery may have missed: the handoff's last `Complete`, and its
+        last `Rejection`, if that is of its start."""
         covered = self._reconnects  # before the read: a reconnect during it reads again
         last = await self._connection.last_complete(self._done_stream, handoff_id)
+        rejection = await self._connection.last_rejection(self._rejections_stream, handoff_id)
         watched.covered_since = covered
         if last is not None and last.action_id not in watched.seen:
             self._seen(watched, last)
+        if rejection is not None and watched.start_rejected is None:
+            refused = _rejected_input(rejection.payload)
+            if isinstance(refused, StartHandoff):
+                self._rejected(watched, rejection, refused)
 
     async def _send(self, message: Input) -> None:
         await self._connection.send(message, give_up_after_s=self._publish_give_up_s)
@@ -301,7 +318,9 @@ class Frontend:
         watched = self._watched.get(rejection.handoff_id)
         if watched is None:
             return
-        refused = _rejected_input(rejection.payload)
+        self._rejected(watched, rejection, _rejected_input(rejection.payload))
+
+    def _rejected(self, watched: _Watched, rejection: Rejection, refused: Input | None) -> None:
         if self._on_rejection is not None:
             self._on_rejection(rejection, refused)
         if isinstance(refused, StartHandoff):

@@ -4,7 +4,8 @@
 <prefix>.engine.<engine_id>.actions    actions for the engine that executes them
 <prefix>.done.<handoff_id>             Complete, for the frontend waiting on the handoff (the
                                        worker's completion stream keeps the last one)
-<prefix>.rejected.<handoff_id>         Rejection of an input (`unknown` if undecodable)
+<prefix>.rejected.<handoff_id>         Rejection of an input (`unknown` if undecodable; the
+                                       worker's rejection stream keeps the last one)
 $KV.<PREFIX>_LEASES.<engine_id>        the engine's lease (`events.leases`; a KV bucket)
 
 A tier of workers stores its inputs partitioned, and logs each partition on its own subject:
@@ -14,7 +15,9 @@ A tier of workers stores its inputs partitioned, and logs each partition on its 
 <prefix>.log.<partition>               the partition's replicated log, compare-and-set appended
 
 The tier's streams are named after its input stream (`KVHANDOFF_IN` by default): its
-completions in `<input less _IN>_DONE`, its partition logs in `<input less _IN>_LOG`.
+completions in `<input less _IN>_DONE`, its partition logs in `<input less _IN>_LOG`; and its
+rejections after its completion stream, `<done less _DONE>_REJECTED`, since a frontend, which
+knows the completion stream, reads both.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ def tier_stream(input_stream: str, role: str) -> str:
 def done_stream_of(input_stream: str) -> str:
     """The tier's completion stream, which a frontend reads (`--done-stream`'s default)."""
     return tier_stream(input_stream, "DONE")
+
+
+def rejections_stream_of(done_stream: str) -> str:
+    """The tier's rejection stream: named after its completion stream (`KVHANDOFF_REJECTED`
+    beside `KVHANDOFF_DONE`), which is all a frontend is told."""
+    return f"{done_stream.removesuffix('_DONE')}_REJECTED"
 
 
 def log_stream_of(input_stream: str) -> str:
@@ -91,6 +100,11 @@ class Subjects:
     @property
     def all_rejected(self) -> str:
         return f"{self.prefix}.rejected.>"
+
+    @property
+    def rejections(self) -> str:
+        """The wildcard the rejection stream captures: one token, the handoff id."""
+        return f"{self.prefix}.rejected.*"
 
     @property
     def lease_bucket(self) -> str:

@@ -14,7 +14,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvhandoff.events.subjects import DEFAULT_STREAM, done_stream_of, log_stream_of
+from kvhandoff.events.subjects import (
+    DEFAULT_STREAM,
+    done_stream_of,
+    log_stream_of,
+    rejections_stream_of,
+)
 from kvhandoff.worker.bus.settings import DEFAULT_NATS_URL, NatsSettings
 from kvhandoff.worker.clock import DURATION_HELP, duration_arg
 from kvhandoff.worker.errors import ConfigError
@@ -62,6 +67,11 @@ class TierConfig:
         if not self.log_stream:
             object.__setattr__(self, "log_stream", log_stream_of(self.stream))
 
+    @property
+    def rejections_stream(self) -> str:
+        """The tier's rejection stream, named after its completion stream."""
+        return rejections_stream_of(self.done_stream)
+
     def validate(self) -> None:
         if not 1 <= self.partitions <= 1024:
             raise ConfigError(f"--partitions: {self.partitions} is not in 1..1024")
@@ -81,6 +91,11 @@ class TierConfig:
             raise ConfigError(
                 f"--log-stream: {self.log_stream!r} must be letters, digits, '-' or '_', and"
                 " neither the input nor the completion stream"
+            )
+        if self.rejections_stream in {self.stream, self.log_stream}:
+            raise ConfigError(
+                f"--done-stream: {self.done_stream!r} names the rejection stream"
+                f" {self.rejections_stream!r}, which is the input or the log stream"
             )
         if self.completion_ttl_s <= 0:
             raise ConfigError("--completion-ttl must be positive")
@@ -275,7 +290,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--done-stream",
         default=env.get("KVHANDOFF_DONE_STREAM", ""),
-        help="JetStream stream keeping each handoff's last completion, created if absent "
+        help="JetStream stream keeping each handoff's last completion, created if absent; "
+        "its last rejection is kept in the stream named after it with _REJECTED for _DONE "
         f"(env KVHANDOFF_DONE_STREAM; default the input stream's name with _DONE for _IN: "
         f"{tier_defaults.done_stream})",
     )
@@ -291,7 +307,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--completion-ttl",
         "KVHANDOFF_COMPLETION_TTL",
         "1h",
-        "how long the completion stream keeps a completion",
+        "how long the completion and rejection streams keep a handoff's completion or rejection",
     )
     group.add_argument(
         "--batch-size",

@@ -227,3 +227,32 @@ async def test_with_require_leases_a_start_naming_an_unleased_engine_is_rejected
         await unleased.stop()
     finally:
         worker.stop()
+
+
+async def test_a_start_rejected_while_the_frontend_was_away_is_still_heard_of(
+    nats_server: EmbeddedNats, connect: Connect, proxy: CuttableProxy, tmp_path: Path
+) -> None:
+    # The rejection stream keeps a start's rejection: a frontend that was reconnecting when it
+    # went by, or that waits only afterwards, hears of it as it would of a Complete.
+    worker = WorkerProcess(nats_server.url, tmp_path / "kvhandoff.db", "--require-leases")
+    worker.start()
+    worker.terminate()  # the streams stay; the start waits in its stream for the next worker
+    try:
+        observer = await Frontend.open(await connect())
+        frontend = await Frontend.open(await connect(proxy.url))
+        handoff_id = await frontend.start(start_message())  # its source holds no lease
+        waiting = asyncio.create_task(frontend.wait(handoff_id, timeout_s=WAIT_S))
+        heard = asyncio.create_task(observer.wait(handoff_id, timeout_s=WAIT_S))
+        await proxy.cut()
+        await asyncio.to_thread(worker.start)
+        with pytest.raises(HandoffRejected, match=f"{SOURCE} holds no lease"):
+            await heard  # the rejection went by
+        assert not waiting.done()
+        await proxy.open()
+        with pytest.raises(HandoffRejected, match=f"{SOURCE} holds no lease"):
+            await waiting
+        later = await Frontend.open(await connect())
+        with pytest.raises(HandoffRejected, match=f"{SOURCE} holds no lease"):
+            await later.wait(handoff_id, timeout_s=WAIT_S)
+    finally:
+        worker.stop()

@@ -85,6 +85,13 @@ def test_the_tiers_streams_are_named_after_its_input_stream_unless_told() -> Non
     assert (bare.tier.done_stream, bare.tier.log_stream) == ("tierb_DONE", "tierb_LOG")
     told = worker_config(parse("--stream", "TIERB_IN", "--done-stream", "D", "--log-stream", "L"))
     assert (told.tier.done_stream, told.tier.log_stream) == ("D", "L")
+    # The rejections are kept beside the completions, and named after them: a frontend, which
+    # is told the completion stream alone, finds them so.
+    assert default.tier.rejections_stream == "KVHANDOFF_REJECTED"
+    assert (other.tier.rejections_stream, told.tier.rejections_stream) == (
+        "TIERB_REJECTED",
+        "D_REJECTED",
+    )
     assert tier_settings(other) == TierSettings(partitions=1, stream="TIERB_IN")
 
 
@@ -203,6 +210,10 @@ INVALID = [
     Invalid(["--stream", "KV.IN"], "--stream: 'KV.IN'"),
     Invalid([], "--stream: 'KV IN'", env={"KVHANDOFF_STREAM": "KV IN"}),
     Invalid(["--consumer", "worker*"], "--consumer: 'worker*'"),
+    Invalid(
+        ["--done-stream", "L_DONE", "--log-stream", "L_REJECTED"],
+        "--done-stream: 'L_DONE' names the rejection stream 'L_REJECTED', which is the input",
+    ),
     Invalid(["--batch-size", "0"], "--batch-size: 0 is not in 1..10000"),
     Invalid(["--batch-size", "10001"], "--batch-size: 10001 is not in 1..10000"),
     Invalid(["--retry-interval", "0s"], "--retry-interval must be positive"),

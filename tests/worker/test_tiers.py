@@ -54,13 +54,16 @@ async def test_two_tiers_differing_only_in_prefix_and_input_stream_both_complete
         assert a.running() and b.running(), (a.logs(), b.logs())
     captured = {
         name: (await js.stream_info(name)).config.subjects
-        for name in ("KVHANDOFF_LOG", "KVHANDOFF_DONE", "TIERB_LOG", "TIERB_DONE")
+        for tier in ("KVHANDOFF", "TIERB")
+        for name in (f"{tier}_LOG", f"{tier}_DONE", f"{tier}_REJECTED")
     }
     assert captured == {
         "KVHANDOFF_LOG": ["kvhandoff.log.*"],
         "KVHANDOFF_DONE": ["kvhandoff.done.*"],
+        "KVHANDOFF_REJECTED": ["kvhandoff.rejected.*"],
         "TIERB_LOG": ["tierB.log.*"],
         "TIERB_DONE": ["tierB.done.*"],
+        "TIERB_REJECTED": ["tierB.rejected.*"],
     }
 
 

@@ -72,6 +72,7 @@ from kvhandoff.worker.tier.streams import (
     open_partition_consumer,
     open_partition_log,
     open_partitions,
+    open_rejections,
 )
 
 logger = logging.getLogger(__name__)
@@ -193,8 +194,8 @@ class Tier:
             await membership.leave()
 
     async def _set_up(self) -> Membership:
-        """Open the streams (the inputs', the completions', the log's) and the consumers
-        (idempotent), and announce this worker."""
+        """Open the streams (the inputs', the completions', the rejections', the log's) and the
+        consumers (idempotent), and announce this worker."""
         settings = self._settings
         # The input stream first: it names the tier, so a worker started on another tier's
         # streams is told about that one (`StreamMismatch`), not about a stream named after it.
@@ -203,6 +204,12 @@ class Tier:
             self._bus,
             settings.done_stream,
             Subjects(settings.prefix).completions,
+            settings.completion_ttl_s,
+        )
+        await open_rejections(
+            self._bus,
+            settings.rejections_stream,
+            Subjects(settings.prefix).rejections,
             settings.completion_ttl_s,
         )
         await open_partition_log(self._bus, settings.log_stream, settings.prefix)

@@ -36,8 +36,10 @@ Logs. The tier's partition logs share one replicated stream, one subject per par
 (`events.subjects.partition_log_subject`), appended with compare-and-set (see "Fencing" in
 worker.bus.publish). It keeps every entry until a snapshot rolls its subject up.
 
-Completions. The completion stream keeps the last `Complete` of every handoff for a while, so a
-frontend that was away when its `Complete` went out can still read it.
+Completions and rejections. The completion stream keeps the last `Complete` of every handoff for a
+while, and the rejection stream its last `Rejection`, so a frontend that was away when either
+went out can still read it. (The rejection stream is named after the completion stream, whose
+flag, `--done-stream`, names both.)
 """
 
 from __future__ import annotations
@@ -213,6 +215,20 @@ async def open_partition_log(bus: Bus, stream: str, prefix: str) -> None:
 async def open_completions(bus: Bus, stream: str, subjects: str, max_age_s: float) -> None:
     """Create (or update) the stream that keeps the last completion of every handoff, so a
     frontend that was away when its `Complete` went out can still read it."""
+    await _open_last_of_each(bus, stream, subjects, max_age_s, "completion stream")
+
+
+async def open_rejections(bus: Bus, stream: str, subjects: str, max_age_s: float) -> None:
+    """Create (or update) the stream that keeps the last rejection of every handoff, so a
+    frontend that was away when its start was rejected still hears of it. A stream of its own,
+    not more subjects of the completion stream: a worker of an earlier version, which checks
+    that stream's subjects, would refuse it (`StreamMismatch`) in the middle of an upgrade."""
+    await _open_last_of_each(bus, stream, subjects, max_age_s, "rejection stream")
+
+
+async def _open_last_of_each(
+    bus: Bus, stream: str, subjects: str, max_age_s: float, role: str
+) -> None:
     spec = StreamSpec(
         name=stream,
         subjects=(subjects,),
@@ -222,8 +238,8 @@ async def open_completions(bus: Bus, stream: str, subjects: str, max_age_s: floa
     )
     held = await stream_spec(bus, stream)
     if held is None:
-        await _create(bus, spec, "completion stream", "--done-stream")
+        await _create(bus, spec, role, "--done-stream")
         logger.info("created stream %s for %s", stream, subjects)
     else:
-        _check_stream(held, spec, "completion stream", "--done-stream")
+        _check_stream(held, spec, role, "--done-stream")
         await update_stream(bus, spec)
