@@ -315,6 +315,25 @@ def test_streams_work_over_it_with_flow_control() -> None:
     run(network, main)
 
 
+def test_a_finished_run_abandons_the_connections_left_open(network: Network) -> None:
+    """A crashed process's client may still hold a StreamWriter nobody closed: once its loop
+    is closed, asyncio warns when the garbage collector takes it. Abandoned, it is closed, and
+    no protocol hears of it (the loop that would run the callback is gone)."""
+    servers = listen(network, "sim-a")
+    writers: list[asyncio.StreamWriter] = []
+
+    async def main(loop: VirtualLoop) -> None:
+        _, writer = await asyncio.open_connection("sim-a", 4222)
+        writers.append(writer)
+
+    run(network, main)
+    (writer,) = writers
+    assert not writer.transport.is_closing()
+    network.abandon()
+    assert writer.transport.is_closing()
+    assert [kind for _, kind, _ in servers.made[0].events] == []
+
+
 def test_each_arrival_is_noted_with_its_connection_size_and_checksum(network: Network) -> None:
     servers = listen(network, "sim-a")
 

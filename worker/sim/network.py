@@ -216,6 +216,16 @@ class Network:
         protocol.connection_made(connection.client)
         return connection.client, protocol
 
+    def abandon(self) -> None:
+        """Close every connection still open, telling no protocol: for a finished run, whose
+        loop is closed. A crashed or paused process's client may still hold a transport that
+        nobody closed; asyncio's `StreamWriter.__del__` warns of one that is open when the
+        garbage collector takes it, at a moment of its choosing, perhaps in the next run."""
+        connections, self._connections = list(self._connections.values()), {}
+        for connection in connections:
+            connection.client.abandon()
+            connection.server.abandon()
+
     def _forget(self, connection: _Connection) -> None:
         """Drop a connection whose ends have both seen `connection_lost`."""
         self._connections.pop(connection.number, None)
@@ -353,6 +363,12 @@ class _End(asyncio.Transport):
         self._closing = True
         self.peer.receive(_Signal.RESET)
         self.lose(None)
+
+    def abandon(self) -> None:
+        """Closed, with nothing in flight and no callback: the run is over."""
+        self.lost = self._closing = True
+        self._inbound.clear()
+        self._timer = None
 
     def lose(self, exc: Exception | None) -> None:
         """Drop what is in flight towards this end; its protocol sees `connection_lost`."""

@@ -471,6 +471,7 @@ def simulate(scenario: Scenario, *, keep_trace: bool = False) -> Outcome:
         # While the workers' files are still there.
         checked = check_run(history, Path(workdir), load=report)
         loop.bury()
+        cluster.network.abandon()
     if report.timed_out:
         violations.append(f"{report.timed_out} handoffs did not end within the quiet phase")
     violations += checked
