@@ -205,7 +205,9 @@ class Engine:
         self._remember = remember
         self._interference = interference
         self._memory: OrderedDict[HandoffId, _Memory] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
+        # In the order spawned (a set's is its tasks' addresses'): `stop` cancels them so, and
+        # the order of their cancellations is the order of what they do next.
+        self._tasks: dict[asyncio.Task[None], None] = {}
         self._watch: Watch | None = None
         self._outcomes_path = outcomes_path
         self._log: OutcomeLog | None = None
@@ -242,14 +244,15 @@ class Engine:
             with contextlib.suppress(BusUnavailable):  # closing: nothing more to receive
                 await watch.close()
         tasks = list(self._tasks)
-        pending = {task for task in tasks if not task.done()}
+        pending = [task for task in tasks if not task.done()]
         while pending:
             # Python 3.11's wait_for (nats-py waits on every request with it) drops a
             # cancellation that coincides with what it waits for, and the lease's renewal loop
             # would then renew for ever: cancel until every task took it.
             for task in pending:
                 task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=_CANCEL_AGAIN_S)
+            _, still = await asyncio.wait(pending, timeout=_CANCEL_AGAIN_S)
+            pending = [task for task in pending if task in still]
         await asyncio.gather(*tasks, return_exceptions=True)  # all done: their outcomes read
         if self._log is not None:
             self._log.close()
@@ -305,7 +308,7 @@ class Engine:
     def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run `work` (a prefill, a transfer) as a task that `stop` cancels; a crash is logged."""
         task = asyncio.create_task(work)
-        self._tasks.add(task)
+        self._tasks[task] = None
         task.add_done_callback(self._finished)
         return task
 
@@ -459,7 +462,7 @@ class Engine:
             logger.error("handoff %s: %s: %s", handoff_id, self.engine_id, exc)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+        self._tasks.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             logger.error("%s: a task crashed", self.engine_id, exc_info=task.exception())
 

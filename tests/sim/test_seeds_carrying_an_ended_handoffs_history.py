@@ -18,8 +18,10 @@ This keeps runs that take that path (a catch-up takes the history an entry carri
 handoff its snapshot knows by its tombstone alone) and checks that each breaks no invariant, so
 that a change that moves a seed's trace away from it is seen rather than passing for nothing.
 The runs of seeds 3000 and 3003 no longer take the path under the tier since (how an owner
-meets a reconnect, among other changes); seeds 3, 28 and 67 of the default scenario take it
-under the current tier instead.
+meets a reconnect, among other changes); seed 3 of the default scenario, and seeds 6 and 13
+under a mix of kinds forced to make the path likely, take it under the current tier instead
+(seeds 28 and 67 did until the tier's rejection stream, created at start-up, changed every
+trace).
 """
 
 from __future__ import annotations
@@ -32,15 +34,15 @@ from kvhandoff.worker.log import store
 from kvhandoff.worker.log.rows import Batch
 from kvhandoff.worker.sim import world
 
-# The kinds seeds 3 and 67 drew before the disk faults came (worker.sim.faults: a kind added
-# later is forced off, so that the seed replays the run it was chosen for).
-DREW = {
-    3: ("election", "delay", "churn", "reset"),
-    67: ("pause", "node", "election", "engines", "reset"),
-}
+# The kinds seed 3 drew before the disk faults came (worker.sim.faults: a kind added later is
+# forced off, so that the seed replays the run it was chosen for); and a mix under which the
+# path comes up often: workers crashed, paused or reset claim partitions again from snapshots
+# while a slow network makes inputs late.
+MIX = ("crash", "pause", "delay", "reset")
+DREW = {3: ("election", "delay", "churn", "reset"), 6: MIX, 13: MIX}
 
 
-@pytest.mark.parametrize("seed", [3, 28, 67])
+@pytest.mark.parametrize("seed", [3, 6, 13])
 def test_a_run_breaks_no_invariant_where_a_catch_up_takes_an_ended_handoffs_history(
     seed: int,
 ) -> None:

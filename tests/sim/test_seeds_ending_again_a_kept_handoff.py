@@ -13,8 +13,9 @@ This keeps runs that take that path (a merge meets a row the file holds ended ot
 the snapshot's tombstone says) and checks that each breaks no invariant, so that a change that
 moves a seed's trace away from it is seen rather than passing for nothing. The runs of seeds
 2991 and 2993 no longer take the path under the tier since (how an owner meets a reconnect,
-among other changes); seed 250 of the default scenario, and seed 8 under a mix of kinds forced
-to make the path likely, take it under the current tier instead.
+among other changes); seeds 8 and 16 under a mix of kinds forced to make the path likely take
+it under the current tier instead (seed 250 of the default scenario did until the tier's
+rejection stream, created at start-up, changed every trace).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from kvhandoff.worker.sim import world
 
 # A mix of fault kinds, forced, under which the path came up more often in a search: workers
 # crashed, paused or reset lose and claim again partitions while a slow network makes
-# `Canceled` late (worker.sim.faults); seed 250 the kinds it drew before the disk faults came.
-FORCED = {8: ("crash", "pause", "delay", "reset"), 250: ("node", "delay", "engines", "reset")}
+# `Canceled` late (worker.sim.faults).
+MIX = ("crash", "pause", "delay", "reset")
 
 
-@pytest.mark.parametrize("seed", [8, 250])
+@pytest.mark.parametrize("seed", [8, 16])
 def test_a_run_breaks_no_invariant_where_a_snapshot_ends_a_kept_handoff_again(seed: int) -> None:
     ended_otherwise: set[str] = set()
     merge = store._merge
@@ -51,7 +52,7 @@ def test_a_run_breaks_no_invariant_where_a_snapshot_ends_a_kept_handoff_again(se
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(store, "_merge", merging)
-        outcome = world.simulate(world.Scenario(seed, fault_kinds=FORCED.get(seed)))
+        outcome = world.simulate(world.Scenario(seed, fault_kinds=MIX))
     assert outcome.violations == []
     assert ended_otherwise, (
         f"seed {seed} no longer merges a tombstone of a handoff a file holds ended otherwise:"

@@ -167,7 +167,7 @@ async def test_for_a_replaced_engine_an_active_handoff_fails_and_no_cleanup_is_a
     h = active.start.handoff_id
     assert recorder.published == [(Failed(h, LEASE_EXPIRED), answer_id(h, SOURCE, "a", "failed"))]
     tier.sent(cleaning, cancel)  # published to the live "b": not answered for
-    assert tier._tasks == set()
+    assert not tier._tasks
 
 
 async def test_when_both_engines_are_gone_the_source_is_answered_for_first() -> None:

@@ -297,8 +297,9 @@ class Publishing:
         if not stored:
             return
         done, pending = await asyncio.wait(stored, timeout=_BARRIER_TIMEOUT_S)
-        for ack in pending:
-            ack.cancel()  # given up on: swept from the acks awaited
+        for ack in stored:
+            if ack in pending:  # in the order published, not a set's (the futures' addresses')
+                ack.cancel()  # given up on: swept from the acks awaited
         failed = [ack for ack in done if ack.cancelled() or ack.exception() is not None]
         if pending or failed:
             raise BusError(

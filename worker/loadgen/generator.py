@@ -52,7 +52,7 @@ import logging
 import math
 import statistics
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from random import Random
 
@@ -338,7 +338,7 @@ class _LoadRun:
         self._rejections = 0
         self._began = 0.0
         self._last_end = 0.0
-        self._cancelers: set[asyncio.Task[None]] = set()
+        self._cancelers: dict[asyncio.Task[None], None] = {}  # in the order made, as a list
 
     async def run(self) -> LoadReport:
         # Its subscriptions are registered before the first StartHandoff goes out.
@@ -414,8 +414,8 @@ class _LoadRun:
             canceler = asyncio.create_task(
                 self._cancel_later(frontend, handoff_id, plan.cancel_after_s)
             )
-            self._cancelers.add(canceler)
-            canceler.add_done_callback(self._cancelers.discard)
+            self._cancelers[canceler] = None
+            canceler.add_done_callback(self._forget_canceler)
         try:
             complete = await frontend.wait(handoff_id, self._config.wait_timeout)
         except CompletionTimeout:
@@ -448,6 +448,9 @@ class _LoadRun:
             return
         await frontend.cancel(handoff_id)
         self._cancels_sent += 1
+
+    def _forget_canceler(self, canceler: asyncio.Task[None]) -> None:
+        self._cancelers.pop(canceler, None)
 
     def _on_complete(self, complete: Complete) -> None:
         self._handoffs[complete.handoff_id].arrivals.append((self._loop.time(), complete))
@@ -517,7 +520,9 @@ class _LoadRun:
         )
 
 
-async def _cancel_all(tasks: set[asyncio.Task[None]] | list[asyncio.Task[None]]) -> None:
+async def _cancel_all(tasks: Iterable[asyncio.Task[None]]) -> None:
+    """Cancel them in their order (never a set's, which is their addresses': the order of the
+    cancellations is the order of what the tasks do next), and wait for them."""
     pending = list(tasks)
     for task in pending:
         task.cancel()

@@ -116,7 +116,7 @@ class EngineLeases:
         self._gone: dict[str, str] = {}  # engine id -> last incarnation ("" if not known)
         self._listeners: list[Callable[[str, str], None]] = []
         self._subscription: Subscription | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], None] = {}  # a set in the order made: see `_answer`
         self.answers = Counter(
             "kvhandoff_lease_answers",
             "Inputs the tier gave for engines whose lease was gone: failed (a handoff ended by a "
@@ -276,8 +276,12 @@ class EngineLeases:
         if not answers:
             return
         task = asyncio.create_task(self._publish(handoff_id, engine, incarnation, answers))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # A dict, not a set: `close` cancels them in this order, not their addresses'.
+        self._tasks[task] = None
+        task.add_done_callback(self._forget_task)
+
+    def _forget_task(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
 
     async def _publish(
         self,

@@ -243,7 +243,9 @@ class Partition:
         # Local commits queued and not seen to end, in order, each with the handoffs its plan
         # took out of memory: those are not to be read from the file before it committed.
         self.committing: deque[tuple[asyncio.Future[Committed], frozenset[UUID]]] = deque()
-        self._resends: set[asyncio.Task[None]] = set()  # see `_publish_again`
+        # See `_publish_again`. A dict, not a set: they are cancelled in the order made, not in
+        # their addresses'.
+        self._resends: dict[asyncio.Task[None], None] = {}
         self._last_commit_failure: BaseException | None = None  # counted once per group
 
     @property
@@ -635,8 +637,11 @@ class Partition:
         if epoch is None or self.epoch != epoch or sent.barrier is not barrier:
             return  # released or claimed anew since, or published again
         resend = asyncio.create_task(self._publish_again(epoch, sent))
-        self._resends.add(resend)
-        resend.add_done_callback(self._resends.discard)
+        self._resends[resend] = None
+        resend.add_done_callback(self._forget_resend)
+
+    def _forget_resend(self, resend: asyncio.Task[None]) -> None:
+        self._resends.pop(resend, None)
 
     async def _publish_again(self, epoch: int, sent: _Sent) -> None:
         """The barrier behind `sent` failed: the server may never have read its actions. Publish
