@@ -16,10 +16,10 @@ from uuid import UUID
 import msgspec
 import pytest
 
-from kvhandoff.events.codec import encode
+from kvhandoff.events.codec import decode_action, encode
 from kvhandoff.events.leases import EngineLease
-from kvhandoff.events.messages import EngineType, StartHandoff, TimedOut
-from kvhandoff.events.records import InputRecord
+from kvhandoff.events.messages import Action, EngineType, StartHandoff, TimedOut
+from kvhandoff.events.records import ActionRecord, InputRecord
 from kvhandoff.worker.bus.pull import PullRequest
 from kvhandoff.worker.log.rows import Batch, HandoffRow, Tombstone
 from kvhandoff.worker.log.schema import HandoffState
@@ -588,6 +588,42 @@ def test_an_action_sent_to_another_engine_is_caught(run: _Run) -> None:
     found = checks.check_actions(history, checks.ReplicatedLog.read(history, NAMES), NAMES)
     assert len(found) == 1
     assert found[0].endswith(f"went to kvhandoff.engine.elsewhere.actions, not to {first.subject}")
+
+
+def test_an_outbox_mark_of_an_action_the_server_never_read_is_caught(run: _Run) -> None:
+    # The real run's marks are each of an action the server read before: as if a reset had
+    # swallowed the publish of one that an entry marks, that action's publishes are dropped.
+    log = checks.ReplicatedLog.read(run.history, NAMES)
+    assert checks.check_outbox_marks(run.history, log, NAMES) == []
+    marking, (handoff_id, mark, _) = next(
+        (entry, marked)
+        for entry in log.entries
+        if entry.rows is not None
+        for marked in entry.rows.published
+    )
+    swallowed = [
+        event.record.action
+        for seq, event in sorted(log.events[handoff_id].items())
+        if seq <= mark and isinstance(event.record, ActionRecord)
+    ][-1]
+    history = dataclasses.replace(
+        run.history,
+        published=[p for p in run.history.published if not _publishes(p, swallowed)],
+    )
+    found = checks.check_outbox_marks(history, checks.ReplicatedLog.read(history, NAMES), NAMES)
+    assert found == [
+        f"handoff {handoff_id}: {marking.where()} marks action {swallowed.action_id}"
+        f" ({type(swallowed).__name__}) published, though the server had not read it"
+    ]
+
+
+def _publishes(published: Published, action: Action) -> bool:
+    to = ("kvhandoff.engine.", "kvhandoff.done.")
+    return (
+        published.subject.startswith(to)
+        and bool(published.payload)  # not a probe of who listens
+        and decode_action(published.payload) == action
+    )
 
 
 def _copy(run: _Run, tmp_path: Path) -> Path:

@@ -4,7 +4,8 @@ For each plant that the simulation can expose today, seeds are run from `SEEDS`,
 until one run has violations; one of them must be of the kind that plant breaks, and
 the seeds it took are recorded. The table (plant, seeds to find, violation) and the median are
 printed, so CI's output shows them. The same seeds pass with no plant, so a violation is the
-plant's.
+plant's. A plant whose damage needs faults that a seed's own draw rarely brings together is
+hunted with them forced (`HUNTS`), as `kvhandoff sim --faults` forces them.
 """
 
 from __future__ import annotations
@@ -22,9 +23,24 @@ from tests.conftest import SUMMARY
 SEEDS = tuple(range(1, 31))  # the CI budget: a plant not found within these is a failure
 
 
-def _scenario(seed: int, plant: str | None = None) -> Scenario:
-    """Small, for speed: a run takes about two seconds."""
-    return Scenario(seed, duration_s=20.0, rate_per_s=2.0, plant=plant)
+@dataclass(frozen=True)
+class Hunt:
+    """The runs a plant is hunted with: small, for speed (a run takes about two seconds), each
+    seed drawing its own faults unless `kinds` forces some."""
+
+    kinds: tuple[str, ...] | None = None
+    rate_per_s: float = 2.0
+
+    def scenario(self, seed: int, plant: str | None = None) -> Scenario:
+        return Scenario(
+            seed, duration_s=20.0, rate_per_s=self.rate_per_s, fault_kinds=self.kinds, plant=plant
+        )
+
+
+# `no-outbox-barrier` breaks only a publish that a reset or a node's death swallowed, marked
+# published by a batch appended after the reconnect: a reset while a delay keeps much in
+# flight, and more load, make that likely; the draw of a seed brings them together rarely.
+HUNTS = {"no-outbox-barrier": Hunt(("reset", "delay", "node"), rate_per_s=4.0)}
 
 
 @dataclass(frozen=True)
@@ -59,9 +75,13 @@ EXPECTED: dict[str, Expect] = {
     "timer-fires-twice": Expect("published TimedOut again"),
     # "handoff h: worker-1 published TimedOut at t, n ms before its deadline by its own clock"
     "timer-fires-early": Expect("before its deadline"),
-    # A Complete (or a rejection) written to a connection that went dark and was reset, never
-    # published again: its frontend waits past the quiet phase.
-    "no-outbox-barrier": Expect("did not end within the quiet phase"),
+    # "handoff h: <entry> marks action n (Complete) published, though the server had not read
+    # it": written to a connection a reset or a node's death cut, and never published again
+    # (its frontend, or its engine, waits past the quiet phase, if the run shows it so).
+    "no-outbox-barrier": Expect(
+        "published, though the server had not read it",
+        or_else=("did not end within the quiet phase",),
+    ),
     # "handoff h: partition p: Snapshot at seq n of ... holds neither its row nor its
     # tombstone, though the log before it started the handoff m ms before"
     "snapshot-without-tombstones": Expect("holds neither its row nor its tombstone"),
@@ -87,8 +107,9 @@ class Found:
 
 def _hunt(plant: str) -> Found | None:
     """Run `SEEDS` in order with `plant` planted, through `Scenario.plant`, until one fails."""
+    hunt = HUNTS.get(plant, Hunt())
     for tried, seed in enumerate(SEEDS, start=1):
-        outcome = simulate(_scenario(seed, plant))
+        outcome = simulate(hunt.scenario(seed, plant))
         if outcome.violations:
             return Found(plant, tried, outcome.violations)
     return None
@@ -115,11 +136,17 @@ def test_plant_is_found(plant: str, campaign: dict[str, Found | None]) -> None:
 
 
 def test_the_same_seeds_pass_unplanted(campaign: dict[str, Found | None]) -> None:
-    """Every seed a plant was found at, and those before it, passes with no plant."""
-    used = max((found.seeds for found in campaign.values() if found is not None), default=1)
-    for seed in SEEDS[:used]:
-        outcome = simulate(_scenario(seed))
-        assert outcome.ok, f"seed {seed} fails with no plant: {outcome.violations[:3]}"
+    """Every seed a plant was found at, and those before it, passes with no plant, in the runs
+    that plant was hunted with."""
+    used: dict[Hunt, int] = {}
+    for plant, found in campaign.items():
+        if found is not None:
+            hunt = HUNTS.get(plant, Hunt())
+            used[hunt] = max(used.get(hunt, 0), found.seeds)
+    for hunt, seeds in used.items():
+        for seed in SEEDS[:seeds]:
+            outcome = simulate(hunt.scenario(seed))
+            assert outcome.ok, f"seed {seed} fails with no plant: {outcome.violations[:3]}"
 
 
 def test_seeds_to_find(

@@ -257,6 +257,7 @@ def check_run(
     violations += check_snapshots(log, tombstone_ttl_s)
     violations += check_acks(history, log, names)
     violations += check_actions(history, log, names)
+    violations += check_outbox_marks(history, log, names)
     if workdir is not None:
         violations += check_files(workdir, log)
     violations += check_timers(history, log, names)
@@ -469,6 +470,45 @@ def check_actions(history: History, log: ReplicatedLog, names: Names) -> list[st
             wanted = subjects.action(action, row.source, row.destination)
             if wanted != subject:
                 violations.append(f"{what} {by} went to {subject}, not to {wanted}")
+    return violations
+
+
+def check_outbox_marks(history: History, log: ReplicatedLog, names: Names) -> list[str]:
+    """Every outbox mark an entry carries is true when the entry is stored: the mark says that
+    every action of its handoff up to its seq was published, and the server had read each of
+    them (a publish a reset swallowed is not published, whatever the client was told)."""
+    engine_head, done_head = f"{names.prefix}.engine.", f"{names.prefix}.done."
+    read: dict[tuple[UUID, int], int] = {}  # (handoff, action id): when the server first read it
+    for published in history.published:
+        subject = published.subject
+        to_engine = subject.startswith(engine_head) and subject.endswith(".actions")
+        if not (to_engine or subject.startswith(done_head)) or not published.payload:
+            continue
+        try:
+            action = decode_action(published.payload)
+        except msgspec.DecodeError:
+            continue  # `check_actions` reports it
+        read.setdefault((action.handoff_id, action.action_id), published.index)
+    violations: list[str] = []
+    told: set[tuple[UUID, int]] = set()
+    for entry in log.entries:
+        if entry.rows is None:
+            continue
+        for handoff_id, mark, _ in entry.rows.published:
+            for seq, event in sorted(log.events.get(handoff_id, {}).items()):
+                if seq > mark:
+                    break
+                if not isinstance(event.record, ActionRecord):
+                    continue
+                action = event.record.action
+                at = read.get((handoff_id, action.action_id))
+                if (at is not None and at < entry.stored.index) or (handoff_id, seq) in told:
+                    continue
+                told.add((handoff_id, seq))
+                violations.append(
+                    f"handoff {handoff_id}: {entry.where()} marks action {action.action_id}"
+                    f" ({type(action).__name__}) published, though the server had not read it"
+                )
     return violations
 
 

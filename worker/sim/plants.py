@@ -338,7 +338,8 @@ _PLANTS: Sequence[Plant] = (
         bus_publish.Publishing,
         "confirm",
         _no_outbox_barrier,
-        "a NATS node loss while actions are published; liveness: a Complete never comes",
+        "a reset or a NATS node loss while actions are in flight: the outbox check (a mark of "
+        "an action the server never read), or a Complete that never comes",
     ),
     Plant(
         "snapshot-without-tombstones",
