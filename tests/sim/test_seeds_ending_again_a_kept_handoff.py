@@ -13,9 +13,10 @@ This keeps runs that take that path (a merge meets a row the file holds ended ot
 the snapshot's tombstone says) and checks that each breaks no invariant, so that a change that
 moves a seed's trace away from it is seen rather than passing for nothing. The runs of seeds
 2991 and 2993 no longer take the path under the tier since (how an owner meets a reconnect,
-among other changes); seeds 8 and 16 under a mix of kinds forced to make the path likely take
+among other changes); seeds 8 and 89 under a mix of kinds forced to make the path likely take
 it under the current tier instead (seed 250 of the default scenario did until the tier's
-rejection stream, created at start-up, changed every trace).
+rejection stream, created at start-up, changed every trace; seed 16 until a claim stopped
+publishing again the actions their engines had answered).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvhandoff.worker.sim import world
 MIX = ("crash", "pause", "delay", "reset")
 
 
-@pytest.mark.parametrize("seed", [8, 16])
+@pytest.mark.parametrize("seed", [8, 89])
 def test_a_run_breaks_no_invariant_where_a_snapshot_ends_a_kept_handoff_again(seed: int) -> None:
     ended_otherwise: set[str] = set()
     merge = store._merge

@@ -28,6 +28,7 @@ from kvhandoff.events.messages import (
     Action,
     ActionOutcome,
     Canceled,
+    Complete,
     EngineType,
     HandoffCompletion,
     Input,
@@ -131,6 +132,22 @@ class Handoff:
 
     def action_seqs(self) -> list[int]:
         return [e.seq for e in self.events if isinstance(e.record, ActionRecord)]
+
+    def backlog(self) -> list[UnpublishedAction]:
+        """What a claim publishes again of it: its actions not marked published that no
+        logged outcome answers (the Complete of a handoff that succeeded, say)."""
+        answered = {
+            e.record.input.action_id
+            for e in self.events
+            if isinstance(e.record, InputRecord) and isinstance(e.record.input, ActionOutcome)
+        }
+        return [
+            UnpublishedAction(self.row, e.seq, e.record)
+            for e in self.events
+            if isinstance(e.record, ActionRecord)
+            and e.published_at_ms is None
+            and e.record.action.action_id not in answered
+        ]
 
 
 def completed(at_ms: int, *, engine_type: EngineType = EngineType.VLLM) -> tuple[Handoff, Batch]:
@@ -370,16 +387,14 @@ async def test_unpublished_actions_are_the_outbox_backlog(log: EventLog) -> None
     await log.commit(merged(first, second))
 
     def backlog(*handoffs: Handoff) -> list[UnpublishedAction]:
-        expected = [
-            UnpublishedAction(h.row, e.seq, e.record)
-            for h in handoffs
-            for e in h.events
-            if isinstance(e.record, ActionRecord) and e.published_at_ms is None
-        ]
-        return expected  # in the order the handoffs were first logged, each in seq order
+        # In the order the handoffs were first logged, each in seq order.
+        return [unpublished for h in handoffs for unpublished in h.backlog()]
 
     assert await log.unpublished_actions() == backlog(done, waiting)
-    assert len(backlog(done, waiting)) == len(done.action_seqs()) + 1
+    # Of the handoff that succeeded, its Complete alone: its engines answered the rest, and a
+    # claim that published them again would have an engine that restarted since do them anew
+    # (seeds 590 and 622 of `kvhandoff sim`'s short runs: a reservation nothing released).
+    assert [type(u.record.action) for u in backlog(done, waiting)] == [Complete, SubmitPrefill]
 
     marks = Batch()
     for seq in done.action_seqs()[:3]:
@@ -406,7 +421,7 @@ async def test_a_snapshot_closes_the_outbox_of_what_the_file_holds_ended_alike(
     done, batch = completed(1_000)
     await log.commit(batch)
     assert done.row.completed_at_ms is not None
-    assert len(await log.unpublished_actions()) == len(done.action_seqs())
+    assert await log.unpublished_actions() == done.backlog() != []
     before = table(db, "SELECT state, completed_at_ms, updated_at_ms FROM handoffs")
     state = LiveState()
     state.tombstones.append(
@@ -572,7 +587,7 @@ async def test_a_catch_up_takes_the_history_an_entry_carries_of_a_handoff_that_e
             decode_rows(encode_entry(rows), "the test's entry").add_to(batch)
         return batch
 
-    cleanup_seqs = [s for s in handoff.action_seqs() if s > handoff.published_seq]
+    cleanup_seqs = [u.seq for u in handoff.backlog() if u.seq > handoff.published_seq]
     assert cleanup_seqs
     for path in (db, tmp_path / "empty.db"):
         file = log if path == db else await EventLog.open(path)
@@ -722,7 +737,7 @@ async def test_reopening_keeps_everything_in_wal_mode(
             waiting.id: (waiting.row, waiting.events),
         }
         assert set(readable(await reopened.open_handoffs())) == {waiting.id}
-        assert len(await reopened.unpublished_actions()) == len(done.action_seqs())
+        assert await reopened.unpublished_actions() == done.backlog() + waiting.backlog()
     finally:
         await reopened.close()
 
@@ -1045,13 +1060,12 @@ async def test_a_migrated_log_marks_published_up_to_the_first_action_that_was_no
         handoff,
     )
     log = await EventLog.open(layout_1, migrate=True)
-    try:
-        backlog = await log.unpublished_actions()
-    finally:
-        await log.close()
+    await log.close()
 
-    actions = [(str(u.row.handoff_id), u.seq) for u in backlog if isinstance(u, UnpublishedAction)]
-    assert actions == [(handoff, 4), (handoff, 7)] and len(backlog) == len(actions)
+    # Everything before seq 4 is marked published. (Its engines answered all three actions,
+    # so no claim publishes them again, whatever the mark: `unpublished_actions`.)
+    marked = "SELECT published_seq FROM handoffs WHERE handoff_id = ?"
+    assert table(layout_1, marked, handoff) == [(3,)]
 
 
 async def test_a_record_that_does_not_decode_is_kept_whole_and_its_handoff_quarantined(

@@ -45,7 +45,7 @@ from __future__ import annotations
 import enum
 from typing import get_args
 
-from kvhandoff.events.messages import Action, Input
+from kvhandoff.events.messages import Action, ActionOutcome, Input
 from kvhandoff.events.records import TYPE_CODES
 
 LAYOUT_VERSION = "2"
@@ -72,6 +72,7 @@ def _codes(union: object) -> tuple[int, ...]:
 
 INPUT_TYPES = _codes(Input)
 ACTION_TYPES = _codes(Action)
+OUTCOME_TYPE = TYPE_CODES[str(ActionOutcome.__struct_config__.tag)]
 #: The rows of `record_types`: (type, tag, kind).
 RECORD_TYPES = [
     (code, tag, "input" if code in INPUT_TYPES else "action") for tag, code in TYPE_CODES.items()
