@@ -207,10 +207,7 @@ class Connection:
         """The last `Complete` that the completion stream keeps for the handoff, or None (not
         completed, completed longer ago than the stream keeps, or no stream yet)."""
         subject = self.subjects.done(handoff_id)
-        try:
-            data = await last_message(self._bus, stream, subject)
-        except BusError as exc:
-            _translated(exc, f"reading the completion of handoff {handoff_id}")
+        data = await self._last_kept(stream, subject, f"the completion of handoff {handoff_id}")
         if data is None:
             return None
         try:
@@ -225,10 +222,7 @@ class Connection:
         rejected, rejected longer ago than the stream keeps, or no stream yet: a tier of an
         earlier version)."""
         subject = self.subjects.rejected(handoff_id)
-        try:
-            data = await last_message(self._bus, stream, subject)
-        except BusError as exc:
-            _translated(exc, f"reading the rejections of handoff {handoff_id}")
+        data = await self._last_kept(stream, subject, f"the rejections of handoff {handoff_id}")
         if data is None:
             return None
         try:
@@ -236,6 +230,13 @@ class Connection:
         except msgspec.DecodeError as exc:
             logger.warning("handoff %s: undecodable rejection in %s: %s", handoff_id, stream, exc)
             return None
+
+    async def _last_kept(self, stream: str, subject: str, what: str) -> bytes | None:
+        """The last message `stream` keeps on `subject` (`what` it is), or None."""
+        try:
+            return await last_message(self._bus, stream, subject)
+        except BusError as exc:
+            _translated(exc, f"reading {what}")
 
     async def engine_listening(self, engine_id: str, *, wait_s: float = 1.0) -> bool:
         """Whether an engine client listens to `engine_id`'s actions: it answers a request with

@@ -69,7 +69,7 @@ import contextlib
 import itertools
 import sqlite3
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from uuid import UUID
@@ -442,12 +442,8 @@ def check_actions(history: History, log: ReplicatedLog, names: Names) -> list[st
             if isinstance(event.record, ActionRecord):
                 issued = event.record.action
                 logged.setdefault((issued.handoff_id, issued.action_id), event)
-    engine_head, done_head = f"{names.prefix}.engine.", f"{names.prefix}.done."
-    for published in history.published:
+    for published in _action_publishes(history, names):
         subject = published.subject
-        to_engine = subject.startswith(engine_head) and subject.endswith(".actions")
-        if not (to_engine or subject.startswith(done_head)) or not published.payload:
-            continue  # not an action's subject, or a probe of who listens (no payload)
         by = f"published by {published.publisher or 'an unknown process'} at {published.at:.3f}s"
         try:
             action: Action = decode_action(published.payload)
@@ -473,17 +469,23 @@ def check_actions(history: History, log: ReplicatedLog, names: Names) -> list[st
     return violations
 
 
+def _action_publishes(history: History, names: Names) -> Iterator[Published]:
+    """The publishes, as the server read them, on an action's subject (an engine's, or a
+    handoff's completion), but a probe of who listens (no payload)."""
+    engine_head, done_head = f"{names.prefix}.engine.", f"{names.prefix}.done."
+    for published in history.published:
+        subject = published.subject
+        to_engine = subject.startswith(engine_head) and subject.endswith(".actions")
+        if (to_engine or subject.startswith(done_head)) and published.payload:
+            yield published
+
+
 def check_outbox_marks(history: History, log: ReplicatedLog, names: Names) -> list[str]:
     """Every outbox mark an entry carries is true when the entry is stored: the mark says that
     every action of its handoff up to its seq was published, and the server had read each of
     them (a publish a reset swallowed is not published, whatever the client was told)."""
-    engine_head, done_head = f"{names.prefix}.engine.", f"{names.prefix}.done."
     read: dict[tuple[UUID, int], int] = {}  # (handoff, action id): when the server first read it
-    for published in history.published:
-        subject = published.subject
-        to_engine = subject.startswith(engine_head) and subject.endswith(".actions")
-        if not (to_engine or subject.startswith(done_head)) or not published.payload:
-            continue
+    for published in _action_publishes(history, names):
         try:
             action = decode_action(published.payload)
         except msgspec.DecodeError:
